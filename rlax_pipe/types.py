@@ -1,0 +1,102 @@
+"""Typed messages exchanged between pipeline stages (see DESIGN.md, "Contracts").
+
+Letter legend used across the package: B batch, T time (tokens), L sequence length, V vocab,
+H query heads, K kv heads, D head dim, E embed, F mlp hidden, P pages, S page size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["eos", "length", "aborted"]
+FINISH_REASONS: tuple[str, ...] = ("eos", "length", "aborted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """One finished sample, host side (numpy).
+
+  Attributes:
+    sample_id: unique id of this sample within a run.
+    group_id: id of the prompt group this sample belongs to (GRPO group).
+    prompt_tokens: int32[P] prompt token ids (BOS included when the tokenizer adds one).
+    completion_tokens: int32[T] generated token ids (EOS included when generation stopped on it).
+    behavior_logprobs: float32[T] log mu(a_t | s_t) under the distribution actually sampled from
+      (after temperature / top-k / top-p processing, renormalised, fp32).
+    policy_versions: int32[T] version of the weights that produced token t, stamped at decode time.
+    finish_reason: one of "eos", "length", "aborted".
+    reward: scalar reward given by the task's verifier (0.0 until graded).
+    t_admit: wall or virtual clock time (seconds) when the request was admitted into a slot.
+    t_first_token: time (seconds) when the first completion token was produced.
+    t_finish: time (seconds) when the sample finished.
+    num_preemptions: how many times the sample lost its KV pages and was re-queued.
+    prompt_index: index of the task prompt (for bookkeeping and resume).
+  """
+
+  sample_id: int
+  group_id: int
+  prompt_tokens: np.ndarray
+  completion_tokens: np.ndarray
+  behavior_logprobs: np.ndarray
+  policy_versions: np.ndarray
+  finish_reason: str
+  reward: float = 0.0
+  t_admit: float = 0.0
+  t_first_token: float = 0.0
+  t_finish: float = 0.0
+  num_preemptions: int = 0
+  prompt_index: int = -1
+
+  def __post_init__(self):
+    t = self.completion_tokens.shape
+    if self.behavior_logprobs.shape != t or self.policy_versions.shape != t:
+      raise ValueError(
+          "Rollout arrays disagree in length: completion_tokens "
+          f"{t}, behavior_logprobs {self.behavior_logprobs.shape}, policy_versions "
+          f"{self.policy_versions.shape}; all three must be [T].")
+    if self.finish_reason not in FINISH_REASONS:
+      raise ValueError(
+          f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}.")
+
+  @property
+  def num_completion_tokens(self) -> int:
+    return int(self.completion_tokens.shape[0])
+
+  def oldest_version(self) -> int:
+    """Smallest policy version among the completion tokens (or a large number if empty)."""
+    if self.policy_versions.size == 0:
+      return np.iinfo(np.int32).max
+    return int(self.policy_versions.min())
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+  """A fixed-shape learner batch (numpy on host, or jax.Array once placed on the learner mesh).
+
+  All arrays are [B, L]. Packed rows hold several samples, told apart by `segment_ids`
+  (0 marks padding; samples are numbered 1, 2, ... within a row).
+
+  Attributes:
+    tokens: int32[B, L] input token ids (prompt + completion).
+    positions: int32[B, L] position of each token within its own sample (restarts at 0).
+    segment_ids: int32[B, L] sample id within the row; 0 = padding.
+    loss_mask: float32[B, L] 1.0 at completion tokens (the tokens the policy generated).
+    behavior_logprobs: float32[B, L] log mu(tokens[b, t]) (0 where loss_mask is 0).
+    policy_versions: int32[B, L] version that produced tokens[b, t] (0 where loss_mask is 0).
+    advantages: float32[B, L] per-token advantage (sample advantage broadcast over its tokens).
+
+  Alignment: every per-token array is aligned with `tokens`, so the learner scores token t with
+  the logits at position t - 1 of the same segment (a completion token is never first in its
+  segment, because prompts are non-empty).
+  """
+
+  tokens: np.ndarray
+  positions: np.ndarray
+  segment_ids: np.ndarray
+  loss_mask: np.ndarray
+  behavior_logprobs: np.ndarray
+  policy_versions: np.ndarray
+  advantages: np.ndarray
