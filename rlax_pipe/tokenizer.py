@@ -1,0 +1,271 @@
+"""SentencePiece tokenizer: a thin wrapper that loads any `tokenizer.model`, and its trainer.
+
+The tokenizer shipped in `rlax_pipe/assets/tokenizer.model` (see `default_tokenizer`) was trained by
+`experiments/train_tokenizer.py` on text of the built-in arithmetic task. It is a character-level
+SentencePiece model with these properties (all set by `train_tokenizer`):
+
+- ids 0..3 are `<pad>`, `<unk>`, `<s>` (BOS), `</s>` (EOS); id 4 is the user-defined piece "\\n",
+  so a newline is one token and is never normalized away;
+- identity normalization, no dummy prefix, no whitespace collapsing: `decode(encode(s)) == s`
+  exactly for every string `s` (runs of spaces, tabs, "\\r\\n", leading/trailing spaces);
+- digits are split into single tokens (`split_digits`), which the arithmetic traces rely on;
+- byte fallback: a character outside the training alphabet (letters, "é", "∑", emoji, ...) is
+  spelled as its UTF-8 bytes, one byte piece each, so nothing ever maps to `<unk>`.
+
+Byte fallback costs 256 pieces: the shipped vocabulary is 5 special pieces + 256 byte pieces + the
+17 characters of the arithmetic alphabet = 278 ids. With tied embeddings at d_model 128 the byte rows
+are 33k parameters, negligible next to the tiny model, and every ASCII character still costs exactly
+one token, so a bigger character inventory would not shorten any sequence.
+
+SentencePiece itself maps the space character to the meta symbol "▁" (U+2581), so a literal "▁" in
+the input would decode as a space. `Tokenizer` spells a literal "▁" with its byte pieces instead,
+which keeps the round trip exact; this needs a model with byte pieces.
+
+Reference: Kudo & Richardson, "SentencePiece: A simple and language independent subword tokenizer
+and detokenizer for Neural Text Processing", EMNLP 2018 (demo track).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+import importlib.resources
+import os
+import pathlib
+
+import numpy as np
+import sentencepiece as spm
+
+# The meta symbol SentencePiece uses for a space inside its pieces.
+_META_SPACE = "\u2581"
+
+# Special ids of every tokenizer trained by `train_tokenizer`.
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+NEWLINE_PIECE = "\n"
+
+
+class Tokenizer:
+  """A SentencePiece model with BOS / EOS / PAD handling and exact round trips.
+
+  Attributes (read-only properties):
+    vocab_size: number of ids; every id produced by `encode` is in [0, vocab_size).
+    bos_id: id of the beginning-of-sequence token, or -1 when the model has none.
+    eos_id: id of the end-of-sequence token (always >= 0; generation stops on it).
+    pad_id: id used to pad batches. The model's own `<pad>` when it has one, else `pad_id` given
+      to the constructor, else the unk id (padding is masked, so any valid id works).
+
+  Example:
+    >>> tok = default_tokenizer()
+    >>> ids = tok.encode("Q: 3+5\\n", add_bos=True)
+    >>> tok.decode(ids + [tok.eos_id, 7, 7])   # BOS skipped, stops at EOS
+    'Q: 3+5\\n'
+  """
+
+  def __init__(self, model_path: str | os.PathLike[str], *, pad_id: int | None = None):
+    """Loads a SentencePiece model file.
+
+    Args:
+      model_path: path of a `*.model` file written by SentencePiece (ours or anyone's).
+      pad_id: padding id to use when the model defines no `<pad>` piece; ignored otherwise.
+
+    Raises:
+      FileNotFoundError: when `model_path` does not exist.
+      ValueError: when the file is not a SentencePiece model, the model has no EOS piece, or
+        `pad_id` is out of range.
+    """
+    path = pathlib.Path(model_path)
+    if not path.is_file():
+      raise FileNotFoundError(f"Tokenizer model not found: {path}")
+    self._path = path
+    self._sp = spm.SentencePieceProcessor()
+    try:
+      self._sp.load(str(path))
+    except (OSError, RuntimeError) as e:
+      raise ValueError(f"{path} is not a SentencePiece model: {e}") from e
+    self._vocab_size = int(self._sp.get_piece_size())
+    if self._sp.eos_id() < 0:
+      raise ValueError(f"{path} defines no EOS piece; generation needs one to stop.")
+    if self._sp.pad_id() >= 0:
+      self._pad_id = int(self._sp.pad_id())
+    elif pad_id is not None:
+      if not 0 <= pad_id < self._vocab_size:
+        raise ValueError(f"pad_id={pad_id} is outside [0, {self._vocab_size}).")
+      self._pad_id = int(pad_id)
+    else:
+      self._pad_id = int(self._sp.unk_id())
+    meta_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _META_SPACE.encode("utf-8")]
+    has_bytes = all(self._sp.is_byte(i) for i in meta_bytes)
+    self._meta_space_ids = meta_bytes if has_bytes else None
+
+  @property
+  def path(self) -> pathlib.Path:
+    """The model file this tokenizer was loaded from."""
+    return self._path
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids (int)."""
+    return self._vocab_size
+
+  @property
+  def bos_id(self) -> int:
+    """Beginning-of-sequence id (int), -1 when the model has none."""
+    return int(self._sp.bos_id())
+
+  @property
+  def eos_id(self) -> int:
+    """End-of-sequence id (int)."""
+    return int(self._sp.eos_id())
+
+  @property
+  def pad_id(self) -> int:
+    """Padding id (int); see the class docstring for the rule when the model has no `<pad>`."""
+    return self._pad_id
+
+  def id_to_piece(self, token_id: int) -> str:
+    """The SentencePiece piece of one id, e.g. "<0xC3>" or "7"; raises ValueError if out of range."""
+    self._check_ids([token_id])
+    return self._sp.id_to_piece(int(token_id))
+
+  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Encodes one string.
+
+    Args:
+      text: any Python string (lone surrogates, which are not valid Unicode text, excepted).
+      add_bos: prepend `bos_id`.
+      add_eos: append `eos_id`.
+
+    Returns:
+      list[int] of ids in [0, vocab_size); `decode` of it gives `text` back exactly for models
+      trained by `train_tokenizer`.
+
+    Raises:
+      TypeError: when `text` is not a str.
+      ValueError: when `add_bos` is set and the model has no BOS piece.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"Tokenizer.encode expects str, got {type(text).__name__}.")
+    ids: list[int] = []
+    if add_bos:
+      if self.bos_id < 0:
+        raise ValueError(f"{self._path} defines no BOS piece; call encode with add_bos=False.")
+      ids.append(self.bos_id)
+    if self._meta_space_ids is None or _META_SPACE not in text:
+      ids.extend(self._sp.encode(text))
+    else:
+      for k, segment in enumerate(text.split(_META_SPACE)):
+        if k:
+          ids.extend(self._meta_space_ids)
+        ids.extend(self._sp.encode(segment))
+    if add_eos:
+      ids.append(self.eos_id)
+    return ids
+
+  def decode(self, ids: Sequence[int] | np.ndarray, *, stop_at_eos: bool = True) -> str:
+    """Decodes one id sequence.
+
+    BOS and PAD ids are skipped wherever they occur. With `stop_at_eos`, decoding stops at the first
+    EOS (exclusive), so a padded or over-generated row decodes to its text only. Byte pieces that do
+    not form valid UTF-8 (possible in model samples) decode to U+FFFD.
+
+    Args:
+      ids: int sequence or 1-D integer array [T].
+      stop_at_eos: stop at the first `eos_id`; otherwise EOS ids are skipped like BOS and PAD.
+
+    Returns:
+      The decoded string.
+
+    Raises:
+      ValueError: when an id is outside [0, vocab_size) or `ids` is not 1-D.
+    """
+    ids = self._as_id_list(ids)
+    if stop_at_eos and self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    skip = {self.bos_id, self.pad_id, self.eos_id}
+    return self._sp.decode([i for i in ids if i not in skip])
+
+  def encode_batch(self, texts: Iterable[str], *, add_bos: bool = False,
+                   add_eos: bool = False) -> list[list[int]]:
+    """`encode` applied to each string; returns one list[int] per string (ragged, unpadded)."""
+    return [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
+
+  def decode_batch(self, batch: Iterable[Sequence[int]] | np.ndarray, *,
+                   stop_at_eos: bool = True) -> list[str]:
+    """`decode` applied to each row of a ragged list or of an int array [B, T] (e.g. padded)."""
+    return [self.decode(row, stop_at_eos=stop_at_eos) for row in batch]
+
+  def _as_id_list(self, ids: Sequence[int] | np.ndarray) -> list[int]:
+    if isinstance(ids, np.ndarray):
+      if ids.ndim != 1:
+        raise ValueError(f"decode expects a 1-D id array, got shape {ids.shape}.")
+      ids = ids.tolist()
+    ids = [int(i) for i in ids]
+    self._check_ids(ids)
+    return ids
+
+  def _check_ids(self, ids: Sequence[int]) -> None:
+    bad = [i for i in ids if not 0 <= i < self._vocab_size]
+    if bad:
+      raise ValueError(f"Token ids {bad[:5]} are outside [0, {self._vocab_size}) for {self._path}.")
+
+
+def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike[str], *,
+                    vocab_size: int = 512, model_type: str = "char") -> Tokenizer:
+  """Trains a SentencePiece model with exact round trips and loads it.
+
+  Options (see the module docstring for why): pad/unk/bos/eos = 0/1/2/3, "\\n" as a user-defined
+  piece (id 4), identity normalization, no dummy prefix, no whitespace collapsing, split digits,
+  byte fallback, full character coverage. Newlines inside `texts` are fine: each text is split
+  into lines for training, because the newline is a piece of its own.
+
+  Args:
+    texts: training strings (e.g. task prompts + reference completions).
+    model_prefix: writes `<model_prefix>.model` and `<model_prefix>.vocab`; parent dirs must exist.
+    vocab_size: upper bound on the number of pieces (>= 262 = 5 specials + 256 bytes + 1). For
+      `model_type="char"` the size is 261 + the number of distinct characters, capped here.
+    model_type: "char", "bpe" or "unigram" (SentencePiece model types).
+
+  Returns:
+    The trained `Tokenizer`.
+
+  Raises:
+    ValueError: on a bad `vocab_size` or `model_type`, or when `texts` holds no characters.
+  """
+  if model_type not in ("char", "bpe", "unigram"):
+    raise ValueError(f"model_type={model_type!r}; choose one of 'char', 'bpe', 'unigram'.")
+  if vocab_size < 262:
+    raise ValueError(f"vocab_size={vocab_size} < 262 (5 specials + 256 byte pieces + 1).")
+  lines = [line for text in texts for line in text.split("\n") if line]
+  if not lines:
+    raise ValueError("train_tokenizer got no non-empty text.")
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines),
+      model_prefix=str(model_prefix),
+      model_type=model_type,
+      vocab_size=vocab_size,
+      hard_vocab_limit=False,
+      character_coverage=1.0,
+      split_digits=True,
+      byte_fallback=True,
+      normalization_rule_name="identity",
+      remove_extra_whitespaces=False,
+      add_dummy_prefix=False,
+      user_defined_symbols=[NEWLINE_PIECE],
+      pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+      max_sentence_length=1 << 16,
+      num_threads=1,
+      minloglevel=2,
+  )
+  return Tokenizer(f"{model_prefix}.model")
+
+
+def default_tokenizer_path() -> pathlib.Path:
+  """Path of the tokenizer model shipped in `rlax_pipe/assets/tokenizer.model`."""
+  return pathlib.Path(str(importlib.resources.files("rlax_pipe") / "assets" / "tokenizer.model"))
+
+
+def default_tokenizer() -> Tokenizer:
+  """Loads the shipped character-level tokenizer (278 ids; pad 0, unk 1, BOS 2, EOS 3, "\\n" 4)."""
+  return Tokenizer(default_tokenizer_path())
