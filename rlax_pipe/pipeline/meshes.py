@@ -1,0 +1,283 @@
+"""Device split, learner / sampler meshes, and logical-axis -> mesh-axis sharding rules.
+
+Model and cache code name *logical* axes only (``embed``, ``mlp``, ``heads`` ...). One small rules
+table per mesh maps each logical axis to an ordered tuple of mesh axes; `logical_to_sharding`
+turns a tree of logical-axis tuples into `NamedSharding`s for a given mesh (MaxText-style logical
+axis rules, kept small).
+
+Meshes are always built with explicit ``AxisType.Auto`` axis types: `jax.make_mesh` defaults to
+``Explicit``, which rejects Megatron-style matmuls that contract over a sharded dimension
+(jax-notes §1).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import types
+from typing import Any, Mapping, Sequence
+
+from absl import logging
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+import numpy as np
+
+# Logical axis name -> ordered mesh axes it may be split over (first = major). An empty tuple
+# means "always replicated". Mesh axes missing from a given mesh are skipped.
+Rules = Mapping[str, tuple[str, ...]]
+
+LOGICAL_AXES: tuple[str, ...] = (
+    "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers",
+    "pages", "page_size")
+
+# FSDP x tensor parallel (Megatron): weights split over fsdp on the embed dim and over tp on the
+# head / mlp / vocab dims; activations split over (data, fsdp) on the batch dim.
+LEARNER_RULES: Rules = types.MappingProxyType({
+    "batch": ("data", "fsdp"),
+    "length": (),
+    "embed": ("fsdp",),
+    "mlp": ("tp",),
+    "heads": ("tp",),
+    "kv_heads": ("tp",),
+    "head_dim": (),
+    "vocab": ("tp",),
+    "layers": (),
+    "pages": (),
+    "page_size": (),
+})
+
+# Data-parallel replicas x tensor parallel: weights replicated over data and split over tp; each
+# data replica owns its own slots (batch) and its own KV page pool (pages).
+SAMPLER_RULES: Rules = types.MappingProxyType({
+    "batch": ("data",),
+    "length": (),
+    "embed": (),
+    "mlp": ("tp",),
+    "heads": ("tp",),
+    "kv_heads": ("tp",),
+    "head_dim": (),
+    "vocab": ("tp",),
+    "layers": (),
+    "pages": ("data",),
+    "page_size": (),
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSplit:
+  """Which devices each role uses.
+
+  Attributes:
+    learner: devices of the learner mesh, in order.
+    sampler: devices of the sampler mesh, in order.
+    shared: True when both roles run on the very same single device.
+  """
+
+  learner: tuple[Any, ...]
+  sampler: tuple[Any, ...]
+  shared: bool
+
+
+def _describe_devices(devices: Sequence[Any]) -> str:
+  kinds = collections.Counter(
+      f"{getattr(d, 'platform', '?')}:{getattr(d, 'device_kind', '?')}" for d in devices)
+  kinds_str = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
+  return f"{len(devices)} device(s) found ({kinds_str or 'none'})"
+
+
+def split_devices(devices: Sequence[Any], num_sampler: int, num_learner: int) -> DeviceSplit:
+  """Splits a device list into disjoint learner and sampler device sets.
+
+  The learner takes the first `num_learner` devices and the sampler the next `num_sampler`
+  (so with 8 devices and 4 + 4, the learner gets devices 0-3 and the sampler 4-7). Extra devices
+  are left unused (and logged). With exactly one device and `num_sampler == num_learner == 1`,
+  both roles share it; a log line says so.
+
+  Args:
+    devices: available devices, e.g. `jax.devices()`.
+    num_sampler: number of sampler devices (>= 1).
+    num_learner: number of learner devices (>= 1).
+
+  Returns:
+    A `DeviceSplit`.
+
+  Raises:
+    ValueError: if a count is < 1, or the split needs more devices than exist; the message lists
+      how many devices were found and of which kinds.
+  """
+  devices = tuple(devices)
+  if num_sampler < 1 or num_learner < 1:
+    raise ValueError(
+        f"split_devices: num_sampler={num_sampler} and num_learner={num_learner} must both be "
+        f">= 1; {_describe_devices(devices)}.")
+  if len(devices) == 1 and num_sampler == 1 and num_learner == 1:
+    logging.info(
+        "split_devices: one device only (%s); learner and sampler share it.", devices[0])
+    return DeviceSplit(learner=devices, sampler=devices, shared=True)
+  needed = num_sampler + num_learner
+  if needed > len(devices):
+    hint = (" With a single device use num_sampler=1, num_learner=1 (both roles share it)."
+            if len(devices) == 1 else "")
+    raise ValueError(
+        f"split_devices: cannot place {num_learner} learner + {num_sampler} sampler devices "
+        f"({needed} in all) on {_describe_devices(devices)}.{hint}")
+  if needed < len(devices):
+    logging.info("split_devices: %d of %d devices left unused.", len(devices) - needed,
+                 len(devices))
+  return DeviceSplit(learner=devices[:num_learner],
+                     sampler=devices[num_learner:needed], shared=False)
+
+
+def make_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
+  """Builds a mesh with ``AxisType.Auto`` axes over exactly `devices`.
+
+  Args:
+    devices: the devices of this mesh; their number must equal the product of the axis sizes.
+    axes: ordered mapping axis name -> size, e.g. ``{"fsdp": 2, "tp": 2}`` (major axis first).
+
+  Returns:
+    A `jax.sharding.Mesh` whose axis types are all ``AxisType.Auto``.
+
+  Raises:
+    ValueError: if `axes` is empty, a size is < 1, or the product differs from the device count.
+  """
+  devices = tuple(devices)
+  if not axes:
+    raise ValueError("make_mesh: give at least one axis, e.g. {'tp': len(devices)}.")
+  names, sizes = tuple(axes.keys()), tuple(int(s) for s in axes.values())
+  if any(s < 1 for s in sizes):
+    raise ValueError(f"make_mesh: axis sizes must be >= 1, got {dict(axes)}.")
+  if math.prod(sizes) != len(devices):
+    raise ValueError(
+        f"make_mesh: mesh {dict(axes)} needs {math.prod(sizes)} devices but was given "
+        f"{_describe_devices(devices)}.")
+  axis_types = (AxisType.Auto,) * len(names)
+  try:  # topology-aware device order on TPU / GPU
+    return jax.make_mesh(sizes, names, axis_types=axis_types, devices=devices)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    logging.info("make_mesh: jax.make_mesh failed (%s); using the given device order.", e)
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), names, axis_types=axis_types)
+
+
+def make_learner_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
+  """Learner mesh, axes among ``data``, ``fsdp``, ``tp`` (e.g. ``{"fsdp": 2, "tp": 2}``).
+
+  Raises:
+    ValueError: on an axis name `LEARNER_RULES` does not use, or a size/device mismatch.
+  """
+  _check_axis_names(axes, LEARNER_RULES, "learner")
+  return make_mesh(devices, axes)
+
+
+def make_sampler_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
+  """Sampler mesh, axes among ``data``, ``tp`` (e.g. ``{"data": 2, "tp": 2}``).
+
+  Raises:
+    ValueError: on an axis name `SAMPLER_RULES` does not use, or a size/device mismatch.
+  """
+  _check_axis_names(axes, SAMPLER_RULES, "sampler")
+  return make_mesh(devices, axes)
+
+
+def _check_axis_names(axes: Mapping[str, int], rules: Rules, role: str):
+  known = sorted({a for mesh_axes in rules.values() for a in mesh_axes})
+  unknown = [a for a in axes if a not in known]
+  if unknown:
+    raise ValueError(
+        f"{role} mesh axes {unknown} are not used by the {role} rules; choose among {known}.")
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None,
+                    mesh: Mesh, rules: Rules) -> PartitionSpec:
+  """Maps one array's logical axes to a `PartitionSpec` on `mesh`.
+
+  Dimension i is split over the mesh axes `rules[logical_axes[i]]` that (a) exist in `mesh`,
+  (b) are not already used by an earlier dimension (a mesh axis can split only one dim), and
+  (c) divide the dimension evenly: the longest prefix of the remaining rule axes whose size
+  product divides `shape[i]` is used, so a dim that does not divide evenly is replicated
+  (e.g. 3 kv heads on a 2-way tp mesh stay whole on every device). A logical name of None
+  means replicated.
+
+  Args:
+    logical_axes: one logical name (or None) per array dimension.
+    shape: the array shape, same length; None skips the divisibility check (c).
+    mesh: target mesh.
+    rules: logical name -> ordered mesh axes, e.g. `LEARNER_RULES`.
+
+  Returns:
+    A `PartitionSpec` with one entry per dimension (None, a mesh axis name, or a tuple of names).
+
+  Raises:
+    ValueError: on an unknown logical name or a rank mismatch between `logical_axes` and `shape`.
+  """
+  if shape is not None and len(shape) != len(logical_axes):
+    raise ValueError(
+        f"logical axes {tuple(logical_axes)} have rank {len(logical_axes)} but the array shape "
+        f"{tuple(shape)} has rank {len(shape)}.")
+  used: set[str] = set()
+  entries = []
+  for i, name in enumerate(logical_axes):
+    if name is None:
+      entries.append(None)
+      continue
+    if name not in rules:
+      raise ValueError(
+          f"unknown logical axis {name!r}; the rules table knows {sorted(rules)}.")
+    candidates = [a for a in rules[name] if a in mesh.shape and a not in used]
+    chosen: list[str] = []
+    product = 1
+    for a in candidates:
+      if shape is not None and shape[i] % (product * mesh.shape[a]):
+        break
+      chosen.append(a)
+      product *= mesh.shape[a]
+    used.update(chosen)
+    entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return PartitionSpec(*entries)
+
+
+def _is_axes_leaf(x: Any) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def logical_to_sharding(axes_tree: Any, mesh: Mesh, rules: Rules, shapes: Any = None) -> Any:
+  """Turns a tree of logical-axis tuples into a tree of `NamedSharding`s on `mesh`.
+
+  Args:
+    axes_tree: pytree whose leaves are tuples of logical names (or None), one per dimension,
+      e.g. ``{"wq": ("layers", "embed", "heads", "head_dim")}``; ``()`` for scalars.
+    mesh: the learner or sampler mesh.
+    rules: the rules table of that mesh (`LEARNER_RULES`, `SAMPLER_RULES`, or your own).
+    shapes: optional pytree of the same structure whose leaves have `.shape` (arrays,
+      `jax.ShapeDtypeStruct` from `jax.eval_shape`) or are shape tuples. When given, a dim is
+      split only if it divides evenly (see `logical_to_spec`); strongly recommended.
+
+  Returns:
+    A pytree of the same structure with a `NamedSharding` per leaf.
+
+  Raises:
+    ValueError: on an unknown logical name, a rank mismatch, or trees of different structure
+      (the message names the offending leaf path).
+  """
+  axes_leaves, treedef = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=_is_axes_leaf)
+  if shapes is None:
+    shape_leaves = [None] * len(axes_leaves)
+  else:
+    try:
+      shape_leaves = treedef.flatten_up_to(shapes)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"logical_to_sharding: `shapes` does not match `axes_tree`: {e}") from None
+  out = []
+  for (path, axes), shp in zip(axes_leaves, shape_leaves):
+    if not _is_axes_leaf(axes):
+      raise ValueError(
+          f"leaf {jax.tree_util.keystr(path)} is {axes!r}; expected a tuple of logical axis names.")
+    if shp is not None and not isinstance(shp, tuple):
+      shp = tuple(shp.shape)
+    try:
+      spec = logical_to_spec(axes, shp, mesh, rules)
+    except ValueError as e:
+      raise ValueError(f"leaf {jax.tree_util.keystr(path)}: {e}") from None
+    out.append(NamedSharding(mesh, spec))
+  return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,450 @@
+"""Versioned, device-to-device weight channel from the learner mesh to the sampler mesh.
+
+Why the detour (jax-notes §2a, measured on jax 0.10): `jax.device_put` onto another mesh is a pure
+per-shard device copy only when every destination shard has a source shard holding exactly the
+same slice of the array; otherwise it silently assembles the whole array on the host
+(`ArrayImpl._value`) and re-scatters it, and `jax.transfer_guard` does not notice. So a push runs:
+
+  1. on the learner mesh, `jax.jit(identity, out_shardings=...)` into a layout whose shards are
+     exactly the sampler's shards (with equal device counts: the learner devices reshaped to the
+     sampler mesh's shape and axis names, same `PartitionSpec`, i.e. congruent);
+  2. `jax.device_put` of those shards onto the sampler devices (per-shard device copies; never
+     `donate=True`, which segfaults on CPU: the intermediate is deleted explicitly instead);
+  3. only when the learner has fewer devices than the sampler has distinct shards: a `jax.jit`
+     on the sampler mesh that slices the landed coarser shards into the final layout (local
+     slicing, no host).
+
+Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built.
+
+Versioning: `push(params, version)` returns as soon as the copies are dispatched; the sampler
+calls `try_take()` between decode steps, which returns the new version only once all its arrays
+are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. At most two copies live
+on the sampler: the current one and one incoming; an incoming version that is superseded by a
+newer push before being taken is deleted, and the previous current version is deleted when the
+sampler takes the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+import numpy as np
+
+_REPLICA_AXIS = "_rlax_pipe_replica"
+
+
+class ManifestError(ValueError):
+  """A pushed params tree does not match the channel's manifest (names, shapes, dtypes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One manifest entry.
+
+  Attributes:
+    name: flattened leaf path, as `jax.tree_util.keystr` writes it (e.g. "['layers']['wq']").
+    shape: array shape.
+    dtype: dtype name, e.g. "float32".
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """A params version on the sampler mesh.
+
+  Attributes:
+    params: pytree of `jax.Array` in the sampler shardings.
+    version: policy version (learner optimizer steps that produced these weights).
+  """
+
+  params: Any
+  version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelStats:
+  """Counters of a `WeightChannel`.
+
+  Attributes:
+    pushes: versions pushed.
+    takes: versions taken by the sampler.
+    superseded: versions pushed but replaced by a newer push before being taken (deleted).
+    bytes_per_version: total bytes of one params version.
+    current_version: version the sampler holds (-1 before the first take).
+    pending_version: version in transit or ready to take (-1 if none).
+  """
+
+  pushes: int
+  takes: int
+  superseded: int
+  bytes_per_version: int
+  current_version: int
+  pending_version: int
+
+
+def params_manifest(tree: Any) -> tuple[LeafSpec, ...]:
+  """Flattened names, shapes and dtypes of a params pytree (arrays or `jax.ShapeDtypeStruct`)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return tuple(
+      LeafSpec(jax.tree_util.keystr(path), tuple(int(d) for d in leaf.shape),
+               np.dtype(leaf.dtype).name) for path, leaf in leaves)
+
+
+def check_manifest(expected: tuple[LeafSpec, ...], tree: Any, what: str = "params") -> None:
+  """Checks a params tree against a manifest.
+
+  Args:
+    expected: manifest from `params_manifest`.
+    tree: the pytree to check.
+    what: how to name the tree in error messages.
+
+  Raises:
+    ManifestError: naming every missing or unexpected leaf, or the first leaf whose shape or
+      dtype differs.
+  """
+  got = params_manifest(tree)
+  if got == expected:
+    return
+  exp_by_name = {s.name: s for s in expected}
+  got_by_name = {s.name: s for s in got}
+  missing = [n for n in exp_by_name if n not in got_by_name]
+  extra = [n for n in got_by_name if n not in exp_by_name]
+  if missing or extra:
+    raise ManifestError(
+        f"{what} tree does not match the weight-channel manifest: missing leaves {missing}, "
+        f"unexpected leaves {extra}.")
+  for name, e in exp_by_name.items():
+    g = got_by_name[name]
+    if g != e:
+      raise ManifestError(
+          f"{what} leaf {name} has shape {g.shape} dtype {g.dtype}; the manifest expects "
+          f"shape {e.shape} dtype {e.dtype}.")
+  raise ManifestError(f"{what} leaves are in a different order than the manifest.")
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+  return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _mesh_devices(sharding: Any) -> tuple[Any, ...]:
+  if isinstance(sharding, NamedSharding):
+    return tuple(sharding.mesh.devices.flat)
+  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def assert_congruent(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...],
+                     name: str = "leaf") -> None:
+  """Checks that `device_put(x with src, dst)` is a pure per-shard device copy.
+
+  With equal device counts the layouts must be congruent (same mesh shape, same axis names, same
+  `PartitionSpec`). In every case each destination shard's slice must be the slice of some
+  source shard, otherwise `jax.device_put` gathers the array on the host (jax-notes §2a).
+
+  Raises:
+    RuntimeError: naming the leaf, both layouts and the first uncovered slice.
+  """
+  if src.num_devices == dst.num_devices and (
+      src.mesh.devices.shape != dst.mesh.devices.shape
+      or src.mesh.axis_names != dst.mesh.axis_names or src.spec != dst.spec):
+    raise RuntimeError(
+        f"weight channel: {name} intermediate layout {dict(src.mesh.shape)} {src.spec} is not "
+        f"congruent with the sampler layout {dict(dst.mesh.shape)} {dst.spec}.")
+  have = {_index_key(i) for i in src.devices_indices_map(shape).values()}
+  for index in dst.devices_indices_map(shape).values():
+    if _index_key(index) not in have:
+      raise RuntimeError(
+          f"weight channel: {name} sampler shard {index} of shape {shape} has no identical "
+          f"source shard in {dict(src.mesh.shape)} {src.spec}; device_put would go through "
+          "the host.")
+
+
+def _coarsen(spec: PartitionSpec, mesh: Mesh, num_devices: int
+             ) -> tuple[PartitionSpec, list[str], list[int]]:
+  """Keeps, per spec entry, the longest prefix of mesh axes whose running size product divides
+  `num_devices`. Returns the coarse spec and its mesh axes / sizes in spec order."""
+  entries, names, sizes, product = [], [], [], 1
+  for entry in spec:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = []
+    for a in axes:
+      if num_devices % (product * mesh.shape[a]):
+        break
+      kept.append(a)
+      product *= mesh.shape[a]
+    names += kept
+    sizes += [mesh.shape[a] for a in kept]
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*entries), names, sizes
+
+
+def _auto_mesh(devices: tuple[Any, ...], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+  return Mesh(np.asarray(devices, dtype=object).reshape(shape), names,
+              axis_types=(AxisType.Auto,) * len(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeafPlan:
+  learner_layout: NamedSharding | None  # None: leaf is pushed as is (already in place / host)
+  landing: NamedSharding                # layout on the sampler devices after device_put
+  refine: bool                          # landing != target: a jit on the sampler mesh follows
+
+
+def _plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: str) -> _LeafPlan:
+  """Chooses the intermediate layouts for one leaf (see module docstring)."""
+  if src is None:  # a host array: uploaded straight into the target layout
+    return _LeafPlan(None, target, False)
+  src_devices = _mesh_devices(src)
+  mesh_b, n_a = target.mesh, len(src_devices)
+  if n_a == mesh_b.size:
+    layout = NamedSharding(
+        _auto_mesh(src_devices, mesh_b.devices.shape, mesh_b.axis_names), target.spec)
+    landing, refine = target, False
+  else:
+    coarse, names, sizes = _coarsen(target.spec, mesh_b, n_a)
+    g = int(np.prod(sizes, dtype=np.int64))
+    names_t = tuple(names) + (_REPLICA_AXIS,)
+    layout = NamedSharding(_auto_mesh(src_devices, tuple(sizes) + (n_a // g,), names_t), coarse)
+    refine = coarse != target.spec
+    landing = NamedSharding(
+        _auto_mesh(_mesh_devices(target), tuple(sizes) + (mesh_b.size // g,), names_t),
+        coarse) if refine else target
+  assert_congruent(layout, landing, shape, name)
+  if src.is_equivalent_to(layout, len(shape)):
+    layout = None
+  return _LeafPlan(layout, landing, refine)
+
+
+def _identity(tree):
+  return tree
+
+
+@dataclasses.dataclass
+class _InTransit:
+  version: int
+  params: Any                      # pytree on the sampler shardings
+  leaves: list[jax.Array]          # its leaves, for readiness checks and deletion
+  intermediates: list[jax.Array]   # learner-side / landing copies to delete once ready
+
+
+def _all_ready(arrays) -> bool:
+  return all(a.is_ready() for a in arrays)
+
+
+def _delete_all(arrays):
+  for a in arrays:
+    if isinstance(a, jax.Array) and not a.is_deleted():
+      a.delete()
+
+
+class WeightChannel:
+  """Moves params versions from learner shardings to sampler shardings, device to device.
+
+  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`.
+
+  Example:
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_params, sampler_shardings)
+    channel = WeightChannel(target)
+    channel.push(learner_params, version=3)        # returns at once
+    ...                                            # between two decode steps:
+    new = channel.try_take()                       # None until the copy is complete
+    if new is not None: params, version = new.params, new.version
+  """
+
+  def __init__(self, target: Any, *,
+               verify: Callable[[Any, int], None] | None = None, debug: bool = False):
+    """Creates a channel.
+
+    Args:
+      target: pytree of `jax.ShapeDtypeStruct` whose `.sharding` is a `NamedSharding` on the
+        sampler mesh (what `jax.eval_shape` gives, with shardings from `logical_to_sharding`).
+        Defines the manifest every push is checked against.
+      verify: optional `verify(sampler_params, version)` run on every push when `debug` is True,
+        after the copy completed; it should raise on a mismatch (e.g. compare log-probs of a
+        probe sequence). With debug on, `push` blocks until the copy is done.
+      debug: run `verify` after each push.
+
+    Raises:
+      TypeError: if a target leaf has no `NamedSharding`.
+    """
+    leaves, self._treedef = jax.tree_util.tree_flatten(target)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+      if not isinstance(getattr(leaf, "sharding", None), NamedSharding):
+        raise TypeError(
+            f"WeightChannel target leaf {jax.tree_util.keystr(path)} needs a NamedSharding on "
+            f"the sampler mesh, got {getattr(leaf, 'sharding', None)!r}.")
+    self._targets = [leaf.sharding for leaf in leaves]
+    self._manifest = params_manifest(target)
+    self._bytes = int(sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
+                          for s in self._manifest))
+    self._verify, self._debug = verify, debug
+    self._plans: dict[tuple[Any, ...], tuple[list[_LeafPlan], Callable | None, Callable | None]] = {}
+    self._cond = threading.Condition()
+    self._current: Weights | None = None
+    self._pending: _InTransit | None = None
+    self._last_pushed = -1
+    self._pushes = self._takes = self._superseded = 0
+
+  @property
+  def manifest(self) -> tuple[LeafSpec, ...]:
+    """Names, shapes and dtypes every pushed params tree must have."""
+    return self._manifest
+
+  def _plan(self, leaves: list[Any]):
+    key = tuple(getattr(x, "sharding", None) for x in leaves)
+    if key not in self._plans:
+      plans = [_plan_leaf(src, tgt, spec.shape, spec.name)
+               for src, tgt, spec in zip(key, self._targets, self._manifest)]
+      hop1 = [p.learner_layout for p in plans if p.learner_layout is not None]
+      hop3 = [t for p, t in zip(plans, self._targets) if p.refine]
+      self._plans[key] = (
+          plans,
+          jax.jit(_identity, out_shardings=hop1) if hop1 else None,
+          jax.jit(_identity, out_shardings=hop3) if hop3 else None)
+    return self._plans[key]
+
+  def _transfer(self, leaves: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Dispatches the copies; returns (sampler leaves, intermediates to delete later)."""
+    plans, hop1, hop3 = self._plan(leaves)
+    staged, intermediates = list(leaves), []
+    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+    if idx1:
+      out = hop1([leaves[i] for i in idx1])
+      for i, y in zip(idx1, out):
+        if y is not leaves[i]:
+          intermediates.append(y)
+        staged[i] = y
+    landed = jax.device_put(staged, [p.landing for p in plans], may_alias=False)
+    idx3 = [i for i, p in enumerate(plans) if p.refine]
+    if idx3:
+      out = hop3([landed[i] for i in idx3])
+      for i, y in zip(idx3, out):
+        intermediates.append(landed[i])
+        landed[i] = y
+    return landed, intermediates
+
+  def push(self, params: Any, version: int) -> None:
+    """Starts copying `params` (learner shardings) to the sampler as `version`; returns at once.
+
+    The caller may keep using (and donate) `params` afterwards: the copies are ordered before
+    any later computation that consumes them.
+
+    Args:
+      params: pytree matching the manifest; leaves are `jax.Array`s on the learner mesh (host
+        arrays are accepted and uploaded directly).
+      version: policy version, strictly greater than every version pushed before.
+
+    Raises:
+      ManifestError: naming the first mismatching leaf.
+      ValueError: if `version` is not strictly increasing.
+      Whatever `verify` raises (debug mode); that version is then discarded.
+    """
+    check_manifest(self._manifest, params, what=f"pushed params (version {version})")
+    with self._cond:
+      if version <= self._last_pushed:
+        raise ValueError(
+            f"WeightChannel.push: version {version} is not newer than the last pushed version "
+            f"{self._last_pushed}.")
+      self._last_pushed = version
+    leaves = jax.tree_util.tree_leaves(params)
+    landed, intermediates = self._transfer(leaves)
+    record = _InTransit(version, jax.tree_util.tree_unflatten(self._treedef, landed), landed,
+                        intermediates)
+    if self._debug and self._verify is not None:
+      jax.block_until_ready(landed)
+      _delete_all(record.intermediates)
+      try:
+        self._verify(record.params, version)
+      except Exception:
+        _delete_all(record.leaves)
+        raise
+    with self._cond:
+      if self._pending is not None:
+        _delete_all(self._pending.leaves + self._pending.intermediates)
+        self._superseded += 1
+      self._pending = record
+      self._pushes += 1
+      self._cond.notify_all()
+
+  def _take_locked(self) -> Weights:
+    record, self._pending = self._pending, None
+    _delete_all(record.intermediates)
+    if self._current is not None:
+      _delete_all(jax.tree_util.tree_leaves(self._current.params))
+    self._current = Weights(record.params, record.version)
+    self._takes += 1
+    return self._current
+
+  def poll(self) -> int | None:
+    """Version that `try_take` would return now (its copy is complete), else None."""
+    with self._cond:
+      if self._pending is not None and _all_ready(self._pending.leaves):
+        return self._pending.version
+      return None
+
+  def try_take(self) -> Weights | None:
+    """Non-blocking: the newest pushed version if its copy is complete, else None.
+
+    Taking makes it the current version and deletes the previous current arrays, so call it at
+    a decode-step boundary and drop references to the old params.
+    """
+    with self._cond:
+      if self._pending is None or not _all_ready(self._pending.leaves):
+        return None
+      return self._take_locked()
+
+  def take(self, timeout: float | None = None) -> Weights:
+    """Blocking: waits for a push newer than the current version and for its copy to finish.
+
+    Args:
+      timeout: seconds to wait for a push (None = forever).
+
+    Raises:
+      TimeoutError: if nothing was pushed within `timeout`, saying which version is held.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cond:
+      while self._pending is None:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          held = -1 if self._current is None else self._current.version
+          raise TimeoutError(
+              f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
+              f"version {held}, last pushed {self._last_pushed}).")
+        self._cond.wait(left)
+      jax.block_until_ready(self._pending.leaves)
+      return self._take_locked()
+
+  @property
+  def current(self) -> Weights | None:
+    """The version the sampler holds (last taken), or None before the first take."""
+    with self._cond:
+      return self._current
+
+  def stats(self) -> ChannelStats:
+    """Counters and versions, see `ChannelStats`."""
+    with self._cond:
+      return ChannelStats(
+          pushes=self._pushes, takes=self._takes, superseded=self._superseded,
+          bytes_per_version=self._bytes,
+          current_version=-1 if self._current is None else self._current.version,
+          pending_version=-1 if self._pending is None else self._pending.version)
+
+  def close(self) -> None:
+    """Deletes every array the channel holds (current and pending)."""
+    with self._cond:
+      if self._pending is not None:
+        _delete_all(self._pending.leaves + self._pending.intermediates)
+        self._pending = None
+      if self._current is not None:
+        _delete_all(jax.tree_util.tree_leaves(self._current.params))
+        self._current = None

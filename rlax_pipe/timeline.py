@@ -1,0 +1,326 @@
+"""Spans of work and waiting per component, and the numbers derived from them.
+
+Every component records `Span`s (component, kind, start, end, slot counts) into a `Timeline`,
+timed by a clock: `time.perf_counter` for real runs or a `VirtualClock` for reproducible runs.
+From the spans: busy / idle fraction per component over a window, sampler slot occupancy, the
+time the sampler stalled on weight pushes, the time the learner waited for batches; JSONL
+export / import; a Gantt chart PNG.
+
+Kind conventions (any string works; these names are what the summaries look for):
+  sampler: "prefill", "decode" (slots_active / slots_total set), "wait_weights", "wait_admission"
+  learner: "train_step", "wait_batch"
+  channel: "push"
+A kind starting with "wait" is idle time; every other kind is busy time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Sequence
+
+WAIT_WEIGHTS = "wait_weights"
+WAIT_BATCH = "wait_batch"
+WAIT_ADMISSION = "wait_admission"
+
+
+def is_idle_kind(kind: str) -> bool:
+  """True for kinds that count as idle time (names starting with "wait")."""
+  return kind.startswith("wait")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """One interval of activity.
+
+  Attributes:
+    component: who, e.g. "sampler", "learner", "channel" (or "sampler/1" per replica).
+    kind: what, e.g. "decode", "train_step", "push", "wait_weights".
+    start: seconds on the timeline's clock.
+    end: seconds, >= start.
+    slots_active: decode slots in use during the span (sampler), or None.
+    slots_total: decode slots available, or None.
+  """
+
+  component: str
+  kind: str
+  start: float
+  end: float
+  slots_active: int | None = None
+  slots_total: int | None = None
+
+  def __post_init__(self):
+    if self.end < self.start:
+      raise ValueError(f"Span {self.component}/{self.kind}: end {self.end} < start {self.start}.")
+    if (self.slots_active is None) != (self.slots_total is None):
+      raise ValueError("Span: give both slots_active and slots_total, or neither.")
+    if self.slots_total is not None and not 0 <= self.slots_active <= self.slots_total:
+      raise ValueError(f"Span: slots_active={self.slots_active} not in [0, slots_total="
+                       f"{self.slots_total}].")
+
+  @property
+  def duration(self) -> float:
+    """end - start, seconds."""
+    return self.end - self.start
+
+
+class VirtualClock:
+  """A clock that only moves when told to (reproducible runs, simulators). Thread-safe."""
+
+  def __init__(self, start: float = 0.0):
+    self._t = float(start)
+    self._lock = threading.Lock()
+
+  def __call__(self) -> float:
+    """Current time, seconds."""
+    with self._lock:
+      return self._t
+
+  def advance(self, dt: float) -> float:
+    """Moves time forward by dt >= 0 seconds; returns the new time.
+
+    Raises:
+      ValueError: if dt < 0.
+    """
+    if dt < 0:
+      raise ValueError(f"VirtualClock.advance: dt={dt} < 0.")
+    with self._lock:
+      self._t += dt
+      return self._t
+
+  def set(self, t: float) -> None:
+    """Jumps to time t (not earlier than now).
+
+    Raises:
+      ValueError: if t is before the current time.
+    """
+    with self._lock:
+      if t < self._t:
+        raise ValueError(f"VirtualClock.set: {t} is before now ({self._t}).")
+      self._t = float(t)
+
+
+class Timeline:
+  """Thread-safe span recorder.
+
+  Example:
+    tl = Timeline()                       # or Timeline(clock=VirtualClock())
+    with tl.span("learner", "train_step"):
+      ...
+    tl.record("sampler", "decode", t0, t1, slots_active=5, slots_total=8)
+    summary = summarize(tl.spans())
+  """
+
+  def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    """Args: clock: zero-argument callable returning seconds (`VirtualClock` works)."""
+    self._clock = clock
+    self._spans: list[Span] = []
+    self._lock = threading.Lock()
+
+  def now(self) -> float:
+    """The clock's current time, seconds."""
+    return self._clock()
+
+  def record(self, component: str, kind: str, start: float, end: float,
+             slots_active: int | None = None, slots_total: int | None = None) -> Span:
+    """Adds a finished span and returns it."""
+    span = Span(component, kind, float(start), float(end), slots_active, slots_total)
+    with self._lock:
+      self._spans.append(span)
+    return span
+
+  @contextlib.contextmanager
+  def span(self, component: str, kind: str, slots_active: int | None = None,
+           slots_total: int | None = None) -> Iterator[None]:
+    """Context manager recording [enter, exit) as a span (also when the body raises)."""
+    start = self._clock()
+    try:
+      yield
+    finally:
+      self.record(component, kind, start, self._clock(), slots_active, slots_total)
+
+  def spans(self, component: str | None = None, kind: str | None = None) -> list[Span]:
+    """Recorded spans (optionally filtered), sorted by start time."""
+    with self._lock:
+      out = [s for s in self._spans if (component is None or s.component == component)
+             and (kind is None or s.kind == kind)]
+    return sorted(out, key=lambda s: (s.start, s.end))
+
+  def to_jsonl(self, path: str) -> None:
+    """Writes one JSON object per span."""
+    with open(path, "w") as f:
+      for s in self.spans():
+        f.write(json.dumps(dataclasses.asdict(s)) + "\n")
+
+  @classmethod
+  def from_jsonl(cls, path: str) -> Timeline:
+    """Reads spans written by `to_jsonl` into a new Timeline."""
+    tl = cls()
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          tl.record(**json.loads(line))
+    return tl
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived numbers (pure functions of spans).
+
+
+def _window(spans: Sequence[Span], window: tuple[float, float] | None) -> tuple[float, float]:
+  if window is not None:
+    if window[1] < window[0]:
+      raise ValueError(f"window {window} ends before it starts.")
+    return window
+  if not spans:
+    return (0.0, 0.0)
+  return (min(s.start for s in spans), max(s.end for s in spans))
+
+
+def _clipped(spans: Iterable[Span], lo: float, hi: float) -> list[tuple[float, float]]:
+  return [(max(s.start, lo), min(s.end, hi)) for s in spans if s.end > lo and s.start < hi]
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+  total, cur_lo, cur_hi = 0.0, None, None
+  for lo, hi in sorted(intervals):
+    if cur_hi is None or lo > cur_hi:
+      if cur_hi is not None:
+        total += cur_hi - cur_lo
+      cur_lo, cur_hi = lo, hi
+    else:
+      cur_hi = max(cur_hi, hi)
+  if cur_hi is not None:
+    total += cur_hi - cur_lo
+  return total
+
+
+def busy_fraction(spans: Sequence[Span], component: str,
+                  window: tuple[float, float] | None = None) -> float:
+  """Fraction of the window during which `component` ran some non-wait span.
+
+  Overlapping spans count once (union). Idle fraction = 1 - busy fraction (waits and gaps).
+
+  Args:
+    spans: all spans of a run.
+    component: component name.
+    window: (t0, t1) seconds; default = first start to last end over all spans.
+
+  Returns:
+    busy time / window length in [0, 1] (0.0 for an empty window).
+  """
+  lo, hi = _window(spans, window)
+  if hi <= lo:
+    return 0.0
+  busy = [s for s in spans if s.component == component and not is_idle_kind(s.kind)]
+  return _union_length(_clipped(busy, lo, hi)) / (hi - lo)
+
+
+def slot_occupancy(spans: Sequence[Span], component: str = "sampler", kind: str = "decode",
+                   window: tuple[float, float] | None = None) -> float:
+  """Time-weighted slot occupancy: sum(active * dt) / sum(total * dt) over decode spans.
+
+  Returns:
+    A fraction in [0, 1]; 0.0 when there is no such span with slot counts.
+  """
+  lo, hi = _window(spans, window)
+  num = den = 0.0
+  for s in spans:
+    if s.component != component or s.kind != kind or s.slots_total is None:
+      continue
+    dt = min(s.end, hi) - max(s.start, lo)
+    if dt > 0:
+      num += s.slots_active * dt
+      den += s.slots_total * dt
+  return num / den if den > 0 else 0.0
+
+
+def total_time(spans: Sequence[Span], component: str, kind: str,
+               window: tuple[float, float] | None = None) -> float:
+  """Seconds covered by spans of (component, kind) inside the window (union)."""
+  lo, hi = _window(spans, window)
+  sel = [s for s in spans if s.component == component and s.kind == kind]
+  return _union_length(_clipped(sel, lo, hi))
+
+
+def push_stall(spans: Sequence[Span], component: str = "sampler",
+               window: tuple[float, float] | None = None) -> float:
+  """Seconds the sampler stalled waiting for weights (`WAIT_WEIGHTS` spans)."""
+  return total_time(spans, component, WAIT_WEIGHTS, window)
+
+
+def queue_wait(spans: Sequence[Span], component: str = "learner",
+               window: tuple[float, float] | None = None) -> float:
+  """Seconds the learner waited for a batch from the queue (`WAIT_BATCH` spans)."""
+  return total_time(spans, component, WAIT_BATCH, window)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineSummary:
+  """Numbers for one window.
+
+  Attributes:
+    window: (t0, t1) seconds.
+    busy: component -> busy fraction in [0, 1].
+    idle: component -> 1 - busy.
+    slot_occupancy: sampler decode slot occupancy in [0, 1] (component "sampler").
+    push_stall_s: seconds the sampler waited on weight pushes.
+    queue_wait_s: seconds the learner waited on the queue.
+  """
+
+  window: tuple[float, float]
+  busy: dict[str, float]
+  idle: dict[str, float]
+  slot_occupancy: float
+  push_stall_s: float
+  queue_wait_s: float
+
+
+def summarize(spans: Sequence[Span], window: tuple[float, float] | None = None
+              ) -> TimelineSummary:
+  """All derived numbers for the components present in `spans`."""
+  lo, hi = _window(spans, window)
+  comps = sorted({s.component for s in spans})
+  busy = {c: busy_fraction(spans, c, (lo, hi)) for c in comps}
+  return TimelineSummary(
+      window=(lo, hi), busy=busy, idle={c: 1.0 - b for c, b in busy.items()},
+      slot_occupancy=slot_occupancy(spans, window=(lo, hi)),
+      push_stall_s=push_stall(spans, window=(lo, hi)),
+      queue_wait_s=queue_wait(spans, window=(lo, hi)))
+
+
+def plot_gantt(spans: Sequence[Span], path: str, title: str | None = None) -> None:
+  """Writes a Gantt chart PNG: one row per component, one colour per kind, time from t0.
+
+  Uses matplotlib's Agg canvas directly (no pyplot global state).
+  """
+  # Imported here: matplotlib is only needed for plots.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  from matplotlib.patches import Patch
+
+  comps = sorted({s.component for s in spans})
+  kinds = sorted({s.kind for s in spans})
+  t0 = min((s.start for s in spans), default=0.0)
+  fig = Figure(figsize=(10, 1.0 + 0.6 * max(1, len(comps))))
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 1, 1)
+  greys = iter(["#d9d9d9", "#b0b0b0", "#8c8c8c", "#e8e8e8", "#707070"] * len(kinds))
+  busy_kinds = [k for k in kinds if not is_idle_kind(k)]
+  colours = {k: next(greys) if is_idle_kind(k) else f"C{busy_kinds.index(k) % 10}" for k in kinds}
+  for row, comp in enumerate(comps):
+    for kind in kinds:
+      bars = [(s.start - t0, s.duration) for s in spans if s.component == comp and s.kind == kind]
+      if bars:
+        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colours[kind])
+  ax.set_yticks(range(len(comps)), comps)
+  ax.set_xlabel("time (s)")
+  ax.legend(handles=[Patch(color=colours[k], label=k) for k in kinds], loc="upper left",
+            bbox_to_anchor=(1.0, 1.0), fontsize="small")
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
