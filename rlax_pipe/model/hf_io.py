@@ -1,0 +1,599 @@
+"""Hugging Face checkpoint import and export (safetensors; Llama / Qwen2 / Qwen3 causal LMs).
+
+Reads a `save_pretrained` directory (`config.json` plus `model.safetensors`, or the sharded
+`model.safetensors.index.json` with its shards) into a `ModelConfig` and a params tree in the
+layout of `transformer.param_specs`, and writes the reverse so a trained policy can be served by
+any HF-compatible engine. No pickle and no torch: safetensors files are parsed here (8-byte
+little-endian header length, JSON header of name -> dtype, shape, byte offsets, raw data) and
+memory-mapped with numpy, so F32, F16 and BF16 (the `bfloat16` dtype JAX registers with numpy)
+take one path whatever the installed safetensors supports (its numpy reader rejects BF16 unless
+ml_dtypes is registered). Writing uses `safetensors.numpy.save_file`.
+
+Layouts: HF `nn.Linear` weights are [out, in]; ours keep the input axes first and split the head
+axes, e.g. q_proj [H*D, E] -> wq [E, H, D], o_proj [E, H*D] -> wo [H, D, E], gate_proj [F, E] ->
+w_gate [E, F], lm_head [V, E] -> lm_head [E, V]. Per-layer tensors are stacked on a leading L axis.
+HF's RoPE (`rotate_half`) uses the same half-split convention as `transformer.rope`, so q/k need
+no permutation.
+
+Supported: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) with SiLU MLPs, unscaled RoPE, full
+attention in every layer, tied or untied embeddings. Anything else (rope_scaling such as
+Llama-3.1's "llama3", sliding windows, attention_bias / mlp_bias on Llama or Qwen3, which would
+need o_proj / MLP biases, another activation, quantized weights) raises a ValueError naming the
+field.
+
+Letters: E embed, H heads, K kv heads, D head dim, F mlp, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import numpy as st_numpy
+
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.model import transformer
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
+# HF's class defaults for fields a config.json may omit.
+_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768,
+                          "Qwen3ForCausalLM": 32768}
+_CONFIG_FILE = "config.json"
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_MAX_HEADER_BYTES = 100 * 2**20
+# Non-parameter buffers some older exports contain; recomputed from rope_theta, so skipped.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+# Our top-level name -> (HF name, layout kind). Kinds: an int n = HF Linear [out, in], transposed,
+# whose first n axes in our layout are the input axes; "vec" = a vector (ours may split it, e.g.
+# bq [H, D] <-> [H*D]); "same" = identical layout (the embedding table [V, E]).
+_TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", "same"),
+    "final_norm": ("model.norm.weight", "vec"),
+    "lm_head": ("lm_head.weight", 1),
+}
+# Our per-layer name -> (HF name inside `model.layers.{i}.`, layout kind as above).
+_LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", "vec"),
+    "wq": ("self_attn.q_proj.weight", 1),
+    "wk": ("self_attn.k_proj.weight", 1),
+    "wv": ("self_attn.v_proj.weight", 1),
+    "bq": ("self_attn.q_proj.bias", "vec"),
+    "bk": ("self_attn.k_proj.bias", "vec"),
+    "bv": ("self_attn.v_proj.bias", "vec"),
+    "q_norm": ("self_attn.q_norm.weight", "vec"),
+    "k_norm": ("self_attn.k_norm.weight", "vec"),
+    "wo": ("self_attn.o_proj.weight", 2),
+    "mlp_norm": ("post_attention_layernorm.weight", "vec"),
+    "w_gate": ("mlp.gate_proj.weight", 1),
+    "w_up": ("mlp.up_proj.weight", 1),
+    "w_down": ("mlp.down_proj.weight", 1),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Config mapping.
+
+
+def _architecture(hf_config: Mapping[str, Any]) -> str:
+  archs = hf_config.get("architectures")
+  if not isinstance(archs, list) or len(archs) != 1:
+    raise ValueError(f"config.json field 'architectures'={archs!r}: expected exactly one of "
+                     f"{SUPPORTED_ARCHITECTURES}.")
+  if archs[0] not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"Unsupported architecture {archs[0]!r} (config.json 'architectures'); "
+                     f"supported: {SUPPORTED_ARCHITECTURES}.")
+  return archs[0]
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+  """The RoPE base, after checking that no scaling is configured (legacy and v5 field names)."""
+  for field in ("rope_scaling", "rope_parameters"):
+    params = hf_config.get(field) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    extra = [k for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")
+             and (k, v) != ("partial_rotary_factor", 1.0)]
+    if rope_type != "default" or extra:
+      raise ValueError(f"config.json field {field!r}={dict(params)}: RoPE scaling (here "
+                       f"rope_type={rope_type!r}) and RoPE options {extra} are not supported; "
+                       "only unscaled 'default' RoPE with a rope_theta.")
+  if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError(f"config.json field 'partial_rotary_factor'="
+                     f"{hf_config['partial_rotary_factor']} is not supported (only 1.0).")
+  nested = (hf_config.get("rope_parameters") or {}).get("rope_theta")
+  top = hf_config.get("rope_theta")
+  if nested is not None and top is not None and float(nested) != float(top):
+    raise ValueError(f"config.json disagrees with itself: rope_theta={top} but "
+                     f"rope_parameters.rope_theta={nested}.")
+  theta = nested if nested is not None else top
+  return 10000.0 if theta is None else float(theta)
+
+
+def _check_full_attention(hf_config: Mapping[str, Any], n_layers: int) -> None:
+  """Raises unless every layer uses full causal attention (no sliding windows)."""
+  layer_types = hf_config.get("layer_types")
+  if layer_types is not None:
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+      raise ValueError(f"config.json field 'layer_types' contains {other}: only "
+                       f"'full_attention' layers are supported (no sliding windows).")
+    return
+  if hf_config.get("use_sliding_window") and hf_config.get("sliding_window") is not None:
+    if hf_config.get("max_window_layers", 0) < n_layers:
+      raise ValueError(
+          "config.json field 'use_sliding_window'=true with sliding_window="
+          f"{hf_config['sliding_window']} and max_window_layers="
+          f"{hf_config.get('max_window_layers')}: sliding-window attention is not supported.")
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32") -> ModelConfig:
+  """Maps a HF `config.json` dict (Llama / Qwen2 / Qwen3 causal LM) to a `ModelConfig`.
+
+  Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default: no
+  GQA), head_dim (default hidden_size / num_attention_heads), intermediate_size, vocab_size,
+  rope_theta (legacy top-level or v5 `rope_parameters`), rms_norm_eps, tie_word_embeddings,
+  max_position_embeddings (-> max_seq_len). Qwen2 always has q/k/v biases; Qwen3 always has
+  q/k norms. Other fields (token ids, dropout, initializer range, ...) do not affect the forward
+  and are ignored.
+
+  Args:
+    hf_config: the parsed config.json.
+    param_dtype: `ModelConfig.param_dtype` of the result ("float32", "bfloat16", "float16").
+
+  Returns:
+    The matching `ModelConfig` (compute_dtype left at its default).
+
+  Raises:
+    ValueError: unsupported architecture (the message lists the supported ones), a missing
+      required field, or an unsupported feature (the message names the field): rope scaling,
+      sliding windows, attention_bias / mlp_bias on Llama / Qwen3, an activation other than
+      SiLU, quantization.
+
+  Example:
+    >>> cfg = config_from_hf(json.load(open("ckpt/config.json")))
+  """
+  arch = _architecture(hf_config)
+  required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size")
+  missing = [k for k in required if hf_config.get(k) is None]
+  if missing:
+    raise ValueError(f"config.json lacks required field(s) {missing} for {arch}.")
+  if hf_config.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json field 'hidden_act'={hf_config['hidden_act']!r}: only 'silu' "
+                     "(SwiGLU) is supported.")
+  if hf_config.get("quantization_config") is not None:
+    raise ValueError("config.json field 'quantization_config' is set: quantized checkpoints are "
+                     "not supported.")
+  if hf_config.get("mlp_bias"):
+    raise ValueError("config.json field 'mlp_bias'=true is not supported (no MLP biases).")
+  if arch != "Qwen2ForCausalLM" and hf_config.get("attention_bias"):
+    raise ValueError(f"config.json field 'attention_bias'=true is not supported for {arch}: it "
+                     "adds an o_proj bias, which ModelConfig has no field for.")
+  n_layers = int(hf_config["num_hidden_layers"])
+  _check_full_attention(hf_config, n_layers)
+  hidden, n_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
+  head_dim = hf_config.get("head_dim")
+  if head_dim is None:
+    if hidden % n_heads:
+      raise ValueError(f"config.json has no 'head_dim' and hidden_size={hidden} is not a multiple"
+                       f" of num_attention_heads={n_heads}.")
+    head_dim = hidden // n_heads
+  n_kv = hf_config.get("num_key_value_heads")
+  return ModelConfig(
+      vocab_size=int(hf_config["vocab_size"]),
+      d_model=hidden,
+      n_layers=n_layers,
+      n_heads=n_heads,
+      n_kv_heads=n_heads if n_kv is None else int(n_kv),
+      head_dim=int(head_dim),
+      d_ff=int(hf_config["intermediate_size"]),
+      rope_theta=_rope_theta(hf_config),
+      rms_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+      qkv_bias=arch == "Qwen2ForCausalLM",
+      qk_norm=arch == "Qwen3ForCausalLM",
+      tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+      param_dtype=param_dtype,
+      max_seq_len=int(hf_config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])),
+  )
+
+
+def architecture_for(cfg: ModelConfig) -> str:
+  """The HF architecture that expresses `cfg`: Qwen3 if qk_norm, Qwen2 if qkv_bias, else Llama.
+
+  Raises:
+    ValueError: if cfg has both qkv_bias and qk_norm (no supported HF architecture has both).
+  """
+  if cfg.qkv_bias and cfg.qk_norm:
+    raise ValueError("ModelConfig with both qkv_bias and qk_norm has no HF architecture among "
+                     f"{SUPPORTED_ARCHITECTURES}.")
+  if cfg.qk_norm:
+    return "Qwen3ForCausalLM"
+  return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+
+
+def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
+                 dtype: str | None = None) -> dict[str, Any]:
+  """The HF `config.json` dict for `cfg` (inverse of `config_from_hf`).
+
+  Writes both the legacy (rope_theta, rope_scaling, torch_dtype) and the transformers v5
+  (rope_parameters, dtype) field names so old and new readers agree.
+
+  Args:
+    cfg: model configuration.
+    architecture: one of SUPPORTED_ARCHITECTURES; None = `architecture_for(cfg)`.
+    dtype: dtype name recorded as the checkpoint dtype; None = cfg.param_dtype.
+
+  Returns:
+    A JSON-serialisable dict.
+
+  Raises:
+    ValueError: unknown architecture, or one that cannot express cfg (Llama has neither q/k/v
+      biases nor q/k norms, Qwen2 always has the biases, Qwen3 always has the norms).
+  """
+  arch = architecture_for(cfg) if architecture is None else architecture
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"Unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}.")
+  if cfg.qkv_bias != (arch == "Qwen2ForCausalLM") or cfg.qk_norm != (arch == "Qwen3ForCausalLM"):
+    raise ValueError(f"{arch} cannot express ModelConfig(qkv_bias={cfg.qkv_bias}, "
+                     f"qk_norm={cfg.qk_norm}); use {architecture_for(cfg)}.")
+  dtype = cfg.param_dtype if dtype is None else dtype
+  out = {
+      "architectures": [arch],
+      "model_type": _MODEL_TYPE[arch],
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.d_ff,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads,
+      "head_dim": cfg.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len,
+      "rms_norm_eps": cfg.rms_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "attention_dropout": 0.0,
+      "torch_dtype": dtype,
+      "dtype": dtype,
+  }
+  if arch != "Qwen2ForCausalLM":
+    out["attention_bias"] = False
+  if arch == "LlamaForCausalLM":
+    out["mlp_bias"] = False
+  else:
+    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+               layer_types=["full_attention"] * cfg.n_layers)
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Safetensors reading.
+
+
+class _TensorRef(NamedTuple):
+  """Where one tensor lives: file, numpy dtype, shape, absolute byte range."""
+  file: pathlib.Path
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  start: int
+  end: int
+
+
+def _read_header(file: pathlib.Path) -> dict[str, _TensorRef]:
+  """Parses one safetensors header into name -> _TensorRef, validating sizes and offsets."""
+  size = file.stat().st_size
+  with open(file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    if n <= 0 or n > _MAX_HEADER_BYTES or 8 + n > size:
+      raise ValueError(f"{file} is not a valid safetensors file (header length {n}).")
+    header = json.loads(f.read(n))
+  header.pop("__metadata__", None)
+  refs = {}
+  for name, entry in header.items():
+    if entry["dtype"] not in _ST_DTYPES:
+      raise ValueError(f"Tensor {name!r} in {file} has dtype {entry['dtype']}; supported: "
+                       f"{sorted(_ST_DTYPES)}.")
+    dtype = jnp.dtype(_ST_DTYPES[entry["dtype"]])
+    shape = tuple(int(s) for s in entry["shape"])
+    begin, end = (int(o) for o in entry["data_offsets"])
+    if end - begin != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+      raise ValueError(f"Tensor {name!r} in {file}: offsets {begin}..{end} do not fit shape "
+                       f"{shape} {entry['dtype']} or the file size {size}.")
+    refs[name] = _TensorRef(file, dtype, shape, 8 + n + begin, 8 + n + end)
+  return refs
+
+
+def _read_tensor(ref: _TensorRef) -> np.ndarray:
+  """Memory-maps one tensor (little-endian bytes reinterpreted in place; read-only)."""
+  if sys.byteorder != "little":
+    raise NotImplementedError("Reading safetensors requires a little-endian host.")
+  raw = np.memmap(ref.file, dtype=np.uint8, mode="r", offset=ref.start,
+                  shape=(ref.end - ref.start,))
+  return raw.view(ref.dtype).reshape(ref.shape)
+
+
+def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
+  """The safetensors file(s) of a checkpoint directory (single file first, as HF does)."""
+  if (path / _SINGLE_FILE).is_file():
+    return [path / _SINGLE_FILE]
+  if (path / _INDEX_FILE).is_file():
+    index = json.loads((path / _INDEX_FILE).read_text())
+    files = [path / name for name in sorted(set(index["weight_map"].values()))]
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+      raise FileNotFoundError(f"{path / _INDEX_FILE} lists shard(s) that do not exist: {absent}.")
+    return files
+  raise FileNotFoundError(f"No {_SINGLE_FILE} or {_INDEX_FILE} in {path} (pickled .bin "
+                          "checkpoints are not supported; re-save with safe_serialization=True).")
+
+
+def _index_tensors(files: list[pathlib.Path]) -> dict[str, _TensorRef]:
+  refs: dict[str, _TensorRef] = {}
+  for file in files:
+    for name, ref in _read_header(file).items():
+      if name in refs:
+        raise ValueError(f"Tensor {name!r} appears in both {refs[name].file} and {file}.")
+      refs[name] = ref
+  return refs
+
+
+# ------------------------------------------------------------------------------------------------
+# Name and layout mapping.
+
+
+Kind = int | str  # layout kind, see _TOP_TENSORS
+
+
+def _hf_names(cfg: ModelConfig) -> dict[tuple[Any, ...], tuple[str, Kind]]:
+  """Our param path ("embed",) or ("layers", name, i) -> (HF tensor name, layout kind)."""
+  specs = transformer.param_specs(cfg)
+  names = {(k,): _TOP_TENSORS[k] for k in specs if k != "layers"}
+  for i in range(cfg.n_layers):
+    for k in specs["layers"]:
+      hf, kind = _LAYER_TENSORS[k]
+      names[("layers", k, i)] = (f"model.layers.{i}.{hf}", kind)
+  return names
+
+
+def _hf_shape(shape: tuple[int, ...], kind: Kind) -> tuple[int, ...]:
+  """HF shape of a tensor whose layout here (without the layer axis) is `shape`."""
+  if kind == "same":
+    return shape
+  if kind == "vec":
+    return (math.prod(shape),)
+  return (math.prod(shape[kind:]), math.prod(shape[:kind]))
+
+
+def _to_ours(hf: np.ndarray, shape: tuple[int, ...], kind: Kind) -> np.ndarray:
+  """HF tensor -> our layout `shape`, e.g. q_proj [H*D, E] -> wq [E, H, D] (transpose, split)."""
+  return (hf if isinstance(kind, str) else hf.T).reshape(shape)
+
+
+def _to_hf(ours: np.ndarray, kind: Kind) -> np.ndarray:
+  """Our layout -> HF tensor (contiguous); the inverse of `_to_ours`."""
+  hf_shape = _hf_shape(ours.shape, kind)
+  if isinstance(kind, str):
+    return np.ascontiguousarray(ours.reshape(hf_shape))
+  return np.ascontiguousarray(ours.reshape(hf_shape[::-1]).T)
+
+
+def _resolve_dtype(refs: Mapping[str, _TensorRef], used: list[str],
+                   param_dtype: str | None) -> str:
+  if param_dtype is not None:
+    return param_dtype
+  found = sorted({refs[n].dtype.name for n in used})
+  if len(found) != 1 or found[0] not in ("float32", "bfloat16", "float16"):
+    raise ValueError(f"Checkpoint tensors have dtype(s) {found}; pass param_dtype= "
+                     "('float32', 'bfloat16' or 'float16') to cast them.")
+  return found[0]
+
+
+def _check_names(refs: Mapping[str, _TensorRef], expected: set[str], cfg: ModelConfig,
+                 files: list[pathlib.Path]) -> None:
+  """Raises on missing or unexpected tensors (a tied lm_head equal to the embedding is fine)."""
+  missing = sorted(expected - set(refs))
+  if missing:
+    raise ValueError(f"Missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                     f"(searched {[str(f) for f in files]}).")
+  extra = sorted(n for n in set(refs) - expected if not n.endswith(_IGNORED_SUFFIXES))
+  if cfg.tie_embeddings and "lm_head.weight" in extra:
+    if not np.array_equal(_read_tensor(refs["lm_head.weight"]),
+                          _read_tensor(refs["model.embed_tokens.weight"])):
+      raise ValueError("tie_word_embeddings=true but lm_head.weight differs from "
+                       "model.embed_tokens.weight.")
+    extra.remove("lm_head.weight")
+  if extra:
+    raise ValueError(f"Unexpected tensor(s) {extra[:8]}{' ...' if len(extra) > 8 else ''} in "
+                     f"{[str(f) for f in files]}: the checkpoint has parameters this model does "
+                     "not use.")
+
+
+def _place(arr: np.ndarray, shardings, path: tuple[str, ...]):
+  if shardings is None:
+    return arr
+  sharding = shardings
+  for key in path:
+    sharding = sharding[key]
+  return jax.device_put(arr, sharding)
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = None,
+                       shardings=None) -> tuple[ModelConfig, dict[str, Any]]:
+  """Loads a HF Llama / Qwen2 / Qwen3 causal-LM safetensors checkpoint directory.
+
+  Args:
+    path: directory with config.json and model.safetensors (or model.safetensors.index.json and
+      its shards), as written by `save_pretrained(safe_serialization=True)`.
+    param_dtype: cast every parameter to this dtype ("float32", "bfloat16", "float16");
+      None keeps the checkpoint dtype (which must then be one of those, the same for all).
+    shardings: optional tree of `jax.sharding.Sharding` matching `param_specs(cfg)`; each array
+      is then placed with `jax.device_put` as soon as it is assembled (one stacked tensor on the
+      host at a time). None returns host numpy arrays.
+
+  Returns:
+    (cfg, params): cfg from `config_from_hf` with the resolved param_dtype; params in the layout
+    of `transformer.param_specs(cfg)`, layers stacked on a leading L axis.
+
+  Raises:
+    FileNotFoundError: no config.json or no safetensors weights (pickled .bin is refused).
+    ValueError: unsupported architecture or feature (see `config_from_hf`), a missing tensor
+      (named, with the files searched), unexpected tensors (named), a tensor of the wrong shape,
+      or mixed checkpoint dtypes with param_dtype=None.
+
+  Example:
+    >>> cfg, params = load_hf_checkpoint("Qwen3-0.6B", param_dtype="bfloat16")
+    >>> logits, _ = transformer.forward(params, tokens_BT, positions_BT, cfg)
+  """
+  path = pathlib.Path(path)
+  if not (path / _CONFIG_FILE).is_file():
+    raise FileNotFoundError(f"No {_CONFIG_FILE} in {path}.")
+  hf_config = json.loads((path / _CONFIG_FILE).read_text())
+  cfg = config_from_hf(hf_config)
+  files = _checkpoint_files(path)
+  refs = _index_tensors(files)
+  names = _hf_names(cfg)
+  _check_names(refs, {hf for hf, _ in names.values()}, cfg, files)
+  cfg = dataclasses.replace(
+      cfg, param_dtype=_resolve_dtype(refs, [hf for hf, _ in names.values()], param_dtype))
+  dtype = jnp.dtype(cfg.param_dtype)
+
+  def read(hf_name: str, shape: tuple[int, ...], kind: Kind) -> np.ndarray:
+    ref = refs[hf_name]
+    if ref.shape != _hf_shape(shape, kind):
+      raise ValueError(f"Tensor {hf_name!r} in {ref.file} has shape {ref.shape}; config.json "
+                       f"implies {_hf_shape(shape, kind)}.")
+    return _to_ours(_read_tensor(ref), shape, kind)
+
+  specs = transformer.param_specs(cfg)
+  params: dict[str, Any] = {"layers": {}}
+  for key, spec in specs.items():
+    if key != "layers":
+      shape, hf_name, kind = spec[0], *names[(key,)]
+      params[key] = _place(np.array(read(hf_name, shape, kind), dtype), shardings, (key,))
+  for key, (shape, _) in specs["layers"].items():
+    stacked = np.empty(shape, dtype)
+    for i in range(cfg.n_layers):
+      hf_name, kind = names[("layers", key, i)]
+      stacked[i] = read(hf_name, shape[1:], kind)
+    params["layers"][key] = _place(stacked, shardings, ("layers", key))
+  return cfg, params
+
+
+# ------------------------------------------------------------------------------------------------
+# Export.
+
+
+def _plan_shards(sizes: list[int], max_shard_bytes: int | None) -> list[list[int]]:
+  """Greedy, order-preserving split of tensor indices into shards of <= max_shard_bytes each
+  (a tensor larger than the limit gets a shard of its own)."""
+  if max_shard_bytes is None:
+    return [list(range(len(sizes)))]
+  if max_shard_bytes < 1:
+    raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1.")
+  shards, current, current_bytes = [], [], 0
+  for i, size in enumerate(sizes):
+    if current and current_bytes + size > max_shard_bytes:
+      shards.append(current)
+      current, current_bytes = [], 0
+    current.append(i)
+    current_bytes += size
+  shards.append(current)
+  return shards
+
+
+def _check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
+  """Raises unless params has exactly the arrays and shapes `param_specs(cfg)` asks for."""
+  def flat(tree, leaf):
+    out = {k: leaf(v) for k, v in tree.items() if k != "layers"}
+    out.update({f"layers/{k}": leaf(v) for k, v in tree.get("layers", {}).items()})
+    return out
+  want = flat(transformer.param_specs(cfg), lambda spec: spec[0])
+  have = flat(params, lambda a: tuple(a.shape))
+  for name in sorted(set(want) | set(have)):
+    if want.get(name) != have.get(name):
+      raise ValueError(f"params {name} has shape {have.get(name)}; cfg implies {want.get(name)} "
+                       "(None = absent; check qkv_bias, qk_norm, tie_embeddings).")
+
+
+def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: ModelConfig, *,
+                       architecture: str | None = None, max_shard_bytes: int | None = None,
+                       extra_config: Mapping[str, Any] | None = None) -> list[pathlib.Path]:
+  """Writes params as a HF checkpoint directory that transformers (or vLLM, ...) can load.
+
+  Tensors keep their dtypes (cast the tree first to export another dtype); config.json records
+  the embedding's dtype. Device arrays are fetched to host memory once (one plain transfer per
+  array, nothing compiled); HF-layout copies are then made shard by shard.
+
+  Args:
+    path: target directory (created if needed); must not already hold a checkpoint.
+    params: tree in the layout of `transformer.param_specs(cfg)` (numpy or jax arrays).
+    cfg: the model configuration.
+    architecture: one of SUPPORTED_ARCHITECTURES; None = `architecture_for(cfg)`.
+    max_shard_bytes: None writes one model.safetensors; otherwise shards of at most this many
+      bytes (a bigger tensor gets its own shard) plus model.safetensors.index.json, or a single
+      model.safetensors when everything fits in one shard.
+    extra_config: more config.json fields (e.g. bos_token_id, eos_token_id); may not override
+      fields derived from cfg.
+
+  Returns:
+    The paths written.
+
+  Raises:
+    ValueError: params do not match cfg (the parameter is named), the architecture cannot express
+      cfg, extra_config collides with a derived field, or an invalid max_shard_bytes.
+    FileExistsError: path already holds a checkpoint.
+
+  Example:
+    >>> save_hf_checkpoint("out/hf", params, cfg, extra_config={"eos_token_id": 2})
+  """
+  path = pathlib.Path(path)
+  _check_params(params, cfg)
+  hf_config = config_to_hf(cfg, architecture=architecture,
+                           dtype=jnp.dtype(params["embed"].dtype).name)
+  clash = sorted(set(extra_config or {}) & set(hf_config))
+  if clash:
+    raise ValueError(f"extra_config may not override derived config.json field(s) {clash}.")
+  hf_config.update(extra_config or {})
+  existing = sorted(p.name for p in path.glob("model*.safetensors*")) if path.is_dir() else []
+  if existing or (path / _CONFIG_FILE).exists():
+    raise FileExistsError(f"{path} already holds a checkpoint ({existing or _CONFIG_FILE}).")
+
+  params = jax.tree.map(np.asarray, params)
+  entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]], kind)
+             for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
+  shards = _plan_shards([arr.nbytes for _, arr, _ in entries], max_shard_bytes)
+  n = len(shards)
+  file_names = ([_SINGLE_FILE] if n == 1 else
+                [f"model-{s + 1:05d}-of-{n:05d}.safetensors" for s in range(n)])
+  path.mkdir(parents=True, exist_ok=True)
+  written, weight_map = [], {}
+  for file_name, shard in zip(file_names, shards):
+    tensors = {}
+    for j in shard:
+      hf_name, arr, kind = entries[j]
+      tensors[hf_name] = _to_hf(arr, kind)
+      weight_map[hf_name] = file_name
+    st_numpy.save_file(tensors, str(path / file_name), metadata={"format": "pt"})
+    written.append(path / file_name)
+  if n > 1:
+    index = {"metadata": {"total_size": sum(arr.nbytes for _, arr, _ in entries)},
+             "weight_map": weight_map}
+    (path / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    written.append(path / _INDEX_FILE)
+  (path / _CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  written.append(path / _CONFIG_FILE)
+  return written
