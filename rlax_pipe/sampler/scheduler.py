@@ -1,0 +1,199 @@
+"""Continuous-batching scheduler: decode slots, waiting queue, page reservation, preemption.
+
+Host-side only (no JAX). The engine calls, once per step:
+  1. `reserve_decode()`: every running sequence gets pages for the token it feeds next; when the
+     pool runs out, the most recently admitted running sequence is preempted (its pages freed,
+     its tokens kept) and re-queued at the front of the waiting queue (LIFO victims, as vLLM).
+  2. `admit(may_admit)`: waiting sequences fill free slots in FIFO order while the pool holds
+     their whole prefix (prompt + tokens generated so far).
+  3. `plan_prefill(...)`: sequences whose KV is missing are grouped into prefill calls of one
+     length bucket each.
+  4. after the decode step, `finish(seq)` for sequences that stopped.
+
+State of one sequence between steps: `tokens` = prompt + generated; KV holds positions
+[0, num_cached); the last token is "pending" (fed by the next decode step at position
+len(tokens) - 1). A running sequence is ready to decode when num_cached == len(tokens) - 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable, Iterable
+
+import numpy as np
+
+from rlax_pipe.sampler.config import Request, SamplerConfig
+from rlax_pipe.sampler.page_allocator import PageAllocator
+
+
+@dataclasses.dataclass(eq=False)
+class SequenceState:
+  """Host-side state of one request (mutable; owned by the engine).
+
+  Attributes:
+    uid: engine-internal unique id (page owner key).
+    request: the submitted request.
+    prompt: int32[P] prompt actually used (after any left truncation).
+    max_new: completion budget in tokens, already capped by max_seq_len.
+    tokens: prompt + generated token ids.
+    logprobs: behaviour log-prob of each generated token.
+    versions: policy version of each generated token.
+    t_submit, t_admit, t_first_token: clock readings in seconds (NaN until they happen;
+      t_admit is the first admission).
+    num_preemptions: times the sequence lost its pages.
+    slot: decode slot, or -1 while waiting.
+    num_cached: KV positions [0, num_cached) are valid in the sequence's pages.
+    admit_order: admission counter of the current residency (larger = admitted later).
+  """
+
+  uid: int
+  request: Request
+  prompt: np.ndarray
+  max_new: int
+  tokens: list[int]
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  t_submit: float = math.nan
+  t_admit: float = math.nan
+  t_first_token: float = math.nan
+  num_preemptions: int = 0
+  slot: int = -1
+  num_cached: int = 0
+  admit_order: int = -1
+
+  @property
+  def num_generated(self) -> int:
+    """Completion tokens so far."""
+    return len(self.tokens) - len(self.prompt)
+
+  @property
+  def started(self) -> bool:
+    """Whether the sequence has been admitted at least once."""
+    return not math.isnan(self.t_admit)
+
+  @property
+  def prefill_len(self) -> int:
+    """Tokens whose KV a prefill must compute: all but the pending last token."""
+    return len(self.tokens) - 1
+
+  @property
+  def needs_prefill(self) -> bool:
+    """Whether some of the prefix's KV is missing (new, resumed, or recompute after a swap)."""
+    return self.num_cached < self.prefill_len
+
+
+class Scheduler:
+  """Slots + waiting queue + page reservation over a `PageAllocator`.
+
+  Args:
+    num_slots: decode slots B.
+    allocator: the page allocator of the pool.
+  """
+
+  def __init__(self, num_slots: int, allocator: PageAllocator):
+    self.allocator = allocator
+    self.slots: list[SequenceState | None] = [None] * num_slots
+    self.waiting: collections.deque[SequenceState] = collections.deque()
+    self._admit_counter = 0
+
+  @property
+  def num_active(self) -> int:
+    """Occupied slots."""
+    return sum(s is not None for s in self.slots)
+
+  def running(self) -> list[SequenceState]:
+    """Running sequences in slot order."""
+    return [s for s in self.slots if s is not None]
+
+  def enqueue(self, seq: SequenceState) -> None:
+    """Appends a new sequence to the waiting queue."""
+    self.waiting.append(seq)
+
+  def _preempt(self, seq: SequenceState) -> None:
+    self.allocator.free(seq.uid)
+    self.slots[seq.slot] = None
+    seq.slot, seq.num_cached, seq.admit_order = -1, 0, -1
+    seq.num_preemptions += 1
+
+  def reserve_decode(self) -> list[SequenceState]:
+    """Gives every running sequence pages for its pending token, preempting when short.
+
+    Oldest residents are served first; a shortage preempts the latest-admitted running sequence
+    (possibly the one being served), until the request fits. A lone sequence always fits (the
+    engine rejects requests larger than the pool), so the oldest resident always progresses.
+
+    Returns:
+      The preempted sequences (now at the front of the waiting queue, oldest first).
+    """
+    preempted = []
+    for seq in sorted(self.running(), key=lambda s: s.admit_order):
+      while seq.slot >= 0 and not self.allocator.ensure(seq.uid, len(seq.tokens)):
+        victim = max(self.running(), key=lambda s: s.admit_order)
+        preempted.append((victim.admit_order, victim))
+        self._preempt(victim)
+    preempted.sort(key=lambda x: x[0])
+    self.waiting.extendleft(seq for _, seq in reversed(preempted))
+    return [seq for _, seq in preempted]
+
+  def admit(self, may_admit: Callable[[SequenceState], bool] | None = None
+            ) -> list[SequenceState]:
+    """Moves waiting sequences into free slots, FIFO, while the pool holds their prefix.
+
+    Args:
+      may_admit: admission control; sequences it rejects stay waiting in place (later ones may
+        still be admitted). None admits everything.
+
+    Returns:
+      The admitted sequences (slot set, pages reserved for len(tokens) tokens, num_cached 0).
+    """
+    free = [i for i, s in enumerate(self.slots) if s is None]
+    admitted, skipped = [], []
+    while free and self.waiting:
+      seq = self.waiting.popleft()
+      if may_admit is not None and not may_admit(seq):
+        skipped.append(seq)
+        continue
+      if not self.allocator.ensure(seq.uid, len(seq.tokens)):
+        self.waiting.appendleft(seq)
+        break
+      seq.slot, seq.num_cached = free.pop(0), 0
+      seq.admit_order, self._admit_counter = self._admit_counter, self._admit_counter + 1
+      self.slots[seq.slot] = seq
+      admitted.append(seq)
+    self.waiting.extendleft(reversed(skipped))
+    return admitted
+
+  def finish(self, seq: SequenceState) -> None:
+    """Frees the slot and pages of a running sequence."""
+    self.allocator.free(seq.uid)
+    self.slots[seq.slot] = None
+    seq.slot = -1
+
+  def drain(self) -> list[SequenceState]:
+    """Removes every running and waiting sequence (pages freed); running ones first."""
+    out = self.running()
+    for seq in out:
+      self.finish(seq)
+    out.extend(self.waiting)
+    self.waiting.clear()
+    return out
+
+
+def plan_prefill(seqs: Iterable[SequenceState], cfg: SamplerConfig
+                 ) -> list[tuple[int, list[SequenceState]]]:
+  """Groups sequences that need a prefill into calls of at most `cfg.prefill_rows` rows.
+
+  Sequences are sorted by prefill length so that each call's bucket (the smallest bucket that
+  holds its longest row) wastes little padding.
+
+  Returns:
+    [(bucket, rows)], rows non-empty, len(rows) <= cfg.prefill_rows.
+  """
+  todo = sorted((s for s in seqs if s.needs_prefill), key=lambda s: s.prefill_len)
+  calls = []
+  for i in range(0, len(todo), cfg.prefill_rows):
+    rows = todo[i:i + cfg.prefill_rows]
+    calls.append((cfg.bucket_for(rows[-1].prefill_len), rows))
+  return calls
