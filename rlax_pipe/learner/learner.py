@@ -1,0 +1,288 @@
+"""`Learner`: a thin shell over the jitted, donated train step on the learner mesh.
+
+The class holds the sharded `TrainState`, places batches on the mesh, dispatches one optimizer
+step per `train_step` call and reads the previous step's metrics while the new step runs
+(metrics one step late, so the host never stalls the device). Non-finite steps are skipped
+inside the jitted step; here they are logged and counted, and too many in a row save a
+checkpoint and raise `NonFiniteError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+from jax.sharding import Mesh, NamedSharding
+import numpy as np
+
+from rlax_pipe import logprobs as logprobs_lib
+from rlax_pipe import objectives
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.learner import checkpoint as checkpoint_lib
+from rlax_pipe.learner import optimizer
+from rlax_pipe.learner import sharding as sharding_lib
+from rlax_pipe.learner import train_state as train_state_lib
+from rlax_pipe.learner import train_step as train_step_lib
+from rlax_pipe.learner.config import LearnerConfig
+from rlax_pipe.model import transformer
+from rlax_pipe.types import TrainBatch
+
+class NonFiniteError(RuntimeError):
+  """Raised after `max_consecutive_nonfinite` skipped (non-finite) optimizer steps in a row."""
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
+                   objective_cfg: objectives.ObjectiveConfig,
+                   sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
+                   shape: tuple[int, int]):
+  """The jitted step for one configuration, mesh and batch shape (shared between learners)."""
+  tx = optimizer.make_optimizer(step_cfg)
+  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
+  b, l = shape
+  micro = NamedSharding(mesh, sharding_lib.microbatch_spec(mesh, (b // step_cfg.micro_batches, l)))
+  fn = train_step_lib.make_train_step(model_cfg, step_cfg, objective_cfg, sampling_cfg, tx,
+                                      micro, state_sh.params)
+  batch_sh = {name: sharding_lib.batch_sharding(mesh, shape)
+              for name in train_step_lib.BATCH_FIELDS}
+  return jax.jit(fn, in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0,
+                 compiler_options=dict(step_cfg.compiler_options) or None), batch_sh
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_init(model_cfg: ModelConfig, step_cfg: LearnerConfig, mesh: Mesh,
+                   from_params: bool):
+  """Jitted state initializer writing straight into the learner shardings."""
+  tx = optimizer.make_optimizer(step_cfg)
+  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
+  opts = dict(step_cfg.compiler_options) or None
+  rep = sharding_lib.replicated(mesh)
+  if from_params:
+    return jax.jit(lambda params, seed: train_state_lib.init_state(params, tx, seed),
+                   in_shardings=(state_sh.params, rep), out_shardings=state_sh,
+                   compiler_options=opts)
+  return jax.jit(lambda seed: train_state_lib.init_state(
+      transformer.init_params(model_cfg, jax.random.key(seed)), tx, seed),
+                 in_shardings=(rep,), out_shardings=state_sh, compiler_options=opts)
+
+
+def batch_arrays(batch: TrainBatch | dict) -> dict[str, Any]:
+  """TrainBatch (or dict) -> dict of [B, L] arrays; host arrays are cast to the contract dtypes."""
+  if isinstance(batch, TrainBatch):
+    batch = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+  out = {}
+  for name, dtype in train_step_lib.BATCH_DTYPES.items():
+    if name not in batch:
+      raise ValueError(f"batch lacks {name!r}; fields are {train_step_lib.BATCH_FIELDS}.")
+    x = batch[name]
+    out[name] = x if isinstance(x, jax.Array) else np.asarray(x, np.dtype(dtype))
+  return out
+
+
+class Learner:
+  """Sharded learner: init, train_step, params/version for the weight channel, save/restore.
+
+  Example:
+    >>> learner = Learner(ModelConfig(), LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2))),
+    ...                   ObjectiveConfig(), SamplingConfig(), devices=jax.devices()[:4])
+    >>> prev_metrics = learner.train_step(batch)   # metrics of the previous step (or None)
+    >>> last_metrics = learner.flush()
+  """
+
+  def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig,
+               objective_cfg: objectives.ObjectiveConfig,
+               sampling_cfg: logprobs_lib.SamplingConfig, *,
+               devices: Sequence[Any] | None = None, mesh: Mesh | None = None,
+               params: Any = None, restore: bool = False):
+    """Builds the mesh and the initial state (version 0, or restored from a checkpoint).
+
+    Args:
+      model_cfg: model configuration.
+      cfg: learner configuration.
+      objective_cfg: objective configuration.
+      sampling_cfg: the sampler's SamplingConfig (log-probs are recomputed with it).
+      devices: learner devices (default: the first `cfg.num_devices` of `jax.devices()`);
+        ignored when `mesh` is given.
+      mesh: an existing learner mesh (its shape must match `cfg.mesh_axes`).
+      params: initial parameters (e.g. an SFT checkpoint), any placement; they are copied
+        onto the learner shardings. None = random init from `cfg.seed`, created directly on
+        the shardings by a jitted init with `out_shardings`.
+      restore: instead of initializing, restore the newest usable checkpoint of
+        `cfg.checkpoint_dir` onto this mesh (its JSON extra dict is kept in
+        `self.restored_extra`); `params` must then be None.
+
+    Raises:
+      ValueError: on a mesh / device-count mismatch, params of the wrong structure, or
+        `restore` without a checkpoint directory or together with `params`.
+      checkpoint.CheckpointError: with `restore`, if no usable checkpoint exists.
+    """
+    self.model_cfg, self.cfg = model_cfg, cfg
+    self.objective_cfg, self.sampling_cfg = objective_cfg, sampling_cfg
+    if mesh is None:
+      devices = list(jax.devices()[:cfg.num_devices] if devices is None else devices)
+      mesh = sharding_lib.learner_mesh(devices, cfg)
+    elif dict(mesh.shape) != cfg.mesh_shape:
+      raise ValueError(f"mesh shape {dict(mesh.shape)} != LearnerConfig.mesh_axes "
+                       f"{cfg.mesh_shape}.")
+    self.mesh = mesh
+    self._step_cfg = cfg.step_slice()
+    self._tx = optimizer.make_optimizer(self._step_cfg)
+    self.state_shardings = train_state_lib.state_shardings(model_cfg, self._tx, mesh)
+    self._checkpointer = None
+    if cfg.checkpoint_dir is not None:
+      self._checkpointer = checkpoint_lib.Checkpointer(
+          cfg.checkpoint_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpointing)
+    self._pending = None  # device metrics of the last dispatched step, not yet checked
+    self._step_fn = None
+    self.restored_extra: dict | None = None
+    logging.info("Learner: mesh %s on devices %s; initial state from %s.", dict(mesh.shape),
+                 [d.id for d in mesh.devices.flat],
+                 "checkpoint" if restore else "given params" if params is not None else "random")
+    if restore:
+      if params is not None:
+        raise ValueError("Learner: pass either params or restore=True, not both.")
+      self.restored_extra = self.restore()
+      return
+    seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
+    if params is None:
+      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, False)(seed)
+    else:
+      params = jax.device_put(params, self.state_shardings.params)
+      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, True)(params, seed)
+
+  # ---- state access -------------------------------------------------------------------------
+
+  @property
+  def state(self) -> train_state_lib.TrainState:
+    """The current TrainState (donated by the next `train_step`: do not keep references)."""
+    return self._state
+
+  @property
+  def params(self) -> Any:
+    """Learner-sharded params of the current version, valid until the next `train_step`
+    (which donates them): copy them (e.g. into the weight channel) before stepping again."""
+    return self._state.params
+
+  @property
+  def version(self) -> int:
+    """Policy version of `params` (blocks until the latest dispatched step has finished)."""
+    return int(jax.device_get(self._state.version))
+
+  @property
+  def step(self) -> int:
+    """Number of train_step calls so far, applied or skipped (blocks like `version`)."""
+    return int(jax.device_get(self._state.step))
+
+  @property
+  def checkpointer(self) -> checkpoint_lib.Checkpointer | None:
+    return self._checkpointer
+
+  def compile_count(self) -> int:
+    """Number of compiled variants of the train step (1 after any number of same-shape steps)."""
+    if self._step_fn is None:
+      return 0
+    return self._step_fn._cache_size()  # pylint: disable=protected-access
+
+  # ---- training -------------------------------------------------------------------------------
+
+  def train_step(self, batch: TrainBatch | dict) -> dict[str, np.ndarray] | None:
+    """Dispatches one optimizer step on `batch`; returns the PREVIOUS step's metrics.
+
+    Args:
+      batch: TrainBatch (host numpy) or a dict with the same [B, L] fields (host or device).
+
+    Returns:
+      Host (numpy) metrics of the previous step (see `train_step.make_train_step`), or None on
+      the first call. Use `flush()` for the metrics of the step just dispatched.
+
+    Raises:
+      NonFiniteError: when the previous step made `max_consecutive_nonfinite` skipped steps
+        in a row (a checkpoint is saved first when a checkpoint directory is configured).
+    """
+    arrays = batch_arrays(batch)
+    shape = tuple(arrays["tokens"].shape)
+    step_fn, batch_sh = _compiled_step(self.model_cfg, self._step_cfg, self.objective_cfg,
+                                       self.sampling_cfg, self.mesh, shape)
+    self._step_fn = step_fn
+    device_batch = jax.device_put(arrays, batch_sh)
+    self._state, metrics = step_fn(self._state, device_batch)
+    previous, self._pending = self._pending, metrics
+    return None if previous is None else self._check(previous)
+
+  def flush(self) -> dict[str, np.ndarray] | None:
+    """Waits for the last dispatched step and returns (and checks) its host metrics."""
+    previous, self._pending = self._pending, None
+    return None if previous is None else self._check(previous)
+
+  def _check(self, device_metrics: dict) -> dict[str, np.ndarray]:
+    m = jax.device_get(device_metrics)
+    if bool(m["is_finite"]):
+      return m
+    bad = [name for name in ("loss_finite", "grad_finite", "logp_finite", "inputs_finite")
+           if not bool(m[name])]
+    consecutive = int(m["nonfinite_consecutive"])
+    logging.warning(
+        "Learner: step %d skipped (update not applied, version stays %d): non-finite %s; "
+        "loss=%s grad_norm=%s; %d in a row, %d in total.", int(m["step"]), int(m["version"]),
+        ", ".join(n.replace("_finite", "") for n in bad), m["loss"], m["grad_norm"],
+        consecutive, int(m["nonfinite_total"]))
+    if consecutive >= self.cfg.max_consecutive_nonfinite:
+      where = "no checkpoint directory configured"
+      if self._checkpointer is not None:
+        saved = self.save({"stopped_on": "nonfinite", "nonfinite_consecutive": consecutive})
+        self._checkpointer.wait()
+        where = f"checkpoint step {saved} saved in {self._checkpointer.directory}"
+      first = int(m["step"]) - consecutive + 1
+      raise NonFiniteError(
+          f"{consecutive} consecutive optimizer steps (steps {first}..{int(m['step'])}) had a "
+          f"non-finite {' / '.join(n.replace('_finite', '') for n in bad)} (last loss="
+          f"{m['loss']}, grad_norm={m['grad_norm']}); max_consecutive_nonfinite="
+          f"{self.cfg.max_consecutive_nonfinite}. Updates were skipped, params stay at version "
+          f"{int(m['version'])}; {where}.")
+    return m
+
+  # ---- checkpoints ----------------------------------------------------------------------------
+
+  def save(self, extra: dict | None = None) -> int:
+    """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
+
+    Raises:
+      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      TypeError: if `extra` is not JSON-serializable.
+    """
+    if self._checkpointer is None:
+      raise ValueError("Learner.save: LearnerConfig.checkpoint_dir is None.")
+    step = self.step
+    self._checkpointer.save(step, self._state, extra)
+    logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
+                 self._checkpointer.directory)
+    return step
+
+  def restore(self, step: int | None = None) -> dict:
+    """Restores a checkpoint (newest usable one by default) onto THIS learner's mesh.
+
+    Returns:
+      The JSON extra dict saved with it.
+
+    Raises:
+      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable).
+    """
+    if self._checkpointer is None:
+      raise ValueError("Learner.restore: LearnerConfig.checkpoint_dir is None.")
+    target = train_state_lib.sharded_abstract_state(self.model_cfg, self._tx, self.mesh)
+    restored = self._checkpointer.restore(target, step)
+    self._state, self._pending = restored.state, None
+    logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
+                 self.version, self._checkpointer.directory,
+                 f", skipping bad steps {list(restored.skipped)}" if restored.skipped else "")
+    return restored.extra
+
+  def close(self) -> None:
+    """Waits for pending checkpoint writes."""
+    if self._checkpointer is not None:
+      self._checkpointer.close()

@@ -1,0 +1,87 @@
+"""The learner's train state: a pytree passed explicitly to (and donated by) the jitted step."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+import optax
+
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.learner import sharding as sharding_lib
+from rlax_pipe.model import transformer
+
+
+class TrainState(NamedTuple):
+  """Everything the learner carries from one optimizer step to the next.
+
+  Attributes:
+    params: model parameter tree (`transformer.init_params` layout), learner-sharded.
+    opt_state: optax state of `optimizer.make_optimizer(cfg)`.
+    version: int32 scalar policy version of `params`: initial weights are version 0 and every
+      applied optimizer step makes v + 1 (a skipped non-finite step leaves it unchanged).
+    rng: uint32[2] raw PRNG key data, fold_in(key(seed), 1) at init (random init of the params
+      uses key(seed) itself); advanced once per step; reserved for stochastic parts.
+    step: int32 scalar number of `train_step` calls, applied or skipped (checkpoint step id).
+    nonfinite_consecutive: int32 scalar, skipped steps in a row up to now (0 after a good step).
+    nonfinite_total: int32 scalar, skipped steps since initialization.
+  """
+
+  params: Any
+  opt_state: Any
+  version: jax.Array
+  rng: jax.Array
+  step: jax.Array
+  nonfinite_consecutive: jax.Array
+  nonfinite_total: jax.Array
+
+
+def init_state(params: Any, tx: optax.GradientTransformation,
+               seed: int | jax.Array) -> TrainState:
+  """Fresh train state around `params` (version 0, zero counters). Pure; jit it.
+
+  Args:
+    params: parameter tree.
+    tx: optimizer.
+    seed: PRNG seed (int or int32 scalar array).
+
+  Returns:
+    TrainState.
+  """
+  zero = jnp.zeros((), jnp.int32)
+  return TrainState(
+      params=params,
+      opt_state=tx.init(params),
+      version=zero,
+      rng=jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
+      step=zero,
+      nonfinite_consecutive=zero,
+      nonfinite_total=zero,
+  )
+
+
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+  """TrainState of `jax.ShapeDtypeStruct` leaves (no allocation)."""
+  return jax.eval_shape(lambda p: init_state(p, tx, 0), transformer.abstract_params(model_cfg))
+
+
+def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                    mesh: Mesh) -> TrainState:
+  """TrainState of NamedShardings on the learner mesh, derived from the abstract state."""
+  abstract = abstract_state(model_cfg, tx)
+  params = sharding_lib.param_shardings(model_cfg, mesh)
+  rep = sharding_lib.replicated(mesh)
+  return TrainState(
+      params=params,
+      opt_state=sharding_lib.opt_state_shardings(tx, abstract.opt_state, params, mesh),
+      version=rep, rng=rep, step=rep, nonfinite_consecutive=rep, nonfinite_total=rep)
+
+
+def sharded_abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+                           mesh: Mesh) -> TrainState:
+  """Abstract state whose leaves carry their target sharding (an orbax restore target)."""
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_state(model_cfg, tx), state_shardings(model_cfg, tx, mesh))
