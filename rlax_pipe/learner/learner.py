@@ -231,18 +231,20 @@ class Learner:
         ", ".join(n.replace("_finite", "") for n in bad), m["loss"], m["grad_norm"],
         consecutive, int(m["nonfinite_total"]))
     if consecutive >= self.cfg.max_consecutive_nonfinite:
-      where = "no checkpoint directory configured"
+      where = "no checkpoint saved (LearnerConfig.checkpoint_dir is None)"
       if self._checkpointer is not None:
         saved = self.save({"stopped_on": "nonfinite", "nonfinite_consecutive": consecutive})
         self._checkpointer.wait()
-        where = f"checkpoint step {saved} saved in {self._checkpointer.directory}"
+        # Metrics are read one step late: the saved state may include one more dispatched step.
+        where = (f"checkpoint step {saved} (version {self.version}) saved in "
+                 f"{self._checkpointer.directory}")
       first = int(m["step"]) - consecutive + 1
       raise NonFiniteError(
           f"{consecutive} consecutive optimizer steps (steps {first}..{int(m['step'])}) had a "
           f"non-finite {' / '.join(n.replace('_finite', '') for n in bad)} (last loss="
           f"{m['loss']}, grad_norm={m['grad_norm']}); max_consecutive_nonfinite="
-          f"{self.cfg.max_consecutive_nonfinite}. Updates were skipped, params stay at version "
-          f"{int(m['version'])}; {where}.")
+          f"{self.cfg.max_consecutive_nonfinite}. Their updates were skipped (params, optimizer "
+          f"state and version {int(m['version'])} unchanged); {where}.")
     return m
 
   # ---- checkpoints ----------------------------------------------------------------------------
