@@ -72,7 +72,9 @@ def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R
   r, t = tokens_RT.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (r, t))
   valid = positions < lengths_R[:, None]
-  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=block_tables_RW)
+  # A prefill starts at position 0, so only the pages under the bucket are read or written.
+  pages = -(-t // k_pages.shape[3])
+  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=block_tables_RW[:, :pages])
   _, cache = transformer.forward(params, tokens_RT, positions, model_cfg, cache=cache,
                                  valid_BT=valid)
   return _constrain((cache.k, cache.v), pool_sharding)

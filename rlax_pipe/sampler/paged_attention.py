@@ -145,7 +145,8 @@ def paged_decode_pallas_gpu(q_BTHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_
   Raises:
     ValueError: if T != 1 (the kernel is decode-only).
   """
-  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged  # pylint: disable=g-import-not-at-top
+  # Imported here: only the GPU path needs Pallas.
+  from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
   b, t, h, d = q_BTHD.shape
   if t != 1:

@@ -62,8 +62,9 @@ def _reference(params, rollouts, sampling=SAMPLING):
 
 def _requests(n, seed=0, prompt_lens=(1, 3, 4, 5, 9, 15, 17, 20), budgets=(8, 20)):
   rng = np.random.default_rng(seed)
-  return [Request(prompt_tokens=rng.integers(0, MODEL.vocab_size, prompt_lens[i % len(prompt_lens)]),
-                  sample_id=i, group_id=i // 2, prompt_index=100 + i,
+  lens = [prompt_lens[i % len(prompt_lens)] for i in range(n)]
+  return [Request(prompt_tokens=rng.integers(0, MODEL.vocab_size, lens[i]), sample_id=i,
+                  group_id=i // 2, prompt_index=100 + i,
                   max_new_tokens=int(rng.integers(budgets[0], budgets[1] + 1)))
           for i in range(n)]
 
@@ -99,13 +100,15 @@ def test_parity_with_full_forward_across_page_boundaries_and_preemptions(params)
   for r, ref in zip(rollouts, _reference(params[0], rollouts)):
     req = requests[r.sample_id]
     np.testing.assert_array_equal(r.prompt_tokens, req.prompt_tokens)
-    assert r.num_completion_tokens == min(req.max_new_tokens, CFG.max_seq_len - len(req.prompt_tokens))
-    assert r.finish_reason == "length" and (r.group_id, r.prompt_index) == (req.group_id, req.prompt_index)
+    budget = min(req.max_new_tokens, CFG.max_seq_len - len(req.prompt_tokens))
+    assert r.num_completion_tokens == budget and r.finish_reason == "length"
+    assert (r.group_id, r.prompt_index) == (req.group_id, req.prompt_index)
     assert np.all(r.policy_versions == 0) and r.behavior_logprobs.dtype == np.float32
     err = max(err, float(np.abs(r.behavior_logprobs - ref).max()))
   assert err < 1e-5, err
   assert stats.generated_tokens == sum(r.num_completion_tokens for r in rollouts)
-  assert not engine.has_work and engine._alloc.num_free == CFG.num_pages  # pylint: disable=protected-access
+  assert not engine.has_work
+  assert engine._alloc.num_free == CFG.num_pages  # pylint: disable=protected-access
 
 
 def _keep_reference(params_by_version, rollout):
@@ -247,7 +250,8 @@ def test_abort_admission_filter_spans_and_virtual_clock(params):
   for r in _requests(6, seed=5, budgets=(12, 12)):
     engine.submit(r)
   engine.step()
-  running = {s.request.sample_id for s in engine._sched.running()}  # pylint: disable=protected-access
+  running = engine._sched.running()  # pylint: disable=protected-access
+  running = {s.request.sample_id for s in running}
   assert running and all(sid % 2 == 0 for sid in running) and engine.num_waiting == 6 - len(running)
   allowed["odd"] = True
   done = []
@@ -286,6 +290,7 @@ def test_pool_is_sharded_over_tp_by_kv_heads(params):
   for r in _requests(3, seed=6, prompt_lens=(1,), budgets=(6, 6)):  # decode only
     engine.submit(r)
   rollouts = engine.run_to_completion()
-  assert engine._k.sharding == page_pool.pool_sharding(MODEL, cfg, mesh)  # pylint: disable=protected-access
+  k_pages = engine._k  # pylint: disable=protected-access
+  assert k_pages.sharding == page_pool.pool_sharding(MODEL, cfg, mesh)
   for r, ref in zip(rollouts, _reference(params[0], rollouts)):
     np.testing.assert_allclose(r.behavior_logprobs, ref, atol=1e-5, rtol=0)
