@@ -25,6 +25,8 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model path; defau
 
 def main(argv):
   del argv
+  if _TASK.value == "jsonl" and not _JSONL_PATH.value:
+    raise app.UsageError("--task=jsonl needs --jsonl_path.")
   config = tasks.JsonlConfig(path=_JSONL_PATH.value) if _TASK.value == "jsonl" else None
   task = tasks.make_task(_TASK.value, config)
   tok = (tokenizer.Tokenizer(_TOKENIZER.value) if _TOKENIZER.value

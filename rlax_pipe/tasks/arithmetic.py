@@ -16,8 +16,9 @@ length is linear in the number of terms n. n is heavy-tailed (truncated Lomax / 
 
 drawn by inverse CDF: F(x) = 1 - (1 + x)^(-alpha), x = (1 - u F(x_max))^(-1/alpha) - 1 with
 u ~ U[0, 1) (Arnold, "Pareto Distributions", 2nd ed., 2015, ch. 3, Pareto II with location 0).
-With the defaults most problems have 2-4 terms and about one in a hundred has 25+, so the p99 of
-the completion length is about 10x its median: the straggler regime of synchronous RL.
+With the defaults (3..32 terms) 60% of problems have 3-4 terms and about one in a hundred has
+26+, so the p99 of the completion length is ~7x its median: the straggler regime of synchronous RL.
+(min_terms=3 by default because the 100 two-term prompts of 0..9 are memorized, not learned.)
 
 Why this is learnable but not trivial for a 2-layer transformer: each line copies the previous
 result (a local lookup), fetches the next prompt term (a lookup by count of lines so far, which
@@ -25,6 +26,11 @@ gets less reliable as n grows) and adds a one-digit number (carries). Per-line e
 over n lines, so accuracy falls with length and RL has headroom on the long tail. Knobs: the term
 distribution (`tail_index`, `scale`, `min_terms`, `max_terms`), operand size (`max_operand`) and
 subtraction (`operators="+-"`, running values may become negative).
+
+Calibration (2026-11-30, one run each, not a benchmark): the 2-layer d_model-128 `ModelConfig`
+default, SFT on reference traces (AdamW lr 3e-3, 180 steps of 8 x 512 packed tokens = 0.67M
+tokens, ~3.3 CPU-minutes), greedy decoding on 256 eval problems: default config 46% accuracy
+(n=3: 82%, n=4-5: 46%, n=6-9: 11%, n>=10: 0%); with min_terms=2, 59% (n=2: 94%).
 
 Reward (`ArithmeticTask.reward`): 1.0 iff the text after the first "A:" up to the end of that
 line, stripped of surrounding whitespace, equals the reference integer exactly (canonical form:
@@ -47,7 +53,7 @@ _MAX_INDEX = 2**62
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticConfig:
-  """Difficulty and split knobs of the arithmetic task.
+  """Difficulty and split knobs of the arithmetic task (calibration in the module docstring).
 
   Attributes:
     min_terms: fewest terms per problem (>= 1; one term gives the completion "A: <term>").
@@ -62,7 +68,7 @@ class ArithmeticConfig:
       The split of a prompt does not depend on it (see `base.split_of`).
   """
 
-  min_terms: int = 2
+  min_terms: int = 3
   max_terms: int = 32
   tail_index: float = 1.5
   scale: float = 2.5

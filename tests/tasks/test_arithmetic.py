@@ -34,7 +34,7 @@ def test_problem_is_well_formed_and_solution_is_correct(task):
     assert p.prompt == "Q: " + "+".join(map(str, terms)) + "\n"
     assert p.answer == str(sum(terms))
     assert p.difficulty == len(terms)
-    assert 2 <= len(terms) <= 32 and all(0 <= t <= 9 for t in terms)
+    assert 3 <= len(terms) <= 32 and all(0 <= t <= 9 for t in terms)
     assert p.solution.endswith(f"A: {p.answer}")
     assert p.solution.count("\n") == len(terms) - 1
 
@@ -70,7 +70,7 @@ def test_splits_share_difficulty_distribution(task):
   n_train = [p.difficulty for p in tasks.take_problems(task, 0, 2000, "train")]
   n_eval = [p.difficulty for p in tasks.take_problems(task, 0, 2000, "eval")]
   assert abs(np.mean(n_train) - np.mean(n_eval)) < 0.6
-  assert abs(np.mean(np.equal(n_train, 2)) - np.mean(np.equal(n_eval, 2))) < 0.05
+  assert abs(np.mean(np.equal(n_train, 3)) - np.mean(np.equal(n_eval, 3))) < 0.05
 
 
 def test_reward_reference_is_one_corrupted_is_zero(task):
