@@ -1,0 +1,99 @@
+"""Learner side of a run: takes the oldest ready groups, builds a TrainBatch, steps, pushes weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from rlax_pipe import advantages as advantages_lib
+from rlax_pipe.learner import Learner
+from rlax_pipe.pipeline import batching
+from rlax_pipe.pipeline.config import PipelineConfig
+from rlax_pipe.pipeline.rollout_queue import Group, RolloutQueue
+from rlax_pipe.pipeline.weight_channel import WeightChannel
+from rlax_pipe.types import Rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  """What one learner step consumed and produced (host numbers).
+
+  Attributes:
+    version: learner version after the step (= the version pushed).
+    metrics: the learner's metrics of this step (numpy scalars / arrays).
+    rollouts: the samples trained on.
+    completion_tokens: completion tokens trained on (real tokens, no padding).
+    reward_mean: mean reward of the samples.
+  """
+
+  version: int
+  metrics: dict
+  rollouts: tuple[Rollout, ...]
+  completion_tokens: int
+  reward_mean: float
+
+
+def _rows_bucket(needed: int) -> int:
+  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
+  return 1 << max(0, int(needed - 1).bit_length())
+
+
+def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
+  """Advantages per group, then sequence packing into [rows, seq_len] with rows a power of two.
+
+  Returns:
+    (TrainBatch, flat list of rollouts in batch order).
+  """
+  rollouts = [r for g in groups for r in g]
+  rewards = np.asarray([r.reward for r in rollouts], np.float32)
+  group_ids = np.asarray([r.group_id for r in rollouts], np.int64)
+  adv = advantages_lib.get_advantage_fn(cfg.advantage)(rewards, group_ids)
+  lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
+  rows = _rows_bucket(len(batching.packing_plan(lengths, cfg.seq_len)))
+  return batching.pack_rollouts(rollouts, np.asarray(adv, np.float32), cfg.seq_len,
+                                num_rows=rows), rollouts
+
+
+class Trainer:
+  """Thin shell: queue -> batch -> `Learner.train_step` -> `WeightChannel.push`.
+
+  Args:
+    learner: the sharded learner.
+    queue: the rollout queue.
+    channel: weight channel to the sampler.
+    cfg: pipeline configuration.
+  """
+
+  def __init__(self, learner: Learner, queue: RolloutQueue, channel: WeightChannel,
+               cfg: PipelineConfig):
+    self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
+
+  def train_on(self, groups: Sequence[Group]) -> StepResult:
+    """One optimizer step on `groups`, then pushes the new version to the sampler."""
+    batch, rollouts = build_batch(groups, self.cfg)
+    self.learner.train_step(batch)
+    metrics = self.learner.flush()
+    version = self.learner.version
+    self.queue.set_learner_version(version)
+    self.channel.push(self.learner.params, version)
+    return StepResult(
+        version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
+        rollouts=tuple(rollouts),
+        completion_tokens=int(sum(r.num_completion_tokens for r in rollouts)),
+        reward_mean=float(np.mean([r.reward for r in rollouts])))
+
+  def try_step(self) -> StepResult | None:
+    """Trains if `groups_per_step` ready groups are queued (non-blocking)."""
+    groups = self.queue.try_get_batch(self.cfg.groups_per_step, self.learner.version)
+    return None if groups is None else self.train_on(groups)
+
+  def step(self, timeout_s: float) -> StepResult:
+    """Blocks (up to `timeout_s`) for a batch, then trains. Raises `QueueTimeout` on timeout."""
+    groups = self.queue.get_batch(self.cfg.groups_per_step, self.learner.version,
+                                  timeout=timeout_s)
+    return self.train_on(groups)
+
+  def params(self) -> Any:
+    return self.learner.params

@@ -1,0 +1,63 @@
+"""PNG plots of a run from its metrics rows (matplotlib Agg canvas, no pyplot global state)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def _figure(ncols: int = 1, width: float = 6.0):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(width * ncols, 4.0))
+  FigureCanvasAgg(fig)
+  return fig
+
+
+def plot_reward_accuracy(rows: Sequence[dict], path: str) -> None:
+  """Batch reward and held-out accuracy against run time (seconds) and learner step."""
+  train = [r for r in rows if r.get("kind") == "train"]
+  evals = [r for r in rows if r.get("kind") == "eval"]
+  fig = _figure(2)
+  for i, key in enumerate(("time_s", "step")):
+    ax = fig.add_subplot(1, 2, i + 1)
+    ax.plot([r[key] for r in train], [r["reward_mean"] for r in train], label="batch reward",
+            alpha=0.6)
+    ax.plot([r[key] for r in evals], [r["heldout_accuracy"] for r in evals], "o-",
+            label="held-out accuracy (greedy)")
+    ax.set_xlabel("run time (s)" if key == "time_s" else "learner step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+  fig.savefig(path, dpi=90)
+
+
+def plot_lag_hist(rows: Sequence[dict], path: str) -> None:
+  """Per-token lag histogram summed over the run (tokens in gradients with lag 0, 1, ...)."""
+  hists = [np.asarray(r["lag_hist"]) for r in rows if r.get("kind") == "train"]
+  fig = _figure()
+  ax = fig.add_subplot(1, 1, 1)
+  if hists:
+    total = np.sum(hists, axis=0)
+    ax.bar(np.arange(total.shape[0]), total)
+    ax.set_xticks(np.arange(total.shape[0]))
+    ax.set_xticklabels([str(i) for i in range(total.shape[0] - 1)] + [f">={total.shape[0] - 1}"])
+  ax.set_xlabel("token lag (learner version - token's policy version)")
+  ax.set_ylabel("tokens trained")
+  fig.savefig(path, dpi=90)
+
+
+def plot_idle(rows: Sequence[dict], path: str) -> None:
+  """Idle fraction of each mesh over learner steps (cumulative from the run start)."""
+  train = [r for r in rows if r.get("kind") == "train"]
+  fig = _figure()
+  ax = fig.add_subplot(1, 1, 1)
+  for key, label in (("idle_sampler", "sampler mesh"), ("idle_learner", "learner mesh")):
+    ax.plot([r["step"] for r in train], [r.get(key, np.nan) for r in train], label=label)
+  ax.set_ylim(0, 1)
+  ax.set_xlabel("learner step")
+  ax.set_ylabel("idle fraction (cumulative)")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.savefig(path, dpi=90)

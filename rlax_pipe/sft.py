@@ -1,0 +1,196 @@
+"""Supervised warm start: teach the tiny model the reference traces of a task.
+
+SFT is the learner's objective with advantage 1 on every completion token and no importance
+correction (`no_correction`, token-mean aggregation): loss = -mean log pi(reference token), the
+usual negative log-likelihood. So the warm start runs through the same sharded `Learner`, packing
+and checkpointing code as RL. The warm-started policy should be competent but imperfect
+(20-60% held-out accuracy) so RL has headroom; `SFTConfig.steps` is the main knob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from rlax_pipe import evaluation
+from rlax_pipe import objectives
+from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.learner import Learner, LearnerConfig
+from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.model import hf_io
+from rlax_pipe.pipeline import batching
+from rlax_pipe.sampler import SamplerConfig, SamplerEngine
+from rlax_pipe.tasks import base as task_base
+from rlax_pipe.types import Rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Supervised warm start.
+
+  Attributes:
+    steps: optimizer steps (>= 1).
+    rows: packed rows per step (>= 1).
+    seq_len: tokens per packed row (>= longest prompt + reference completion + 1).
+    learning_rate: peak AdamW learning rate (> 0).
+    warmup_steps: linear warmup, in steps (>= 0).
+    weight_decay: AdamW decoupled weight decay (>= 0).
+    learner_devices: devices of the learner mesh, laid out as ("fsdp", n).
+    eval_problems: held-out problems for the final accuracy (>= 1).
+    eval_slots: decode slots of the evaluation sampler (>= 1).
+    log_every: steps between progress lines (>= 1).
+    seed: seed of the model init and of the T=1 evaluation sampler.
+  """
+
+  steps: int = 120
+  rows: int = 8
+  seq_len: int = 384
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.01
+  learner_devices: int = 1
+  eval_problems: int = 128
+  eval_slots: int = 32
+  log_every: int = 10
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("steps", "rows", "seq_len", "learner_devices", "eval_problems", "eval_slots",
+                 "log_every"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1.")
+    if not self.learning_rate > 0 or self.warmup_steps < 0 or self.weight_decay < 0:
+      raise ValueError("SFTConfig: learning_rate must be > 0, warmup_steps and weight_decay >= 0.")
+
+
+def default_model_config(vocab_size: int, max_seq_len: int = 384) -> ModelConfig:
+  """The default tiny Llama-style policy (2 layers, width 128, GQA 4/2 heads)."""
+  return ModelConfig(vocab_size=vocab_size, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=32, d_ff=384, max_seq_len=max_seq_len)
+
+
+def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
+                      sample_id: int) -> Rollout:
+  """The reference completion of `problem` (+ EOS) as a Rollout (log-probs 0, version 0)."""
+  prompt = np.asarray(tok.encode(problem.prompt, add_bos=True), np.int32)
+  completion = np.asarray(tok.encode(problem.solution) + [tok.eos_id], np.int32)
+  n = completion.shape[0]
+  return Rollout(sample_id=sample_id, group_id=sample_id, prompt_tokens=prompt,
+                 completion_tokens=completion, behavior_logprobs=np.zeros(n, np.float32),
+                 policy_versions=np.zeros(n, np.int32), finish_reason="eos", reward=1.0,
+                 prompt_index=problem.index)
+
+
+def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, rows: int,
+               seq_len: int):
+  """Packs consecutive training problems from index `start` into exactly `rows` rows.
+
+  Returns:
+    (TrainBatch [rows, seq_len], next_index).
+
+  Raises:
+    ValueError: if one reference trace does not fit in `seq_len` tokens.
+  """
+  items, index = [], start
+  while True:
+    candidate = reference_rollout(task.problem(index), tok, index)
+    lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens
+               for r in items + [candidate]]
+    if len(batching.packing_plan(lengths, seq_len)) > rows:
+      if not items:
+        raise ValueError(f"problem {index} needs {lengths[-1]} tokens > seq_len={seq_len}.")
+      break
+    items.append(candidate)
+    index += 1
+  advantages = np.ones(len(items), np.float32)
+  return batching.pack_rollouts(items, advantages, seq_len, num_rows=rows), index
+
+
+def eval_engine(model_cfg: ModelConfig, params: Any, tok: tokenizer_lib.Tokenizer, *,
+                slots: int, max_seq_len: int, sampling: SamplingConfig, mesh=None,
+                seed: int = 0) -> SamplerEngine:
+  """A paged sampler engine for held-out evaluation (prompts + completions <= max_seq_len)."""
+  page_size = 16
+  cfg = SamplerConfig(num_slots=slots, page_size=page_size,
+                      num_pages=slots * (-(-max_seq_len // page_size)), max_seq_len=max_seq_len,
+                      max_new_tokens=max_seq_len, eos_id=tok.eos_id, sampling=sampling,
+                      seed=seed)
+  return SamplerEngine(model_cfg, cfg, params, mesh=mesh)
+
+
+def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
+            out_dir: str | pathlib.Path, model_cfg: ModelConfig | None = None) -> dict:
+  """Trains the warm start, evaluates greedy and T=1 accuracy, writes an HF-format checkpoint.
+
+  The checkpoint (`out_dir/config.json` + `model.safetensors`, loadable with
+  `rlax_pipe.model.load_hf_checkpoint` or transformers) is what the RL job starts from;
+  `out_dir/sft_result.json` holds the returned summary.
+
+  Args:
+    task: task whose reference solutions are imitated.
+    tok: tokenizer.
+    cfg: SFT configuration.
+    out_dir: output directory (created; must not already hold a checkpoint).
+    model_cfg: model to train; default `default_model_config(tok.vocab_size, cfg.seq_len)`.
+
+  Returns:
+    Summary dict: steps, seconds, final loss, greedy and T=1 held-out accuracy, etc.
+  """
+  out_dir = pathlib.Path(out_dir)
+  model_cfg = model_cfg or default_model_config(tok.vocab_size, cfg.seq_len)
+  learner_cfg = LearnerConfig(mesh_axes=(("fsdp", cfg.learner_devices),),
+                              learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                              schedule="cosine", decay_steps=cfg.steps + 1, min_lr_ratio=0.1,
+                              weight_decay=cfg.weight_decay, seed=cfg.seed)
+  objective_cfg = objectives.ObjectiveConfig(name="no_correction", aggregation="token_mean")
+  learner = Learner(model_cfg, learner_cfg, objective_cfg, SamplingConfig(),
+                    devices=jax.devices()[:cfg.learner_devices])
+  t0, index, losses = time.perf_counter(), 0, []
+  for step in range(cfg.steps):
+    batch, index = next_batch(task, tok, index, cfg.rows, cfg.seq_len)
+    metrics = learner.train_step(batch)
+    if metrics is not None:
+      losses.append(float(metrics["loss"]))
+    if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+      elapsed = time.perf_counter() - t0
+      eta = elapsed / (step + 1) * (cfg.steps - step - 1)
+      logging.info("sft step %d/%d  loss %.4f  problems %d  %.1fs elapsed  ETA %.0fs",
+                   step + 1, cfg.steps, losses[-1] if losses else float("nan"), index, elapsed,
+                   eta)
+  last = learner.flush()
+  if last is not None:
+    losses.append(float(last["loss"]))
+  train_s = time.perf_counter() - t0
+  params = jax.device_get(learner.params)
+  learner.close()
+
+  hf_io.save_hf_checkpoint(out_dir, params, model_cfg,
+                           extra_config={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+                                         "pad_token_id": tok.pad_id})
+  problems = evaluation.eval_problems(task, cfg.eval_problems)
+  params_dev = jax.device_put(params, jax.devices()[0])  # the eval engine's one-device mesh
+  results = {}
+  for name, sampling in (("greedy", SamplingConfig(greedy=True)),
+                         ("t1", SamplingConfig(temperature=1.0))):
+    engine = eval_engine(model_cfg, params_dev, tok, slots=cfg.eval_slots,
+                         max_seq_len=cfg.seq_len, sampling=sampling, seed=cfg.seed)
+    results[name] = evaluation.evaluate(engine, task, tok, problems)
+  summary = {
+      "steps": cfg.steps, "train_seconds": round(train_s, 1),
+      "total_seconds": round(time.perf_counter() - t0, 1), "problems_seen": index,
+      "final_loss": losses[-1] if losses else None,
+      "greedy_accuracy": results["greedy"].accuracy, "t1_accuracy": results["t1"].accuracy,
+      "eval_problems": cfg.eval_problems,
+      "greedy_accuracy_by_difficulty": results["greedy"].accuracy_by_difficulty,
+      "config": dataclasses.asdict(cfg),
+  }
+  (out_dir / "sft_result.json").write_text(json.dumps(summary, indent=2))
+  return summary
