@@ -22,6 +22,13 @@ from rlax_pipe.sampler.engine import SamplerEngine
 from rlax_pipe.sampler.static_generate import static_generate
 
 
+# Small enough that a CPU run takes well under two minutes; long enough for 320-token tails.
+MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=1,
+                    head_dim=16, d_ff=192, max_seq_len=352)
+SAMPLER = SamplerConfig(num_slots=32, page_size=16, num_pages=192, max_seq_len=352,
+                        min_prefill_bucket=32, prefill_rows=4)
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkloadConfig:
   """Heavy-tailed generation workload.
@@ -35,7 +42,7 @@ class WorkloadConfig:
     seed: numpy seed of the workload.
   """
 
-  num_requests: int = 512
+  num_requests: int = 1024
   prompt_min: int = 4
   prompt_max: int = 24
   short_min: int = 8

@@ -82,27 +82,26 @@ def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "sampling", "impl", "pool_sharding"),
                    donate_argnames=("k_pages", "v_pages", "rng"))
-def decode_step(params, k_pages, v_pages, block_tables_BW, tokens_B, positions_B, active_B, rng,
-                *, model_cfg: ModelConfig, sampling: logprobs_lib.SamplingConfig, impl: str,
-                pool_sharding):
+def decode_step(params, k_pages, v_pages, slots_BX, rng, *, model_cfg: ModelConfig,
+                sampling: logprobs_lib.SamplingConfig, impl: str, pool_sharding):
   """One decode step for every slot: feed the pending token, write its KV, draw the next token.
 
   Args:
     params: model parameters.
     k_pages, v_pages: [layers, K, P, S, D] pools (donated).
-    block_tables_BW: int32 [B, W].
-    tokens_B: int32 [B] pending token of each slot.
-    positions_B: int32 [B] its position.
-    active_B: bool [B]; inactive slots write nothing and their outputs are ignored.
+    slots_BX: int32 [B, 3 + W], one host-to-device transfer per step; per slot: the pending
+      token, its position, active (1) or not (0; writes nothing, outputs ignored), then the
+      block-table row [W].
     rng: PRNG key (donated); split once per step.
     model_cfg, sampling, impl, pool_sharding: static.
 
   Returns:
     (next_tokens int32 [B], behaviour log-probs float32 [B], k_pages, v_pages, rng).
   """
-  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=block_tables_BW, impl=impl)
-  logits, cache = transformer.forward(params, tokens_B[:, None], positions_B[:, None], model_cfg,
-                                      cache=cache, valid_BT=active_B[:, None])
+  tokens_B1, positions_B1, active_B1 = slots_BX[:, 0:1], slots_BX[:, 1:2], slots_BX[:, 2:3] > 0
+  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=slots_BX[:, 3:], impl=impl)
+  logits, cache = transformer.forward(params, tokens_B1, positions_B1, model_cfg, cache=cache,
+                                      valid_BT=active_B1)
   rng, draw = jax.random.split(rng)
   tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
   k, v = _constrain((cache.k, cache.v), pool_sharding)
@@ -347,11 +346,9 @@ class SamplerEngine:
                              np.zeros(cfg.prefill_rows, np.int32)), self._replicated)
       self._k, self._v = prefill_step(self._params, self._k, self._v, *args,
                                       model_cfg=self.model_cfg, pool_sharding=self._pool_sharding)
-    b = cfg.num_slots
-    args = jax.device_put((np.zeros((b, w), np.int32), np.zeros(b, np.int32),
-                           np.zeros(b, np.int32), np.zeros(b, bool)), self._replicated)
+    slots = jax.device_put(np.zeros((cfg.num_slots, 3 + w), np.int32), self._replicated)
     rng = jax.device_put(jax.random.key(0), self._replicated)
-    _, _, self._k, self._v, _ = self._decode_call(*args, rng)
+    _, _, self._k, self._v, _ = self._decode_call(slots, rng)
     jax.block_until_ready(self._k)
 
   # --- internals ----------------------------------------------------------------------------
@@ -399,8 +396,8 @@ class SamplerEngine:
       jax.block_until_ready(self._k)
       self.on_span("sampler", "prefill", start, self.clock(), self.num_active, cfg.num_slots)
 
-  def _decode_call(self, tables, tokens, positions, active, rng):
-    return decode_step(self._params, self._k, self._v, tables, tokens, positions, active, rng,
+  def _decode_call(self, slots_BX, rng):
+    return decode_step(self._params, self._k, self._v, slots_BX, rng,
                        model_cfg=self.model_cfg, sampling=self.cfg.sampling, impl=self.impl,
                        pool_sharding=self._pool_sharding)
 
@@ -408,20 +405,18 @@ class SamplerEngine:
     cfg, b = self.cfg, self.cfg.num_slots
     start = self.clock()
     slots = list(self._sched.slots)
-    tables = np.zeros((b, cfg.pages_per_seq), np.int32)
-    tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    active = np.zeros(b, bool)
+    inputs = np.zeros((b, 3 + cfg.pages_per_seq), np.int32)
     live = 0
     for i, seq in enumerate(slots):
       if seq is not None:
-        tokens[i], positions[i], active[i] = seq.tokens[-1], len(seq.tokens) - 1, True
-        self._block_table(seq, tables[i])
+        inputs[i, :3] = seq.tokens[-1], len(seq.tokens) - 1, 1
+        self._block_table(seq, inputs[i, 3:])
         live += len(seq.tokens)
-    args = jax.device_put((tables, tokens, positions, active), self._replicated)
-    new_tokens, logps, self._k, self._v, self._rng = self._decode_call(*args, self._rng)
+    n_active = b - slots.count(None)
+    new_tokens, logps, self._k, self._v, self._rng = self._decode_call(
+        jax.device_put(inputs, self._replicated), self._rng)
     new_tokens, logps = jax.device_get((new_tokens, logps))
     now, version = self.clock(), self._version
-    n_active = int(active.sum())
     self._counts["decode_steps"] += 1
     self._counts["generated_tokens"] += n_active
     self._sums["slot_occupancy"] += n_active / b

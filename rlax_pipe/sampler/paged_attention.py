@@ -140,7 +140,9 @@ def paged_decode_pallas_gpu(q_BTHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_
   """Same contract as `paged_attention_reference` for T == 1, via the Pallas GPU kernel.
 
   The kernel takes pre-scaled queries [B, H, D] and per-row lengths (= position + 1). Its split
-  over pages (k_splits) and compute block are the largest divisors of W up to 16 and 8.
+  over pages (k_splits) and compute block are the largest divisors of W up to 16 and 8. Checked
+  against the reference in Pallas interpret mode on CPU; on hardware, Triton's dot needs
+  head_dim and pages_per_compute_block * page_size of at least 16.
 
   Raises:
     ValueError: if T != 1 (the kernel is decode-only).
@@ -154,10 +156,10 @@ def paged_decode_pallas_gpu(q_BTHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_
   width = block_tables_BW.shape[1]
   k_splits = _largest_divisor_at_most(width, 16)
   per_block = _largest_divisor_at_most(width // k_splits, 8)
-  q_BHD = (q_BTHD[:, 0].astype(jnp.float32) / math.sqrt(d)).astype(q_BTHD.dtype)
+  # Queries are cast to the pool dtype (never the pool to the query dtype: that copies the pool).
+  q_BHD = (q_BTHD[:, 0].astype(jnp.float32) / math.sqrt(d)).astype(k_pages_KPSD.dtype)
   lengths = (positions_BT[:, 0] + 1).astype(jnp.int32)
   out = pallas_paged.paged_attention(
-      q_BHD, k_pages_KPSD.astype(q_BTHD.dtype), v_pages_KPSD.astype(q_BTHD.dtype),
-      block_tables_BW.astype(jnp.int32), lengths, k_splits=k_splits,
-      pages_per_compute_block=per_block, interpret=interpret)
-  return out.reshape(b, 1, h, d)
+      q_BHD, k_pages_KPSD, v_pages_KPSD, block_tables_BW.astype(jnp.int32), lengths,
+      k_splits=k_splits, pages_per_compute_block=per_block, interpret=interpret)
+  return out.reshape(b, 1, h, d).astype(q_BTHD.dtype)
