@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import threading
 import time
 from typing import Any, Callable
@@ -178,6 +177,10 @@ class SamplerEngine:
       waiting request is started (e.g. the staleness `block` policy). Preempted sequences
       resume without asking. Also settable later as the `admit_filter` attribute.
 
+  Raises:
+    ValueError: if cfg.max_seq_len exceeds the model's, eos_id is outside the vocabulary, or
+      "pallas_gpu" is requested off a one-device GPU mesh.
+
   Example:
     engine = SamplerEngine(model_cfg, SamplerConfig(eos_id=2), params)
     engine.submit(Request(prompt_tokens=np.array([1, 5, 7]), sample_id=0))
@@ -188,6 +191,12 @@ class SamplerEngine:
                mesh=None, clock: Callable[[], float] = time.perf_counter,
                on_span: SpanHook | None = None,
                admit_filter: Callable[[Request], bool] | None = None):
+    if cfg.max_seq_len > model_cfg.max_seq_len:
+      raise ValueError(f"SamplerConfig.max_seq_len={cfg.max_seq_len} exceeds the model's "
+                       f"max_seq_len={model_cfg.max_seq_len}.")
+    if cfg.eos_id is not None and cfg.eos_id >= model_cfg.vocab_size:
+      raise ValueError(f"SamplerConfig.eos_id={cfg.eos_id} is outside the vocabulary "
+                       f"[0, {model_cfg.vocab_size}).")
     self.model_cfg, self.cfg = model_cfg, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.impl = resolve_impl(cfg.attention_impl, self.mesh)

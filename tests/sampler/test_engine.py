@@ -230,6 +230,10 @@ def test_bad_inputs_fail_early_with_the_numbers(params):
     engine.update_weights(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params[1]), 1)
   with pytest.raises(ValueError, match="kv_policy"):
     SamplerConfig(kv_policy="discard")
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    SamplerEngine(MODEL, dataclasses.replace(CFG, eos_id=64), params[0])
+  with pytest.raises(ValueError, match="exceeds the model"):
+    SamplerEngine(MODEL, dataclasses.replace(CFG, max_seq_len=41), params[0])
   trunc = SamplerEngine(MODEL, dataclasses.replace(CFG, overlong_prompt="truncate_left"),
                         params[0])
   long_prompt = np.arange(50, dtype=np.int32) % 64
