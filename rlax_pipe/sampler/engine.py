@@ -279,18 +279,21 @@ class SamplerEngine:
   def update_weights(self, params: Any, version: int) -> None:
     """Hands over newer weights; they are used from the next decode-step boundary on.
 
-    Thread-safe. If several arrive between two steps, the newest wins. Running sequences continue
-    (kv_policy "keep": on their existing KV; "recompute": after re-prefilling their prefix).
+    Thread-safe. If several arrive between two steps, the newest wins (an equal version replaces
+    the pending one). Running sequences continue (kv_policy "keep": on their existing KV;
+    "recompute": after re-prefilling their prefix).
 
     Raises:
-      ValueError: if `version` is not newer than the current/pending one, or the weights differ in
-        tree, shape, dtype or sharding from the running ones (that would recompile).
+      ValueError: if `version` is not newer than the running one or older than the pending one,
+        or the weights differ in tree, shape, dtype or sharding from the running ones (that would
+        recompile).
     """
     _check_same_layout(self._params, params)
     with self._lock:
-      latest = self._version if self._pending is None else self._pending[1]
-      if version <= latest:
-        raise ValueError(f"update_weights: version {version} is not newer than {latest}.")
+      pending = None if self._pending is None else self._pending[1]
+      if version <= self._version or (pending is not None and version < pending):
+        raise ValueError(f"update_weights: version {version} is not newer than the running "
+                         f"version {self._version} (pending: {pending}).")
       self._pending = (params, int(version))
 
   def abort_all(self) -> list[Rollout]:
