@@ -50,7 +50,7 @@ class SFTConfig:
     seed: seed of the model init and of the T=1 evaluation sampler.
   """
 
-  steps: int = 120
+  steps: int = 150
   rows: int = 8
   seq_len: int = 384
   learning_rate: float = 3e-3
@@ -93,22 +93,27 @@ def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, r
                seq_len: int):
   """Packs consecutive training problems from index `start` into exactly `rows` rows.
 
+  Problems whose prompt + reference completion exceed `seq_len` tokens are skipped.
+
   Returns:
     (TrainBatch [rows, seq_len], next_index).
 
   Raises:
-    ValueError: if one reference trace does not fit in `seq_len` tokens.
+    ValueError: if no problem in a long stretch fits in `seq_len` tokens.
   """
-  items, index = [], start
+  items, lengths, index = [], [], start
   while True:
     candidate = reference_rollout(task.problem(index), tok, index)
-    lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens
-               for r in items + [candidate]]
-    if len(batching.packing_plan(lengths, seq_len)) > rows:
-      if not items:
-        raise ValueError(f"problem {index} needs {lengths[-1]} tokens > seq_len={seq_len}.")
+    n = candidate.prompt_tokens.shape[0] + candidate.num_completion_tokens
+    if n > seq_len:  # cannot be imitated in rows of this length: skipped
+      index += 1
+      if index - start > 100 * rows and not items:
+        raise ValueError(f"no problem from index {start} on fits in seq_len={seq_len} tokens.")
+      continue
+    if len(batching.packing_plan(lengths + [n], seq_len)) > rows:
       break
     items.append(candidate)
+    lengths.append(n)
     index += 1
   advantages = np.ones(len(items), np.float32)
   return batching.pack_rollouts(items, advantages, seq_len, num_rows=rows), index
