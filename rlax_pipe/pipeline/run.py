@@ -308,7 +308,8 @@ class _Job:
         "reward_outcomes": self.worker.reward_stats.snapshot(),
         "wasted_tokens": self.queue.stats().waste.wasted_tokens,
     }
-    (self.rd.path / "summary.json").write_text(json.dumps(to_jsonable(out), indent=2))
+    out = to_jsonable(out)
+    (self.rd.path / "summary.json").write_text(json.dumps(out, indent=2))
     return out
 
 
