@@ -133,11 +133,13 @@ def eval_engine(model_cfg: ModelConfig, params: Any, tok: tokenizer_lib.Tokenize
 
 def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
             out_dir: str | pathlib.Path, model_cfg: ModelConfig | None = None) -> dict:
-  """Trains the warm start, evaluates greedy and T=1 accuracy, writes an HF-format checkpoint.
+  """Trains the warm start, evaluates greedy and T=1 accuracy, writes the checkpoints.
 
-  The checkpoint (`out_dir/config.json` + `model.safetensors`, loadable with
-  `rlax_pipe.model.load_hf_checkpoint` or transformers) is what the RL job starts from;
-  `out_dir/sft_result.json` holds the returned summary.
+  Two checkpoints of the final weights: `out_dir/config.json` + `model.safetensors` (HF format,
+  loadable with `rlax_pipe.model.load_hf_checkpoint` or transformers; what the RL job's `--init`
+  takes) and `out_dir/orbax/` (the learner's full orbax state: params, AdamW state, version, RNG;
+  restore with a `Learner` whose checkpoint_dir points there). `out_dir/sft_result.json` holds
+  the returned summary.
 
   Args:
     task: task whose reference solutions are imitated.
@@ -154,7 +156,9 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   learner_cfg = LearnerConfig(mesh_axes=(("fsdp", cfg.learner_devices),),
                               learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
                               schedule="cosine", decay_steps=cfg.steps + 1, min_lr_ratio=0.1,
-                              weight_decay=cfg.weight_decay, seed=cfg.seed)
+                              weight_decay=cfg.weight_decay, seed=cfg.seed,
+                              checkpoint_dir=str(out_dir / "orbax"), keep_checkpoints=1,
+                              async_checkpointing=False)
   objective_cfg = objectives.ObjectiveConfig(name="no_correction", aggregation="token_mean")
   learner = Learner(model_cfg, learner_cfg, objective_cfg, SamplingConfig(),
                     devices=jax.devices()[:cfg.learner_devices])
@@ -174,6 +178,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   if last is not None:
     losses.append(float(last["loss"]))
   train_s = time.perf_counter() - t0
+  learner.save({"sft_steps": cfg.steps, "problems_seen": index})
   params = jax.device_get(learner.params)
   learner.close()
 

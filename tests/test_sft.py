@@ -42,6 +42,7 @@ def test_run_sft_tiny_learns_and_writes_loadable_checkpoint(tmp_path):
   loaded_cfg, params = hf_io.load_hf_checkpoint(tmp_path / "out")
   assert loaded_cfg.d_model == 32 and params["embed"].shape == (tok.vocab_size, 32)
   assert json.loads((tmp_path / "out" / "sft_result.json").read_text())["steps"] == 12
+  assert any((tmp_path / "out" / "orbax").iterdir())  # the learner state, for exact resumes
 
 
 def test_next_batch_skips_problems_longer_than_a_row():
