@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Starts the RL job on this machine. Extra arguments are passed to experiments/pipeline_rl.py.
+#   launch/local.sh                               # defaults (8 virtual CPU devices, 4 + 4)
+#   launch/local.sh --driver=sync --steps=20      # any flag of experiments/pipeline_rl.py
+#   RUN_DIR=runs/exp1 launch/local.sh --resume    # continue a killed run
+# On a GPU/TPU host JAX uses the accelerators; size the split with --sampler_devices and
+# --learner_devices (their sum must not exceed the devices found).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 experiments/pipeline_rl.py --run_dir="${RUN_DIR:-runs/pipeline_rl}" "$@"
