@@ -1,0 +1,50 @@
+"""Systems model of asynchronous RL: closed forms, a discrete-event simulator, calibration.
+
+  costs         modelled durations (decode-latency curve, prefill, train, push);
+  formulas      closed-form staleness / lag / step-period / idle models (Applied Compute,
+                PipelineRL) and the log-normal extreme-value approximation;
+  distributions completion-length distributions (empirical, grouped, replay, log-normal, Pareto);
+  simulator     discrete-event simulator of the sync / async-batch / pipeline drivers that runs
+                the real `RolloutQueue` and staleness policy code (no JAX);
+  calibration   fits the simulator's costs and lengths from a run directory;
+  validation    real reproducible runs vs the calibrated simulator (imports JAX when run);
+  whatif        cluster-scale what-if from first-principles accelerator costs.
+"""
+
+from rlax_pipe.sim.calibration import calibrate
+from rlax_pipe.sim.calibration import calibrate_run
+from rlax_pipe.sim.calibration import Calibration
+from rlax_pipe.sim.calibration import measured
+from rlax_pipe.sim.calibration import sim_config_for_run
+from rlax_pipe.sim.distributions import Constant
+from rlax_pipe.sim.distributions import Empirical
+from rlax_pipe.sim.distributions import GroupedEmpirical
+from rlax_pipe.sim.distributions import LogNormal
+from rlax_pipe.sim.distributions import Pareto
+from rlax_pipe.sim.distributions import Replay
+from rlax_pipe.sim.formulas import applied_compute_staleness
+from rlax_pipe.sim.formulas import expected_max_of_k
+from rlax_pipe.sim.formulas import lognormal_expected_max
+from rlax_pipe.sim.formulas import lognormal_tailness
+from rlax_pipe.sim.formulas import pipeline_max_lag
+from rlax_pipe.sim.formulas import split_for_rho
+from rlax_pipe.sim.formulas import step_period
+from rlax_pipe.sim.formulas import sync_idle_fraction
+from rlax_pipe.sim.formulas import tailness
+from rlax_pipe.sim.formulas import tailness_from_groups
+from rlax_pipe.sim.costs import DecodeCurve
+from rlax_pipe.sim.simulator import rates
+from rlax_pipe.sim.simulator import SimConfig
+from rlax_pipe.sim.costs import SimCosts
+from rlax_pipe.sim.simulator import SimDeadlock
+from rlax_pipe.sim.simulator import SimResult
+from rlax_pipe.sim.simulator import simulate
+
+__all__ = (
+    "Calibration", "Constant", "DecodeCurve", "Empirical", "GroupedEmpirical", "LogNormal",
+    "Pareto", "Replay", "SimConfig", "SimCosts", "SimDeadlock", "SimResult",
+    "applied_compute_staleness", "calibrate", "calibrate_run", "expected_max_of_k",
+    "lognormal_expected_max", "lognormal_tailness", "measured", "pipeline_max_lag", "rates",
+    "sim_config_for_run", "simulate", "split_for_rho", "step_period", "sync_idle_fraction",
+    "tailness", "tailness_from_groups",
+)
