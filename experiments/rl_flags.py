@@ -46,6 +46,8 @@ QUEUE_CAP = flags.DEFINE_integer("queue_capacity_groups", 0, "queue-drop capacit
                                  "(0 = groups_per_step).")
 OBJECTIVE = flags.DEFINE_enum("objective", "tis_pg", sorted(objectives.OBJECTIVES),
                               "Policy-gradient objective.")
+AGGREGATION = flags.DEFINE_enum("aggregation", "token_mean", list(objectives.AGGREGATIONS),
+                                "Loss aggregation: token_mean | sequence_mean | constant.")
 TRUNC = flags.DEFINE_float("truncation", 2.0, "Importance-weight truncation c (ratio units).")
 ADVANTAGE = flags.DEFINE_string("advantage", _P.advantage, "Advantage estimator: grpo | rloo | "
                                 "dr_grpo.")
@@ -113,7 +115,10 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
   kw = dict(run_dir=RUN_DIR.value, init=INIT.value, task=TASK.value, jsonl_path=JSONL.value,
             num_sampler_devices=SAMPLER_DEVICES.value, num_learner_devices=LEARNER_DEVICES.value,
             sampler_mesh_axes=sampler_axes, learner=learner,
-            objective=objectives.ObjectiveConfig(name=OBJECTIVE.value, truncation=TRUNC.value),
+            objective=objectives.ObjectiveConfig(
+                name=OBJECTIVE.value, truncation=TRUNC.value, aggregation=AGGREGATION.value,
+                constant_normalizer=(float(MAX_SEQ.value) if AGGREGATION.value == "constant"
+                                     else None)),
             sampler=sampler, pipeline=pipe, resume=RESUME.value)
   kw.update(overrides)
   return run_lib.RunConfig(**kw)
