@@ -51,14 +51,14 @@ AGGREGATION = flags.DEFINE_enum("aggregation", "token_mean", list(objectives.AGG
 TRUNC = flags.DEFINE_float("truncation", 2.0, "Importance-weight truncation c (ratio units).")
 ADVANTAGE = flags.DEFINE_string("advantage", _P.advantage, "Advantage estimator: grpo | rloo | "
                                 "dr_grpo.")
-LR = flags.DEFINE_float("learning_rate", 2e-4, "Peak AdamW learning rate (per step).")
+LR = flags.DEFINE_float("learning_rate", 3e-5, "Peak AdamW learning rate (per step).")
 WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Linear warmup length (optimizer steps).")
 SLOTS = flags.DEFINE_integer("slots", 64, "Sampler decode slots (sequences decoded at once).")
 PAGES = flags.DEFINE_integer("pages", 512, "KV pages in the sampler's pool.")
 PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 MAX_SEQ = flags.DEFINE_integer("max_seq_len", 384, "Longest sequence, prompt + completion "
                                "(tokens).")
-TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (the learner scores "
+TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Sampling temperature (the learner scores "
                                  "with the same processing).")
 KV_POLICY = flags.DEFINE_enum("kv_policy", "keep", ["keep", "recompute"],
                               "KV after an in-flight update: keep (PipelineRL) | recompute (AReaL).")
