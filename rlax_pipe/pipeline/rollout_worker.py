@@ -4,8 +4,9 @@ The worker owns the task iterator (prompt, group and sample counters, restorable
 checkpoint) and applies the driver's rule for when new groups may start and when new weights may
 be installed:
 
-- "pipeline": keep every decode slot busy (a group starts whenever `group_size` slots are free
-  and the staleness admission allows it); install new weights at any decode-step boundary.
+- "pipeline": keep every decode slot busy (new groups are submitted while no more than one
+  group's worth of requests would wait for a slot, and the staleness admission allows it); install
+  new weights at any decode-step boundary.
 - "async-batch": generate in rounds of `groups_per_step` groups; weights are installed only
   between rounds (so no sample mixes versions).
 - "sync": rounds too, and round r starts only once the weights of version r (trained on rounds
@@ -89,8 +90,8 @@ class RolloutWorker:
       self._round_open = cfg.groups_per_step
     started = 0
     while True:
-      if cfg.driver == "pipeline" and self._free_slots() < cfg.group_size:
-        break
+      if cfg.driver == "pipeline" and self._free_slots() < 0:
+        break  # one group may wait beyond the slots, so a freed slot refills at the next step
       if cfg.driver != "pipeline" and self._round_open == 0:
         break
       if not self.queue.try_admit(c.next_group, self.weights_version):
