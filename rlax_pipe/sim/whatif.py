@@ -28,8 +28,11 @@ update, logging); prompt tokens cost a constant per step (B * prompt), folded in
 It needs ceil(state_bytes_per_param * N / (hbm_fraction * HBM)) devices at least for weights,
 gradients and Adam moments (FSDP).
 Weight push: weights bytes / push bandwidth (sampler engines receive in parallel).
-Workload (`Workload`): groups_per_step x group_size samples per step, prompt tokens, log-normal
-completion lengths with a cap.
+Workload (`Workload`): 64 groups x 16 samples = 1024 samples per step, 512 prompt tokens,
+log-normal completion lengths with mean 2048 tokens and log-std 1.0, capped at 16384 tokens
+(reasoning-RL-like: the cap is 8x the mean, so every step has truncated stragglers).
+Defaults give 166 KV-limited slots per engine (tp = 1), a 6.8 ms + 0.10 ms/slot decode step
+(memory-bound up to the full batch), 8.2k trained tokens/s per learner device, a 0.32 s push.
 """
 
 from __future__ import annotations
