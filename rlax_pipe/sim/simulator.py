@@ -132,7 +132,8 @@ class SimResult:
     mean_active_slots: time-weighted mean active slots over decode time.
     sync_t99_s, sync_t100_s: round-based drivers: mean seconds from a round's start until 99% /
       100% of its samples finished (None for pipeline).
-    waste: discarded work by reason (from the queue).
+    waste: discarded work by reason (from the queue), whole run.
+    wasted_token_fraction: wasted / (wasted + trained) completion tokens, whole run.
   """
 
   steps: int
@@ -153,6 +154,7 @@ class SimResult:
   sync_t99_s: float | None
   sync_t100_s: float | None
   waste: staleness_lib.WasteCounters
+  wasted_token_fraction: float
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready dict."""
@@ -427,6 +429,7 @@ class _Run:
     decode_time = float(clip[decode].sum())
     active_time = float((clip[decode] * s[decode, 2]).sum())
     lag_total = int(self.lag_counts.sum())
+    stats = self.queue.stats()
     nz = np.nonzero(self.lag_counts)[0]
     t99 = t100 = None
     done = [r for r in self.round_finishes if len(self.round_finishes[r]) >= cfg.batch_samples]
@@ -449,7 +452,9 @@ class _Run:
         lag_max=int(nz.max()) if nz.size else 0,
         sample_lag_mean=self.sample_lag_sum / max(self.sample_count, 1),
         mean_active_slots=active_time / decode_time if decode_time else 0.0,
-        sync_t99_s=t99, sync_t100_s=t100, waste=self.queue.stats().waste)
+        sync_t99_s=t99, sync_t100_s=t100, waste=stats.waste,
+        wasted_token_fraction=stats.waste.wasted_tokens / max(
+            1, stats.waste.wasted_tokens + stats.trained_tokens))
 
 
 def simulate(cfg: SimConfig) -> SimResult:

@@ -232,8 +232,7 @@ def sweep(c: Cluster, settings: Sequence[Setting],
           "device_idle": (n_l * r.idle_learner + n_s * r.slot_idle) / c.num_devices,
           "lag_mean": r.lag_mean, "lag_max": r.lag_max, "sample_lag_mean": r.sample_lag_mean,
           "sync_t99_s": r.sync_t99_s, "sync_t100_s": r.sync_t100_s,
-          "wasted_token_fraction": r.waste.wasted_tokens / max(
-              1.0, r.waste.wasted_tokens + r.tokens_per_s * (r.window_s[1] - r.window_s[0])),
+          "wasted_token_fraction": r.wasted_token_fraction,
           "batch_samples": w.groups_per_step * w.group_size})
   return rows
 

@@ -63,6 +63,7 @@ def test_pipeline_lag_never_exceeds_max_lag_under_block(max_lag, lengths):
   assert r.lag_max <= max_lag
   assert len(r.lag_hist) <= max_lag + 1
   assert r.waste.wasted_tokens == 0
+  assert r.wasted_token_fraction == 0.0
 
 
 def test_drop_policy_bounds_lag_and_counts_waste():
@@ -70,6 +71,7 @@ def test_drop_policy_bounds_lag_and_counts_waste():
                         steps=80))
   assert r.lag_max <= 1
   assert r.waste.stale_groups > 0 and r.waste.stale_tokens > 0
+  assert 0 < r.wasted_token_fraction < 1
 
 
 def test_throughput_is_monotone_in_max_lag():
