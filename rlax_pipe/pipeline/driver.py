@@ -20,8 +20,8 @@ evaluation, checkpoints).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-import itertools
 import threading
 import time
 from typing import Callable
@@ -36,6 +36,28 @@ from rlax_pipe.pipeline.trainer import StepResult, Trainer
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 OnStep = Callable[[StepResult, float], None]
+
+
+@dataclasses.dataclass
+class VirtualState:
+  """Mutable state of `run_reproducible` (checkpointed with the run for exact resumes).
+
+  Attributes:
+    t_s: sampler mesh clock (virtual seconds).
+    t_l: learner mesh clock (virtual seconds).
+    transit: min-heap of (finish time, sequence number, Rollout) finished on the sampler but not
+      yet visible to the learner.
+    next_seq: next sequence number for `transit` ties.
+    pending_arrival: arrival time of the version waiting in the weight channel, or None.
+    learner_must_act: the sampler is stuck at t_s == t_l; the learner moves next.
+  """
+
+  t_s: float = 0.0
+  t_l: float = 0.0
+  transit: list = dataclasses.field(default_factory=list)
+  next_seq: int = 0
+  pending_arrival: float | None = None
+  learner_must_act: bool = False
 
 
 class DeadlockError(RuntimeError):
@@ -55,12 +77,15 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
 def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,
                      cfg: PipelineConfig, timeline: timeline_lib.Timeline, num_steps: int,
                      on_step: OnStep, start_time: float = 0.0,
-                     sampler_clock: timeline_lib.VirtualClock | None = None) -> float:
+                     sampler_clock: timeline_lib.VirtualClock | None = None,
+                     state: VirtualState | None = None) -> float:
   """Runs `num_steps` learner steps on virtual clocks (see module docstring).
 
   Args:
     sampler_clock: if given, kept equal to the sampler's virtual time (the engine's clock, so
       rollout timings are in virtual seconds).
+    state: the interleaving state to continue from and to update in place (a resumed run passes
+      the checkpointed one); None = a fresh one starting at `start_time`.
 
   Returns:
     The virtual time (seconds) at which the last learner step and its push completed.
@@ -69,25 +94,21 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
     DeadlockError: when neither side can move.
   """
   cost, engine = cfg.cost_model, worker.engine
-  t_s = t_l = start_time
-  transit: list[tuple[float, int, object]] = []  # (finish time, seq, rollout) min-heap
-  seq = itertools.count()
-  pending_arrival: float | None = None  # arrival time of the version waiting in the channel
-  learner_must_act = False
+  st = state if state is not None else VirtualState(t_s=start_time, t_l=start_time)
   steps_done = 0
 
   def deliver(now: float):
-    nonlocal pending_arrival
-    if pending_arrival is not None and pending_arrival <= now and worker.may_install_weights():
+    if st.pending_arrival is not None and st.pending_arrival <= now and (
+        worker.may_install_weights()):
       w = channel.take(timeout=cfg.wait_timeout_s)
       worker.install(w.params, w.version)
-      pending_arrival = None
+      st.pending_arrival = None
 
   while steps_done < num_steps:
-    if t_s < t_l or (t_s == t_l and not learner_must_act):
+    if st.t_s < st.t_l or (st.t_s == st.t_l and not st.learner_must_act):
       if sampler_clock is not None:
-        sampler_clock.set(t_s)
-      deliver(t_s)
+        sampler_clock.set(st.t_s)
+      deliver(st.t_s)
       worker.top_up()
       if engine.has_work:
         before = engine.stats()
@@ -96,47 +117,48 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         prefill_s = cost.prefill_per_token_s * (after.prefill_tokens - before.prefill_tokens)
         active = after.generated_tokens - before.generated_tokens
         if prefill_s > 0:
-          timeline.record("sampler", "prefill", t_s, t_s + prefill_s)
-        t_s += prefill_s
+          timeline.record("sampler", "prefill", st.t_s, st.t_s + prefill_s)
+        st.t_s += prefill_s
         if sampler_clock is not None:
-          sampler_clock.set(t_s)
+          sampler_clock.set(st.t_s)
         if active:
           dt = cost.decode(active)
-          timeline.record("sampler", "decode", t_s, t_s + dt, slots_active=active,
+          timeline.record("sampler", "decode", st.t_s, st.t_s + dt, slots_active=active,
                           slots_total=engine.cfg.num_slots)
-          t_s += dt
+          st.t_s += dt
         for r in finished:
-          heapq.heappush(transit, (t_s, next(seq), r))
+          heapq.heappush(st.transit, (st.t_s, st.next_seq, r))
+          st.next_seq += 1
       else:
-        targets = [t for t in (pending_arrival, t_l) if t is not None and t > t_s]
+        targets = [t for t in (st.pending_arrival, st.t_l) if t is not None and t > st.t_s]
         if targets:
-          kind = timeline_lib.WAIT_WEIGHTS if pending_arrival in targets else (
+          kind = timeline_lib.WAIT_WEIGHTS if st.pending_arrival in targets else (
               timeline_lib.WAIT_ADMISSION)
-          timeline.record("sampler", kind, t_s, min(targets))
-          t_s = min(targets)
+          timeline.record("sampler", kind, st.t_s, min(targets))
+          st.t_s = min(targets)
         else:
-          learner_must_act = True
+          st.learner_must_act = True
     else:
-      while transit and transit[0][0] <= t_l:
-        trainer.queue.put(heapq.heappop(transit)[2])
-      deliver(t_s)
+      while st.transit and st.transit[0][0] <= st.t_l:
+        trainer.queue.put(heapq.heappop(st.transit)[2])
+      deliver(st.t_s)
       groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.learner.version)
       if groups is None:
-        if learner_must_act:  # t_l == t_s, every finished sample is queued, sampler is stuck
+        if st.learner_must_act:  # t_l == t_s, every finished sample is queued, sampler is stuck
           raise DeadlockError(_deadlock_message(worker, trainer))
-        timeline.record("learner", timeline_lib.WAIT_BATCH, t_l, t_s)
-        t_l = t_s  # nothing to train before the sampler's clock: wait for it
+        timeline.record("learner", timeline_lib.WAIT_BATCH, st.t_l, st.t_s)
+        st.t_l = st.t_s  # nothing to train before the sampler's clock: wait for it
         continue
-      learner_must_act = False
+      st.learner_must_act = False
       result = trainer.train_on(groups)
       dt = cost.train(result.completion_tokens)
-      timeline.record("learner", "train_step", t_l, t_l + dt)
-      timeline.record("channel", "push", t_l + dt, t_l + dt + cost.push_s)
-      t_l += dt + cost.push_s
-      pending_arrival = t_l
+      timeline.record("learner", "train_step", st.t_l, st.t_l + dt)
+      timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + cost.push_s)
+      st.t_l += dt + cost.push_s
+      st.pending_arrival = st.t_l
       steps_done += 1
-      on_step(result, t_l)
-  return t_l
+      on_step(result, st.t_l)
+  return st.t_l
 
 
 def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,

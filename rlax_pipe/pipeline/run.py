@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
 import time
 from typing import Any
 
@@ -36,8 +37,10 @@ from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker, WorkerCounters
 from rlax_pipe.pipeline.trainer import StepResult, Trainer
 from rlax_pipe.pipeline.weight_channel import WeightChannel
+from rlax_pipe.pipeline.rollout_queue import rollout_from_dict, rollout_to_dict
 from rlax_pipe.run_dir import RunDir, to_jsonable
 from rlax_pipe.sampler import SamplerConfig, SamplerEngine
+from rlax_pipe.sampler import snapshot as engine_snapshot
 from rlax_pipe import logprobs as logprobs_lib
 
 BUILTIN_INIT = "builtin"
@@ -149,26 +152,48 @@ class _Job:
     self.time_offset = float(extra.get("time_s", 0.0)) if extra else 0.0
 
     self.reproducible = pcfg.mode == "reproducible"
-    self.sampler_clock = timeline_lib.VirtualClock(self.time_offset) if self.reproducible else None
+    snap = self._load_sampler_state() if (extra and self.reproducible) else None
+    self.vstate = driver_lib.VirtualState(t_s=self.time_offset, t_l=self.time_offset)
+    if snap is not None:
+      self.vstate = snap["vstate"]
+    self.sampler_clock = (timeline_lib.VirtualClock(self.vstate.t_s) if self.reproducible
+                          else None)
     self.timeline = timeline_lib.Timeline(
         clock=self.sampler_clock if self.reproducible else time.perf_counter)
     verify = self._verify_push if pcfg.debug_verify_push else None
-    self.channel = WeightChannel(_sampler_target(self.model_cfg, sampler_mesh), verify=verify,
-                                 debug=pcfg.debug_verify_push)
-    self.channel.push(self.learner.params, self.learner.version)
-    w = self.channel.take(timeout=pcfg.wait_timeout_s)
+    target = _sampler_target(self.model_cfg, sampler_mesh)
+    self.channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
     on_span = None if self.reproducible else self.timeline.record
-    self.engine = SamplerEngine(self.model_cfg, cfg.sampler, w.params, version=w.version,
-                                mesh=sampler_mesh,
-                                clock=self.sampler_clock or time.perf_counter, on_span=on_span)
+    clock = self.sampler_clock or time.perf_counter
+    if snap is None:
+      self.channel.push(self.learner.params, self.learner.version)
+      w = self.channel.take(timeout=pcfg.wait_timeout_s)
+      self.engine = SamplerEngine(self.model_cfg, cfg.sampler, w.params, version=w.version,
+                                  mesh=sampler_mesh, clock=clock, on_span=on_span)
+    else:  # exact resume: the sampler exactly as it was at the checkpoint
+      leaves, treedef = jax.tree.flatten(target)
+      params = jax.tree.unflatten(treedef, [
+          jax.device_put(snap["arrays"][f"params{i}"], t.sharding) for i, t in enumerate(leaves)])
+      self.engine = SamplerEngine(self.model_cfg, cfg.sampler, params,
+                                  version=snap["state"]["version"], mesh=sampler_mesh,
+                                  clock=clock, on_span=on_span)
+      engine_snapshot.restore(self.engine, snap["state"], snap["arrays"])
+      self.channel.push(self.learner.params, self.learner.version)  # pending, as it was
+      for sp in snap["spans"]:
+        self.timeline.record(sp.component, sp.kind, sp.start, sp.end, sp.slots_active,
+                             sp.slots_total)
     if extra:
       self.queue = RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness)
-      for gid in extra["in_flight_groups"]:
-        self.queue.discard_group(int(gid))  # lost with the sampler; never trained
+      if snap is None:
+        for gid in extra["in_flight_groups"]:
+          self.queue.discard_group(int(gid))  # lost with the sampler; never trained
       counters = WorkerCounters(**extra["worker"])
     else:
       self.queue, counters = RolloutQueue(pcfg.staleness, pcfg.group_size), None
     self.worker = RolloutWorker(self.engine, self.task, self.tok, self.queue, pcfg, counters)
+    if snap is not None:
+      self.worker.weights_version = snap["state"]["worker_weights_version"]
+      self.worker._round_open = snap["state"]["worker_round_open"]  # pylint: disable=protected-access
     self.trainer = Trainer(self.learner, self.queue, self.channel, pcfg)
     eval_cfg = dataclasses.replace(
         cfg.sampler, num_slots=cfg.eval_slots,
@@ -204,7 +229,56 @@ class _Job:
     extra = {"worker": self.worker.state_dict(), "queue": queue_state,
              "in_flight_groups": [int(g) for g in live if g not in queued],
              "time_s": time_s, "last_eval": self.last_eval}
-    self.learner.save(to_jsonable(extra))
+    step = self.learner.save(to_jsonable(extra))
+    if self.reproducible:
+      self._save_sampler_state(step)
+
+  # The sampler side of a reproducible run is checkpointed too, so a resume continues exactly
+  # as the uninterrupted run would have (threaded runs resume without their in-flight samples).
+  def _sampler_dir(self, step: int) -> pathlib.Path:
+    return self.rd.path / "sampler_state" / str(step)
+
+  def _save_sampler_state(self, step: int) -> None:
+    state, arrays = engine_snapshot.snapshot(self.engine)
+    v = self.vstate
+    state.update(
+        worker_weights_version=self.worker.weights_version,
+        worker_round_open=self.worker._round_open,  # pylint: disable=protected-access
+        vstate={"t_s": v.t_s, "t_l": v.t_l, "next_seq": v.next_seq,
+                "pending_arrival": v.pending_arrival, "learner_must_act": v.learner_must_act,
+                "transit": [[t, n, rollout_to_dict(r)] for t, n, r in v.transit]})
+    final = self._sampler_dir(step)
+    tmp = final.with_name(final.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.savez(tmp / "arrays.npz", **arrays)
+    self.timeline.to_jsonl(str(tmp / "timeline.jsonl"))
+    (tmp / "state.json").write_text(json.dumps(to_jsonable(state)))
+    if final.exists():
+      shutil.rmtree(final)
+    tmp.rename(final)  # complete or absent, never half-written
+    keep = self.cfg.learner.keep_checkpoints
+    steps = sorted(int(p.name) for p in final.parent.iterdir() if p.name.isdigit())
+    for old in steps[:-keep]:
+      shutil.rmtree(self._sampler_dir(old), ignore_errors=True)
+
+  def _load_sampler_state(self) -> dict | None:
+    d = self._sampler_dir(self.learner.step)
+    if not (d / "state.json").exists():
+      logging.warning("no sampler state for checkpoint step %d in %s: resuming without the "
+                      "in-flight samples (the continuation will differ from an uninterrupted "
+                      "run).", self.learner.step, d.parent)
+      return None
+    state = json.loads((d / "state.json").read_text())
+    with np.load(d / "arrays.npz") as z:
+      arrays = {k: z[k] for k in z.files}
+    v = state["vstate"]
+    vstate = driver_lib.VirtualState(
+        t_s=v["t_s"], t_l=v["t_l"], next_seq=v["next_seq"], pending_arrival=v["pending_arrival"],
+        learner_must_act=v["learner_must_act"],
+        transit=[(t, n, rollout_from_dict(r)) for t, n, r in v["transit"]])
+    spans = timeline_lib.Timeline.from_jsonl(str(d / "timeline.jsonl")).spans()
+    logging.info("exact resume: sampler state of step %d restored from %s.", self.learner.step, d)
+    return {"state": state, "arrays": arrays, "vstate": vstate, "spans": spans}
 
   # ---- evaluation / logging -------------------------------------------------------------------
   def _verify_push(self, sampler_params, version: int) -> None:
@@ -267,6 +341,7 @@ class _Job:
       if k in m:
         row[k] = np.asarray(m[k]).item()
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
+    row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     self.rd.log(row, step)
     logging.info(
         "step %d/%d  v%d  reward %.3f  held-out %s  lag mean %.2f max %d  ESS %.3f  "
@@ -331,7 +406,7 @@ def run(cfg: RunConfig) -> dict:
         end = driver_lib.run_reproducible(job.worker, job.trainer, job.channel, pcfg,
                                           job.timeline, todo, job.on_step,
                                           start_time=job.time_offset,
-                                          sampler_clock=job.sampler_clock)
+                                          sampler_clock=job.sampler_clock, state=job.vstate)
       else:
         end = driver_lib.run_threaded(job.worker, job.trainer, job.channel, pcfg, job.timeline,
                                       todo, job.on_step)
@@ -339,7 +414,7 @@ def run(cfg: RunConfig) -> dict:
       logging.error("run stopped by an error at learner step %d; checkpointing before re-raising.",
                     job.learner.step)
       try:
-        job.save(job.time_offset)
+        job.save(job.vstate.t_l if job.reproducible else job.time_offset)
         job.learner.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint after the error failed too: %s", e)
