@@ -1,0 +1,37 @@
+"""Every ablation's tiny variant runs and leaves its figure."""
+
+import pytest
+
+from rlax_pipe import ablations
+
+
+@pytest.mark.parametrize("name", ablations.SIMULATED)
+def test_simulated_ablations_tiny(tmp_path, name):
+  rows = ablations.get_ablation(name)(str(tmp_path), tiny=True)
+  assert rows and (tmp_path / f"{name}.png").exists()
+
+
+def test_a1_sync_idle_grows_with_tail(tmp_path):
+  rows = ablations.a1_long_tail(str(tmp_path), tiny=True)
+  light, heavy = rows[0], rows[-1]
+  assert heavy["sigma"] > light["sigma"]
+  assert heavy["idle_sampler_slots"] > light["idle_sampler_slots"]
+
+
+def test_a8_drop_shortens_trained_lengths(tmp_path):
+  rows = {r["policy"] + str(r["capacity_groups"]): r for r in ablations.a8_queue_policy(
+      str(tmp_path), tiny=True)}
+  assert rows["dropNone"]["trained_mean_length"] < rows["blockNone"]["trained_mean_length"]
+  assert rows["blockNone"]["wasted_token_fraction"] == 0
+
+
+def test_unknown_ablation_lists_choices():
+  with pytest.raises(ValueError, match="A10"):
+    ablations.get_ablation("A11")
+
+
+@pytest.mark.parametrize("name", ["A10"])
+def test_learning_ablations_tiny(tmp_path, name, tiny_config, tiny_init):
+  base = tiny_config(tmp_path, tiny_init, steps=2)
+  rows = ablations.get_ablation(name)(str(tmp_path), tiny=True, base=base)
+  assert len(rows) == 2 and (tmp_path / f"{name}.png").exists()
