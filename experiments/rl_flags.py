@@ -21,7 +21,9 @@ _C = pipeline_config.CostModel()
 RUN_DIR = flags.DEFINE_string("run_dir", _D.run_dir, "Output directory of the run.")
 INIT = flags.DEFINE_string("init", _D.init, "Initial policy: 'builtin' (shipped SFT warm start) "
                            "or an HF-format checkpoint directory.")
-TASK = flags.DEFINE_string("task", _D.task, "Task name: arithmetic or jsonl.")
+TASK = flags.DEFINE_enum("task", _D.task, ["arithmetic", "jsonl"],
+                         "Task: arithmetic (built-in) or jsonl (--jsonl_path, one "
+                         '{"prompt": ..., "answer": ...} object per line).')
 JSONL = flags.DEFINE_string("jsonl_path", None, "Problems file (JSONL) for --task=jsonl.")
 RESUME = flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint in --run_dir.")
 SAMPLER_DEVICES = flags.DEFINE_integer("sampler_devices", 4, "Devices of the sampler mesh.")
@@ -42,15 +44,15 @@ MAX_LAG = flags.DEFINE_integer("max_lag", 4, "Max per-token lag in optimizer ste
                                "unbounded.")
 POLICY = flags.DEFINE_enum("staleness_policy", "block", list(staleness.POLICIES),
                            "How max_lag is enforced: block (admission) | drop | queue-drop.")
-QUEUE_CAP = flags.DEFINE_integer("queue_capacity_groups", 0, "queue-drop capacity in groups "
+QUEUE_CAP = flags.DEFINE_integer("queue_capacity_groups", 0, "Queue-drop capacity in groups "
                                  "(0 = groups_per_step).")
 OBJECTIVE = flags.DEFINE_enum("objective", "tis_pg", sorted(objectives.OBJECTIVES),
                               "Policy-gradient objective.")
 AGGREGATION = flags.DEFINE_enum("aggregation", "token_mean", list(objectives.AGGREGATIONS),
                                 "Loss aggregation: token_mean | sequence_mean | constant.")
 TRUNC = flags.DEFINE_float("truncation", 2.0, "Importance-weight truncation c (ratio units).")
-ADVANTAGE = flags.DEFINE_string("advantage", _P.advantage, "Advantage estimator: grpo | rloo | "
-                                "dr_grpo.")
+ADVANTAGE = flags.DEFINE_enum("advantage", _P.advantage, ["grpo", "rloo", "dr_grpo"],
+                              "Advantage estimator.")
 LR = flags.DEFINE_float("learning_rate", 3e-5, "Peak AdamW learning rate (per step).")
 WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Linear warmup length (optimizer steps).")
 SLOTS = flags.DEFINE_integer("slots", 64, "Sampler decode slots (sequences decoded at once).")
@@ -81,6 +83,10 @@ TRAIN_BASE = flags.DEFINE_float("cost_train_base_s", _C.train_base_s,
 TRAIN_TOK = flags.DEFINE_float("cost_train_per_token_s", _C.train_per_token_s,
                                "Virtual clock: learner step per trained token (seconds).")
 PUSH = flags.DEFINE_float("cost_push_s", _C.push_s, "Virtual clock: one weight push (seconds).")
+
+
+flags.register_validator("max_lag", lambda v: v >= -1,
+                         message="--max_lag must be >= 0 (steps), or -1 for unbounded.")
 
 
 def run_config_from_flags(**overrides) -> run_lib.RunConfig:

@@ -27,6 +27,8 @@ _STEPS = flags.DEFINE_integer("steps", sft.SFTConfig.steps, "Optimizer steps.")
 _ROWS = flags.DEFINE_integer("rows", sft.SFTConfig.rows, "Packed rows per step.")
 _SEQ = flags.DEFINE_integer("seq_len", sft.SFTConfig.seq_len, "Tokens per packed row.")
 _LR = flags.DEFINE_float("learning_rate", sft.SFTConfig.learning_rate, "Peak AdamW rate.")
+_WARMUP = flags.DEFINE_integer("warmup_steps", sft.SFTConfig.warmup_steps,
+                               "Linear warmup (optimizer steps; capped at steps - 1).")
 _EVAL = flags.DEFINE_integer("eval_problems", sft.SFTConfig.eval_problems, "Held-out problems.")
 _SEED = flags.DEFINE_integer("seed", sft.SFTConfig.seed, "Init and sampling seed.")
 
@@ -36,7 +38,8 @@ def main(argv):
   task = tasks.make_task(_TASK.value,
                          tasks.JsonlConfig(path=_JSONL.value) if _TASK.value == "jsonl" else None)
   cfg = sft.SFTConfig(steps=_STEPS.value, rows=_ROWS.value, seq_len=_SEQ.value,
-                      learning_rate=_LR.value, eval_problems=_EVAL.value, seed=_SEED.value)
+                      learning_rate=_LR.value, warmup_steps=_WARMUP.value,
+                      eval_problems=_EVAL.value, seed=_SEED.value)
   summary = sft.run_sft(task, tokenizer.default_tokenizer(), cfg, _OUT.value)
   print(json.dumps(summary))
 

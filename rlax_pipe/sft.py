@@ -41,7 +41,7 @@ class SFTConfig:
     rows: packed rows per step (>= 1).
     seq_len: tokens per packed row (>= longest prompt + reference completion + 1).
     learning_rate: peak AdamW learning rate (> 0).
-    warmup_steps: linear warmup, in steps (>= 0).
+    warmup_steps: linear warmup, in steps (>= 0; capped at steps - 1 for short runs).
     weight_decay: AdamW decoupled weight decay (>= 0).
     learner_devices: devices of the learner mesh, laid out as ("fsdp", n).
     eval_problems: held-out problems for the final accuracy (>= 1).
@@ -154,7 +154,8 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   out_dir = pathlib.Path(out_dir)
   model_cfg = model_cfg or default_model_config(tok.vocab_size, cfg.seq_len)
   learner_cfg = LearnerConfig(mesh_axes=(("fsdp", cfg.learner_devices),),
-                              learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                              learning_rate=cfg.learning_rate,
+                              warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
                               schedule="cosine", decay_steps=cfg.steps + 1, min_lr_ratio=0.1,
                               weight_decay=cfg.weight_decay, seed=cfg.seed,
                               checkpoint_dir=str(out_dir / "orbax"), keep_checkpoints=1,

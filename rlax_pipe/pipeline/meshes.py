@@ -121,7 +121,9 @@ def split_devices(devices: Sequence[Any], num_sampler: int, num_learner: int) ->
             if len(devices) == 1 else "")
     raise ValueError(
         f"split_devices: cannot place {num_learner} learner + {num_sampler} sampler devices "
-        f"({needed} in all) on {_describe_devices(devices)}.{hint}")
+        f"({needed} in all) on {_describe_devices(devices)}.{hint} Lower the two counts, or on "
+        "a CPU-only machine ask XLA for more virtual devices with "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}.")
   if needed < len(devices):
     logging.info("split_devices: %d of %d devices left unused.", len(devices) - needed,
                  len(devices))

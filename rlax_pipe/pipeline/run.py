@@ -94,6 +94,11 @@ class RunConfig:
   eval_slots: int = 32
   resume: bool = False
 
+  def __post_init__(self):
+    if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
+      raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--jsonl_path=problems.jsonl, "
+                       'one {"prompt": ..., "answer": ...} object per line).')
+
 
 def load_initial_params(init: str, param_dtype: str = "float32"):
   """(ModelConfig, host params) from "builtin" or an HF-format directory.
@@ -132,6 +137,11 @@ class _Job:
   def __init__(self, cfg: RunConfig):
     self.cfg = cfg
     pcfg = cfg.pipeline
+    ckpts = pathlib.Path(cfg.run_dir) / "checkpoints"
+    if not cfg.resume and ckpts.exists() and any(ckpts.iterdir()):
+      raise FileExistsError(
+          f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
+          "(--resume) to continue it, or choose a new run_dir (--run_dir).")
     self.rd = RunDir(cfg.run_dir)
     self.tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
                 else tokenizer_lib.default_tokenizer())
@@ -319,7 +329,7 @@ class _Job:
     lag_mean, lag_max = _lag_stats(m["lag_hist"])
     versions = np.concatenate([r.policy_versions for r in result.rollouts])
     summary = timeline_lib.summarize(self.timeline.spans())
-    wall = time.perf_counter() - self.t_wall0
+    wall = time.perf_counter() - self.t_wall0 - self.eval_seconds  # as in eval rows
     remaining = self.cfg.pipeline.num_steps - step
     row = {
         "kind": "train", "step": step, "version": result.version, "time_s": time_s,
