@@ -36,6 +36,14 @@ def to_jsonable(x: Any) -> Any:
   return x
 
 
+def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
+  """The rows of `run_dir/metrics.jsonl` (empty if the run has not logged anything yet)."""
+  p = pathlib.Path(run_dir) / "metrics.jsonl"
+  if not p.exists():
+    return []
+  return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
 class RunDir:
   """Writes the files of one run (append-only metrics; resumable)."""
 
@@ -69,10 +77,7 @@ class RunDir:
     writer.flush()
 
   def read_metrics(self) -> list[dict]:
-    p = self.path / "metrics.jsonl"
-    if not p.exists():
-      return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return read_metrics(self.path)
 
   def truncate_metrics(self, after_step: int) -> None:
     """Drops rows logged after `after_step` (used on resume from an older checkpoint)."""

@@ -13,15 +13,10 @@ directory); the comparison reads their metrics:
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 from rlax_pipe.pipeline import run as run_lib
-
-
-def _rows(run_dir: str) -> list[dict]:
-  path = pathlib.Path(run_dir) / "metrics.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from rlax_pipe.run_dir import read_metrics
 
 
 def time_to_target(rows: list[dict], target: float, key: str) -> float | None:
@@ -55,7 +50,7 @@ def compare(summaries: dict, target: float | None = None) -> dict:
     target) and `device_time_speedup_pipeline_vs_sync` (virtual device time to target), when
     both drivers are present.
   """
-  rows = {d: _rows(s["run_dir"]) for d, s in summaries.items()}
+  rows = {d: read_metrics(s["run_dir"]) for d, s in summaries.items()}
   best = {d: max(r["heldout_accuracy"] for r in rs if r["kind"] == "eval")
           for d, rs in rows.items()}
   if target is None:

@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from rlax_pipe.pipeline import run as run_lib
+from rlax_pipe.run_dir import read_metrics
 
 
 def lag_name(max_lag: int | None) -> str:
@@ -35,8 +36,7 @@ def cell_config(base: run_lib.RunConfig, max_lag: int | None, objective: str,
 
 def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
   """One table row from a finished run directory."""
-  rows = [json.loads(l) for l in (pathlib.Path(run_dir) / "metrics.jsonl").read_text()
-          .splitlines() if l.strip()]
+  rows = read_metrics(run_dir)
   summary = json.loads((pathlib.Path(run_dir) / "summary.json").read_text())
   train = [r for r in rows if r["kind"] == "train"]
   evals = [r for r in rows if r["kind"] == "eval"]
@@ -91,8 +91,7 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot(1, 1, 1)
     for row in table:
-      rows = [json.loads(l) for l in (pathlib.Path(row["run_dir"]) / "metrics.jsonl")
-              .read_text().splitlines() if l.strip()]
+      rows = read_metrics(row["run_dir"])
       train = [r for r in rows if r["kind"] == "train"]
       xs = (np.cumsum([r["samples"] for r in train]) if key == "samples_cum"
             else [r["time_s"] for r in train])

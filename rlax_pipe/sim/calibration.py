@@ -33,6 +33,7 @@ import numpy as np
 
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import staleness as staleness_lib
+from rlax_pipe.run_dir import read_metrics
 from rlax_pipe.sim import distributions
 from rlax_pipe.sim.costs import DecodeCurve, SimCosts
 from rlax_pipe.sim.simulator import SimConfig
@@ -234,7 +235,7 @@ def read_run(run_dir: str | pathlib.Path) -> tuple[list[timeline_lib.Span], list
   """(spans, metrics rows, config dict) of a run directory."""
   d = pathlib.Path(run_dir)
   spans = timeline_lib.Timeline.from_jsonl(str(d / "timeline.jsonl")).spans()
-  rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines() if l.strip()]
+  rows = read_metrics(d)
   return spans, rows, json.loads((d / "config.json").read_text())
 
 
