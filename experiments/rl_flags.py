@@ -54,6 +54,9 @@ TRUNC = flags.DEFINE_float("truncation", 2.0, "Importance-weight truncation c (r
 ADVANTAGE = flags.DEFINE_enum("advantage", _P.advantage, ["grpo", "rloo", "dr_grpo"],
                               "Advantage estimator.")
 LR = flags.DEFINE_float("learning_rate", 3e-5, "Peak AdamW learning rate (per step).")
+ADAM_EPS = flags.DEFINE_float(
+    "adam_eps", LearnerConfig.adam_eps, "AdamW epsilon (gradient units). Larger values damp the "
+    "per-parameter normalisation of small, noisy gradient components.")
 WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Linear warmup length (optimizer steps).")
 SLOTS = flags.DEFINE_integer("slots", 64, "Sampler decode slots (sequences decoded at once).")
 PAGES = flags.DEFINE_integer("pages", 512, "KV pages in the sampler's pool.")
@@ -64,6 +67,10 @@ TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Sampling temperature (the 
                                  "with the same processing).")
 KV_POLICY = flags.DEFINE_enum("kv_policy", "keep", ["keep", "recompute"],
                               "KV after an in-flight update: keep (PipelineRL) | recompute (AReaL).")
+SAMPLER_DTYPE = flags.DEFINE_enum(
+    "sampler_dtype", "model", ["model", "float32", "bfloat16"],
+    "Compute and KV-cache dtype of the rollout sampler: model (same as the learner) | float32 | "
+    "bfloat16 (precision mismatch of a bf16 inference engine, ablation A9).")
 EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "Learner steps between held-out evaluations.")
 EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", _P.eval_problems, "Held-out problems.")
 CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 5, "Learner steps between checkpoints.")
@@ -111,10 +118,12 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
       num_slots=SLOTS.value, page_size=PAGE_SIZE.value, num_pages=PAGES.value,
       max_seq_len=MAX_SEQ.value, max_new_tokens=MAX_SEQ.value, eos_id=tok.eos_id,
       kv_policy=KV_POLICY.value, sampling=SamplingConfig(temperature=TEMPERATURE.value),
-      seed=SEED.value)
+      seed=SEED.value,
+      **({} if SAMPLER_DTYPE.value == "model" else {"cache_dtype": SAMPLER_DTYPE.value}))
   tp = LEARNER_DEVICES.value // LEARNER_FSDP.value
   learner = LearnerConfig(mesh_axes=(("fsdp", LEARNER_FSDP.value), ("tp", tp)),
-                          learning_rate=LR.value, warmup_steps=WARMUP.value, seed=SEED.value)
+                          learning_rate=LR.value, warmup_steps=WARMUP.value, seed=SEED.value,
+                          adam_eps=ADAM_EPS.value)
   data = SAMPLER_DEVICES.value // SAMPLER_TP.value
   sampler_axes = (("tp", SAMPLER_TP.value),) if data == 1 else (("data", data),
                                                                 ("tp", SAMPLER_TP.value))
@@ -125,6 +134,8 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
                 name=OBJECTIVE.value, truncation=TRUNC.value, aggregation=AGGREGATION.value,
                 constant_normalizer=(float(MAX_SEQ.value) if AGGREGATION.value == "constant"
                                      else None)),
-            sampler=sampler, pipeline=pipe, resume=RESUME.value)
+            sampler=sampler, pipeline=pipe, resume=RESUME.value,
+            sampler_compute_dtype=(None if SAMPLER_DTYPE.value == "model"
+                                   else SAMPLER_DTYPE.value))
   kw.update(overrides)
   return run_lib.RunConfig(**kw)

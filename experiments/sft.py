@@ -31,6 +31,10 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", sft.SFTConfig.warmup_steps,
                                "Linear warmup (optimizer steps; capped at steps - 1).")
 _EVAL = flags.DEFINE_integer("eval_problems", sft.SFTConfig.eval_problems, "Held-out problems.")
 _SEED = flags.DEFINE_integer("seed", sft.SFTConfig.seed, "Init and sampling seed.")
+_DIRECT = flags.DEFINE_float(
+    "direct_answer_fraction", sft.SFTConfig.direct_answer_fraction,
+    "Share of training problems demonstrated by the bare answer ('A: 17') instead of the worked "
+    "trace: a mixture of two demonstrators that RL can choose between (see sft.SFTConfig).")
 
 
 def main(argv):
@@ -39,7 +43,8 @@ def main(argv):
                          tasks.JsonlConfig(path=_JSONL.value) if _TASK.value == "jsonl" else None)
   cfg = sft.SFTConfig(steps=_STEPS.value, rows=_ROWS.value, seq_len=_SEQ.value,
                       learning_rate=_LR.value, warmup_steps=_WARMUP.value,
-                      eval_problems=_EVAL.value, seed=_SEED.value)
+                      eval_problems=_EVAL.value, seed=_SEED.value,
+                      direct_answer_fraction=_DIRECT.value)
   summary = sft.run_sft(task, tokenizer.default_tokenizer(), cfg, _OUT.value)
   print(json.dumps(summary))
 

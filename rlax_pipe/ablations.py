@@ -235,10 +235,40 @@ def a10_truncation_cap(out_dir: str, tiny: bool = False, base=None) -> list[dict
   return rows
 
 
+def a9_precision_mismatch(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+  """A9 (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+  training"): bf16 sampler vs fp32 learner at zero staleness, with and without truncation.
+
+  Every cell runs the `sync` driver with max_lag 0, so every token has lag 0 and the only
+  difference between the behavior policy mu and the learner's pi is numeric: the sampler
+  computes (and caches KV) in bfloat16, the learner in float32. Cells: fp32 sampler + TIS
+  (reference), bf16 sampler + no correction, + untruncated IS, + TIS (truncated at the base
+  run's cap). Reported: lag-0 |log pi - log mu| (`logp_mismatch_mean`), ESS, ratio variance,
+  fraction truncated, reward and held-out accuracy.
+  """
+  def cell(dtype, objective):
+    def transform(c):
+      c = _objective(objective)(c)
+      return dataclasses.replace(
+          c, sampler_compute_dtype=dtype,
+          sampler=dataclasses.replace(c.sampler, cache_dtype=dtype),
+          pipeline=dataclasses.replace(c.pipeline, driver="sync"))
+    return transform
+  cells = [("fp32_tis", 0, cell("float32", "tis_pg")), ("bf16_tis", 0, cell("bfloat16", "tis_pg"))]
+  if not tiny:
+    cells[1:1] = [("bf16_nocorr", 0, cell("bfloat16", "no_correction")),
+                  ("bf16_is", 0, cell("bfloat16", "untruncated_is"))]
+  rows = _cells(base, out_dir, "A9", cells)
+  _bar_plot(rows, out_dir, "A9", ("logp_mismatch_mean", "ess_mean", "frac_truncated_mean",
+                                  "reward_last5", "heldout_end"))
+  return rows
+
+
 ABLATIONS: dict[str, Callable[..., list[dict]]] = {
     "A1": a1_long_tail, "A2": a2_max_lag, "A3": a3_correction_x_lag,
     "A4": a4_inflight_vs_async, "A5": a5_kv_keep_vs_recompute, "A6": a6_device_split,
-    "A7": a7_staleness_formula, "A8": a8_queue_policy, "A10": a10_truncation_cap,
+    "A7": a7_staleness_formula, "A8": a8_queue_policy, "A9": a9_precision_mismatch,
+    "A10": a10_truncation_cap,
 }
 SIMULATED = ("A1", "A6", "A7", "A8")  # no RunConfig needed
 

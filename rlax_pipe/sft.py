@@ -48,6 +48,16 @@ class SFTConfig:
     eval_slots: decode slots of the evaluation sampler (>= 1).
     log_every: steps between progress lines (>= 1).
     seed: seed of the model init and of the T=1 evaluation sampler.
+    direct_answer_fraction: share f in [0, 1) of training problems whose demonstration is the
+      bare final answer ("A: 17", no worked trace) instead of the task's reference solution.
+      The warm start then imitates a mixture of two demonstrators, one that shows its work
+      and one that answers directly, and samples the direct strategy with probability ~f,
+      although it is far less accurate on multi-term problems. RL learns to prefer the worked
+      trace (the "RL amplifies one of the behaviours learned in pre-training" effect of Zhao et
+      al. 2025, "Echo Chamber: RL Post-training Amplifies Behaviors Learned in Pretraining"):
+      a large, fast accuracy gain that a tiny model shows within minutes. Which problems get
+      the direct demonstration is a fixed pseudo-random function of (problem index, seed), so
+      it cannot be read off the prompt. 0 = reference solutions only.
   """
 
   steps: int = 150
@@ -61,12 +71,16 @@ class SFTConfig:
   eval_slots: int = 32
   log_every: int = 10
   seed: int = 0
+  direct_answer_fraction: float = 0.0
 
   def __post_init__(self):
     for name in ("steps", "rows", "seq_len", "learner_devices", "eval_problems", "eval_slots",
                  "log_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1.")
+    if not 0.0 <= self.direct_answer_fraction < 1.0:
+      raise ValueError(f"SFTConfig.direct_answer_fraction={self.direct_answer_fraction} must be "
+                       "in [0, 1).")
     if not self.learning_rate > 0 or self.warmup_steps < 0 or self.weight_decay < 0:
       raise ValueError("SFTConfig: learning_rate must be > 0, warmup_steps and weight_decay >= 0.")
 
@@ -77,11 +91,30 @@ def default_model_config(vocab_size: int, max_seq_len: int = 384) -> ModelConfig
                      head_dim=32, d_ff=384, max_seq_len=max_seq_len)
 
 
+def answers_directly(index: int, fraction: float, seed: int = 0) -> bool:
+  """Whether training problem `index` gets the bare-answer demonstration (see SFTConfig).
+
+  A fixed pseudo-random draw per (index, seed): u = U[0, 1) from numpy's PCG64 seeded with
+  (seed, index); True iff u < fraction.
+  """
+  if fraction <= 0.0:
+    return False
+  return bool(np.random.default_rng((seed, index)).random() < fraction)
+
+
+def demonstration(problem: task_base.Problem, direct: bool) -> str:
+  """The SFT target text: the reference solution, or "A: <answer>" when `direct`."""
+  return f"{task_base.ANSWER_MARKER} {problem.answer}" if direct else problem.solution
+
+
 def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
-                      sample_id: int) -> Rollout:
-  """The reference completion of `problem` (+ EOS) as a Rollout (log-probs 0, version 0)."""
+                      sample_id: int, direct: bool = False) -> Rollout:
+  """The demonstration of `problem` (+ EOS) as a Rollout (log-probs 0, version 0).
+
+  `direct=True` demonstrates the bare answer instead of the reference solution.
+  """
   prompt = np.asarray(tok.encode(problem.prompt, add_bos=True), np.int32)
-  completion = np.asarray(tok.encode(problem.solution) + [tok.eos_id], np.int32)
+  completion = np.asarray(tok.encode(demonstration(problem, direct)) + [tok.eos_id], np.int32)
   n = completion.shape[0]
   return Rollout(sample_id=sample_id, group_id=sample_id, prompt_tokens=prompt,
                  completion_tokens=completion, behavior_logprobs=np.zeros(n, np.float32),
@@ -90,10 +123,11 @@ def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
 
 
 def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, rows: int,
-               seq_len: int):
+               seq_len: int, direct_answer_fraction: float = 0.0, seed: int = 0):
   """Packs consecutive training problems from index `start` into exactly `rows` rows.
 
-  Problems whose prompt + reference completion exceed `seq_len` tokens are skipped.
+  Problems whose prompt + demonstration exceed `seq_len` tokens are skipped. A share
+  `direct_answer_fraction` of problems is demonstrated by the bare answer (`answers_directly`).
 
   Returns:
     (TrainBatch [rows, seq_len], next_index).
@@ -103,7 +137,8 @@ def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, r
   """
   items, lengths, index = [], [], start
   while True:
-    candidate = reference_rollout(task.problem(index), tok, index)
+    candidate = reference_rollout(task.problem(index), tok, index,
+                                  answers_directly(index, direct_answer_fraction, seed))
     n = candidate.prompt_tokens.shape[0] + candidate.num_completion_tokens
     if n > seq_len:  # cannot be imitated in rows of this length: skipped
       index += 1
@@ -165,7 +200,8 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
                     devices=jax.devices()[:cfg.learner_devices])
   t0, index, losses = time.perf_counter(), 0, []
   for step in range(cfg.steps):
-    batch, index = next_batch(task, tok, index, cfg.rows, cfg.seq_len)
+    batch, index = next_batch(task, tok, index, cfg.rows, cfg.seq_len, cfg.direct_answer_fraction,
+                              cfg.seed)
     metrics = learner.train_step(batch)
     if metrics is not None:
       losses.append(float(metrics["loss"]))

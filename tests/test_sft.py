@@ -52,3 +52,24 @@ def test_next_batch_skips_problems_longer_than_a_row():
   rows, cols = np.nonzero(batch.segment_ids)
   packed = len(set(zip(rows.tolist(), batch.segment_ids[rows, cols].tolist())))
   assert 0 < packed < nxt  # some problems of the default task are longer than 40 tokens
+
+
+def test_direct_answer_demonstrations_are_a_fixed_share_and_earn_reward():
+  tok, task = default_tokenizer(), tasks.ArithmeticTask()
+  flags = [sft.answers_directly(i, 0.7, seed=3) for i in range(4000)]
+  assert abs(np.mean(flags) - 0.7) < 0.03
+  assert flags == [sft.answers_directly(i, 0.7, seed=3) for i in range(4000)]  # deterministic
+  assert not any(sft.answers_directly(i, 0.0) for i in range(100))
+  p = task.problem(0)
+  direct = sft.reference_rollout(p, tok, sample_id=0, direct=True)
+  text = tok.decode(direct.completion_tokens)
+  assert text == f"A: {p.answer}" and task.reward(p, text) == 1.0
+  _, nxt = sft.next_batch(task, tok, 0, rows=2, seq_len=384, direct_answer_fraction=0.7)
+  _, nxt_plain = sft.next_batch(task, tok, 0, rows=2, seq_len=384)
+  assert nxt > 1.5 * nxt_plain  # bare answers are short: many more problems fit in two rows
+
+
+def test_direct_answer_fraction_must_be_below_one():
+  import pytest  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="direct_answer_fraction"):
+    sft.SFTConfig(direct_answer_fraction=1.0)

@@ -75,6 +75,11 @@ class RunConfig:
     sampler: sampler config (slots, pages, sampling); its eos_id should be the tokenizer's.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler.
+    sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
+      ("float32", "bfloat16", "float16"), or None for the model's own `compute_dtype`. The learner
+      and the held-out evaluation keep the model's dtype, so "bfloat16" reproduces the precision
+      mismatch of a bf16 inference engine feeding an fp32 learner (Yao et al. 2025; ablation A9);
+      weights still travel in the learner's param dtype. Set `sampler.cache_dtype` to match.
     resume: continue from the newest usable checkpoint in run_dir/checkpoints.
   """
 
@@ -92,9 +97,13 @@ class RunConfig:
   sampler: SamplerConfig = SamplerConfig()
   pipeline: PipelineConfig = PipelineConfig()
   eval_slots: int = 32
+  sampler_compute_dtype: str | None = None
   resume: bool = False
 
   def __post_init__(self):
+    if self.sampler_compute_dtype not in (None, "float32", "bfloat16", "float16"):
+      raise ValueError(f"RunConfig.sampler_compute_dtype={self.sampler_compute_dtype!r}; use "
+                       "None, 'float32', 'bfloat16' or 'float16'.")
     if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
       raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--jsonl_path=problems.jsonl, "
                        'one {"prompt": ..., "answer": ...} object per line).')
@@ -155,6 +164,12 @@ class _Job:
     self.model_cfg, params0 = load_initial_params(cfg.init)
     learner_cfg = dataclasses.replace(cfg.learner, checkpoint_dir=self.rd.checkpoint_dir)
     objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
+    self.sampler_model_cfg = (
+        self.model_cfg if cfg.sampler_compute_dtype is None else
+        dataclasses.replace(self.model_cfg, compute_dtype=cfg.sampler_compute_dtype))
+    if self.sampler_model_cfg != self.model_cfg:
+      logging.info("sampler computes in %s, learner in %s (precision mismatch on purpose).",
+                   cfg.sampler_compute_dtype, self.model_cfg.compute_dtype)
     self.learner = Learner(self.model_cfg, learner_cfg, objective_cfg, cfg.sampler.sampling,
                            mesh=learner_mesh, params=params0)
     extra = self._maybe_restore()
@@ -178,13 +193,13 @@ class _Job:
     if snap is None:
       self.channel.push(self.learner.params, self.learner.version)
       w = self.channel.take(timeout=pcfg.wait_timeout_s)
-      self.engine = SamplerEngine(self.model_cfg, cfg.sampler, w.params, version=w.version,
+      self.engine = SamplerEngine(self.sampler_model_cfg, cfg.sampler, w.params, version=w.version,
                                   mesh=sampler_mesh, clock=clock, on_span=on_span)
     else:  # exact resume: the sampler exactly as it was at the checkpoint
       leaves, treedef = jax.tree.flatten(target)
       params = jax.tree.unflatten(treedef, [
           jax.device_put(snap["arrays"][f"params{i}"], t.sharding) for i, t in enumerate(leaves)])
-      self.engine = SamplerEngine(self.model_cfg, cfg.sampler, params,
+      self.engine = SamplerEngine(self.sampler_model_cfg, cfg.sampler, params,
                                   version=snap["state"]["version"], mesh=sampler_mesh,
                                   clock=clock, on_span=on_span)
       engine_snapshot.restore(self.engine, snap["state"], snap["arrays"])

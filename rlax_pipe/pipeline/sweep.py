@@ -51,6 +51,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
       "ess_mean": float(np.mean([r["ess"] for r in train])) if train else None,
       "ratio_var_mean": float(np.mean([r["ratio_var"] for r in train])) if train else None,
       "kl_k3_mean": float(np.mean([r["kl_k3"] for r in train])) if train else None,
+      "logp_mismatch_mean": (float(np.mean([r["logp_mismatch_mean"] for r in train]))
+                             if train else None),
+      "frac_truncated_mean": (float(np.mean([r["frac_truncated"] for r in train]))
+                              if train else None),
       "lag_mean": float(np.mean([r["lag_mean"] for r in train])) if train else None,
       "lag_max": max((r["lag_max"] for r in train), default=0),
       "heldout_start": evals[0]["heldout_accuracy"] if evals else None,
