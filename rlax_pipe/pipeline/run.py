@@ -223,7 +223,9 @@ class _Job:
     eval_cfg = dataclasses.replace(
         cfg.sampler, num_slots=cfg.eval_slots,
         num_pages=cfg.eval_slots * cfg.sampler.pages_per_seq,
-        sampling=logprobs_lib.SamplingConfig(greedy=True))
+        sampling=logprobs_lib.SamplingConfig(greedy=True),
+        **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
+           else {"cache_dtype": self.model_cfg.compute_dtype}))
     self.eval_engine = SamplerEngine(self.model_cfg, eval_cfg, self.learner.params,
                                      version=self.learner.version, mesh=learner_mesh)
     self.eval_set = evaluation.eval_problems(self.task, pcfg.eval_problems)
