@@ -42,8 +42,10 @@ GROUPS = flags.DEFINE_integer("groups_per_step", _P.groups_per_step,
 GROUP_SIZE = flags.DEFINE_integer("group_size", _P.group_size, "Samples per prompt (GRPO group).")
 MAX_LAG = flags.DEFINE_integer("max_lag", 4, "Max per-token lag in optimizer steps; -1 = "
                                "unbounded.")
-POLICY = flags.DEFINE_enum("staleness_policy", "block", list(staleness.POLICIES),
-                           "How max_lag is enforced: block (admission) | drop | queue-drop.")
+POLICY = flags.DEFINE_enum("staleness_policy", "learner-wait", list(staleness.POLICIES),
+                           "How max_lag is enforced: block (sampler admission) | learner-wait "
+                           "(AReaL admission + the learner waits for due stragglers) | drop | "
+                           "queue-drop.")
 QUEUE_CAP = flags.DEFINE_integer("queue_capacity_groups", 0, "Queue-drop capacity in groups "
                                  "(0 = groups_per_step).")
 OBJECTIVE = flags.DEFINE_enum("objective", "tis_pg", sorted(objectives.OBJECTIVES),

@@ -85,7 +85,8 @@ class PipelineConfig:
   group_size: int = 8
   seq_len: int = 384
   advantage: str = "grpo"
-  staleness: StalenessConfig = StalenessConfig(policy="block", max_lag=4, groups_per_step=8)
+  staleness: StalenessConfig = StalenessConfig(policy="learner-wait", max_lag=4,
+                                               groups_per_step=8)
   eval_every: int = 10
   eval_problems: int = 128
   checkpoint_every: int = 10

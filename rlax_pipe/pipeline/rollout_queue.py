@@ -122,6 +122,7 @@ class RolloutQueue:
     self._abandoned: dict[int, int] = {}  # group id -> samples still expected
     self._seq = 0
     self._learner_version = 0
+    self._last_batch_version = -1  # version the newest handed-out batch is trained at
     self._admission = staleness.admission_init()
     self._waste = staleness.WasteCounters()
     self._trained = [0, 0, 0]  # groups, samples, tokens
@@ -137,7 +138,8 @@ class RolloutQueue:
   def try_admit(self, group_id: int, sampler_version: int) -> bool:
     """Asks to start prompt group `group_id` with the sampler's current weights version.
 
-    Under `block` this applies `staleness.can_admit`; other policies always admit. Admitted
+    Under `block` and `learner-wait` this applies `staleness.can_admit`; other policies always
+    admit. Admitted
     groups are tracked so that the bound holds and waits can report what is in flight.
 
     Returns:
@@ -147,16 +149,18 @@ class RolloutQueue:
       ValueError: if `group_id` is already live.
     """
     with self._cond:
-      if not staleness.can_admit(self._admission, sampler_version, self._config):
+      nxt = self._next_train_version_locked()
+      if not staleness.can_admit(self._admission, sampler_version, self._config, nxt):
         return False
       self._admission = staleness.admission_admit(
-          self._admission, group_id, sampler_version, self._config)
+          self._admission, group_id, sampler_version, self._config, nxt)
       return True
 
   def admission_headroom(self, sampler_version: int) -> int | None:
     """How many more groups may be admitted now (None = unlimited)."""
     with self._cond:
-      return staleness.admission_headroom(self._admission, sampler_version, self._config)
+      return staleness.admission_headroom(self._admission, sampler_version, self._config,
+                                          self._next_train_version_locked())
 
   def put(self, rollout: Rollout, learner_version: int | None = None) -> None:
     """Adds one finished sample; completes, drops or holds its group.
@@ -254,7 +258,9 @@ class RolloutQueue:
       timeout: seconds to wait (None = until enough groups or `close`).
 
     Returns:
-      `num_groups` groups, oldest first; each group's samples sorted by sample_id.
+      `num_groups` groups, oldest first; each group's samples sorted by sample_id. Under
+      `learner-wait` it waits while a due group (`staleness.due_groups`) is still in flight,
+      puts due groups first, and returns more than `num_groups` groups when more are due.
 
     Raises:
       QueueTimeout: after `timeout`; the message gives groups wanted / ready / partially
@@ -310,6 +316,7 @@ class RolloutQueue:
           "group_size": self._group_size,
           "seq": self._seq,
           "learner_version": self._learner_version,
+          "last_batch_version": self._last_batch_version,
           "trained": list(self._trained),
           "waste": dataclasses.asdict(self._waste),
           "admission": staleness.admission_to_dict(self._admission),
@@ -336,6 +343,7 @@ class RolloutQueue:
     q = cls(config or staleness.StalenessConfig(**state["config"]), int(state["group_size"]))
     q._seq = int(state["seq"])
     q._learner_version = int(state["learner_version"])
+    q._last_batch_version = int(state.get("last_batch_version", -1))
     q._trained = [int(x) for x in state["trained"]]
     q._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
     q._admission = staleness.admission_from_dict(state["admission"])
@@ -356,6 +364,10 @@ class RolloutQueue:
       raise ValueError(
           f"RolloutQueue: num_groups={num_groups} must be >= 1"
           + (f" and <= queue_capacity_groups={cap}." if cap is not None else "."))
+
+  def _next_train_version_locked(self) -> int:
+    """Smallest version the learner's next batch can be trained at."""
+    return max(self._learner_version, self._last_batch_version + 1)
 
   def _in_flight_locked(self) -> int:
     ready_ids = {g.rollouts[0].group_id for g in self._ready}
@@ -381,6 +393,14 @@ class RolloutQueue:
       self._discard([self._ready[i].rollouts for i in stale], "stale")
       self._ready = [self._ready[i] for i in fresh]
       self._cond.notify_all()
+    due = staleness.due_groups(self._admission, learner_version, self._config)
+    if due:  # learner-wait: every due group must be ready and in this batch, else wait
+      ready_ids = {g.rollouts[0].group_id for g in self._ready}
+      if any(gid not in ready_ids for gid in due):
+        return None
+      first = set(due)
+      self._ready.sort(key=lambda g: (g.rollouts[0].group_id not in first, g.key))
+      num_groups = max(num_groups, len(due))
     if len(self._ready) < num_groups:
       return None
     groups = [g.rollouts for g in self._ready[:num_groups]]
@@ -392,6 +412,7 @@ class RolloutQueue:
               f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
               "version the batch will be trained at.")
     self._ready = self._ready[num_groups:]
+    self._last_batch_version = max(self._last_batch_version, learner_version)
     self._retire([g[0].group_id for g in groups], trained=True)
     self._trained[0] += len(groups)
     self._trained[1] += sum(len(g) for g in groups)

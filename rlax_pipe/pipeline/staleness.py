@@ -15,6 +15,12 @@ Policies (`StalenessConfig.policy`):
   * ``drop``: groups whose oldest token is already too stale for the version they would be
     trained at are discarded (prime-rl style), at put time, at batch time, and in flight
     (`is_too_stale` tells the sampler to abort them).
+  * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work
+    ahead of the learner) plus a learner-side gate: the learner never takes a step that would
+    leave behind a live group whose tokens would then exceed max_lag; it waits for such a
+    *due* group and trains every due group (so a batch may hold more than groups_per_step
+    groups). A straggler then stalls the learner instead of the sampler: higher slot occupancy
+    and throughput when sampling is the bottleneck, more mean staleness (see `due_groups`).
   * ``queue-drop``: the queue holds at most `queue_capacity_groups` ready groups and drops the
     oldest ones beyond that (Applied Compute, "Predicting and Controlling Staleness in Fully
     Asynchronous RL Training", 2026). When `max_lag` is also set it stays a hard cap at batch time.
@@ -31,7 +37,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-POLICIES: tuple[str, ...] = ("block", "drop", "queue-drop")
+POLICIES: tuple[str, ...] = ("block", "learner-wait", "drop", "queue-drop")
 WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted")
 
 
@@ -165,22 +171,51 @@ def admission_init() -> AdmissionState:
   return AdmissionState()
 
 
-def admission_headroom(state: AdmissionState, sampler_version: int,
-                       config: StalenessConfig) -> int | None:
-  """How many more groups `block` lets the sampler start now (None = unlimited).
+def admission_headroom(state: AdmissionState, sampler_version: int, config: StalenessConfig,
+                       next_train_version: int | None = None) -> int | None:
+  """How many more groups `block` / `learner-wait` let the sampler start now (None = unlimited).
 
-  headroom = B * (a_min + k + 1) - n, where n = `state.num_net`, B = groups_per_step, k =
-  max_lag and a_min = the smallest admission version among live groups (or `sampler_version`
-  when none is live). See `can_admit` for why. Policies other than `block` never limit
-  admission.
+  block: headroom = B * (a_min + k + 1) - n, where n = `state.num_net`, B = groups_per_step,
+  k = max_lag and a_min = the smallest admission version among live groups (or
+  `sampler_version` when none is live). See `can_admit` for why.
+  learner-wait: headroom = B * (v + k + 1) - n with v = `sampler_version` (AReaL Eq. 3), and 0
+  while v + k < `next_train_version` (a group admitted now would already be too stale for the
+  learner's next batch). Policies `drop` and `queue-drop` never limit admission.
   """
-  if config.policy != "block" or config.max_lag is None:
+  if config.policy not in ("block", "learner-wait") or config.max_lag is None:
     return None
+  k, b = config.max_lag, config.groups_per_step
+  if config.policy == "learner-wait":
+    if next_train_version is not None and sampler_version + k < next_train_version:
+      return 0
+    return max(0, b * (sampler_version + k + 1) - state.num_net)
   a_min = min([v for _, v in state.live] + [sampler_version])
-  return max(0, config.groups_per_step * (a_min + config.max_lag + 1) - state.num_net)
+  return max(0, b * (a_min + k + 1) - state.num_net)
 
 
-def can_admit(state: AdmissionState, sampler_version: int, config: StalenessConfig) -> bool:
+def due_groups(state: AdmissionState, train_version: int, config: StalenessConfig
+               ) -> list[int]:
+  """learner-wait: live groups that must be in the batch trained at `train_version`.
+
+  A group admitted at version a has tokens of versions >= a; left out of the batch trained at
+  v, it is trained at v + 1 or later, with lag >= v + 1 - a. So it is due when
+  v + 1 - a > max_lag. The learner trains a batch only if every due group is ready and in it
+  (`RolloutQueue` waits otherwise), hence every group is trained at a version <= a + max_lag:
+  the first batch at version >= a + max_lag after the admission includes it, and admission
+  (`admission_headroom`) guarantees a + max_lag >= the version of the next batch. The wait
+  always ends: a due group is in flight and the sampler keeps decoding it. Empty for the other
+  policies and for max_lag None.
+
+  Returns:
+    Group ids in admission order.
+  """
+  if config.policy != "learner-wait" or config.max_lag is None:
+    return []
+  return [g for g, a in state.live if train_version + 1 - a > config.max_lag]
+
+
+def can_admit(state: AdmissionState, sampler_version: int, config: StalenessConfig,
+              next_train_version: int | None = None) -> bool:
   """Whether the sampler may start one more prompt group now (policy `block`).
 
   Rule: admit group number n (0-based, counting admitted groups that were not discarded) only
@@ -202,21 +237,27 @@ def can_admit(state: AdmissionState, sampler_version: int, config: StalenessConf
   the sampler admitting. Assumes every learner step trains at least B groups (fewer would let
   the version run ahead of the admission count).
 
+  Policy `learner-wait` admits by AReaL Eq. 3 on `sampler_version` instead and leaves the
+  per-token bound to the learner-side gate (`due_groups`).
+
   Args:
     state: current admission state.
     sampler_version: the version of the weights the sampler decodes with now (not the learner's
       version, which may be ahead of it).
-    config: staleness config; policies other than `block`, or max_lag None, always admit.
+    config: staleness config; `drop`, `queue-drop`, or max_lag None always admit.
+    next_train_version: learner-wait only: the smallest version the learner's next batch can be
+      trained at (None = not known, no check).
 
   Returns:
     True when one more group may be admitted.
   """
-  headroom = admission_headroom(state, sampler_version, config)
+  headroom = admission_headroom(state, sampler_version, config, next_train_version)
   return headroom is None or headroom > 0
 
 
 def admission_admit(state: AdmissionState, group_id: int, sampler_version: int,
-                    config: StalenessConfig) -> AdmissionState:
+                    config: StalenessConfig, next_train_version: int | None = None
+                    ) -> AdmissionState:
   """Records the admission of `group_id` at `sampler_version`.
 
   Raises:
@@ -224,7 +265,7 @@ def admission_admit(state: AdmissionState, group_id: int, sampler_version: int,
   """
   if any(g == group_id for g, _ in state.live):
     raise ValueError(f"admission_admit: group {group_id} is already live.")
-  if not can_admit(state, sampler_version, config):
+  if not can_admit(state, sampler_version, config, next_train_version):
     raise ValueError(
         f"admission_admit: group {group_id} would break max_lag={config.max_lag} "
         f"({state.num_net} groups admitted net, oldest live admission version "

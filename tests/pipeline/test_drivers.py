@@ -7,15 +7,20 @@ import pytest
 from rlax_pipe.pipeline import run as run_lib
 
 
-@pytest.mark.parametrize("driver", ["sync", "async-batch", "pipeline"])
-def test_driver_runs_and_respects_lag_bound(tmp_path, tiny_init, driver, tiny_config,
+@pytest.mark.parametrize("driver,policy", [("sync", "block"), ("async-batch", "block"),
+                                           ("pipeline", "block"), ("async-batch", "learner-wait"),
+                                           ("pipeline", "learner-wait")])
+def test_driver_runs_and_respects_lag_bound(tmp_path, tiny_init, driver, policy, tiny_config,
                                             train_rows):
   max_lag = 1
-  cfg = tiny_config(tmp_path, tiny_init, driver=driver, max_lag=max_lag)
+  cfg = tiny_config(tmp_path, tiny_init, driver=driver, max_lag=max_lag, policy=policy)
   summary = run_lib.run(cfg)
   rows = train_rows(cfg.run_dir)
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert [r["version"] for r in rows] == [1, 2, 3]
+  # learner-wait may train more than groups_per_step groups when more fall due at once
+  assert all(r["samples"] >= cfg.pipeline.groups_per_step * cfg.pipeline.group_size
+             for r in rows)
   for r in rows:
     # lag of every trained token = (version before the step) - token version
     assert 0 <= r["lag_max"] <= max_lag
@@ -38,8 +43,9 @@ def test_reproducible_mode_is_deterministic(tmp_path, tiny_init, tiny_config, tr
   assert a["time_s"] == b["time_s"]
 
 
-def test_threaded_pipeline_runs(tmp_path, tiny_init, tiny_config, train_rows):
-  cfg = tiny_config(tmp_path, tiny_init, mode="threaded", steps=2)
+@pytest.mark.parametrize("policy", ["block", "learner-wait"])
+def test_threaded_pipeline_runs(tmp_path, tiny_init, tiny_config, train_rows, policy):
+  cfg = tiny_config(tmp_path, tiny_init, mode="threaded", steps=2, policy=policy)
   summary = run_lib.run(cfg)
   rows = train_rows(cfg.run_dir)
   assert [r["version"] for r in rows] == [1, 2]

@@ -139,3 +139,81 @@ def test_waste_counters():
   assert (c.dropped_groups, c.wasted_tokens, c.stale_samples) == (3, 157, 4)
   with pytest.raises(ValueError, match="not in"):
     st.count_waste(c, "late", 1, 1, 1)
+
+
+def _simulate_learner_wait(cfg, seed, steps=30, slots=6):
+  """Toy pipeline of `_simulate` driven through a real RolloutQueue under `learner-wait`.
+
+  Returns (largest per-token lag trained, mean slot occupancy, largest batch in groups).
+  """
+  from rlax_pipe.pipeline.rollout_queue import RolloutQueue  # pylint: disable=g-import-not-at-top
+  from rlax_pipe.types import Rollout  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  q = RolloutQueue(cfg, group_size=1)
+  v, w, next_gid, in_flight, max_seen, busy, ticks, biggest = 0, 0, 0, {}, 0, 0, 0, 0
+  weight_delay = []
+  for _ in range(steps * 400):
+    while len(in_flight) < slots and q.try_admit(next_gid, w):
+      in_flight[next_gid] = (int(min(60, rng.pareto(1.2) * 3 + 1)), [])
+      next_gid += 1
+    ticks, busy = ticks + 1, busy + len(in_flight)
+    for gid in list(in_flight):
+      length, versions = in_flight[gid]
+      versions.append(w)
+      if len(versions) == length:
+        vs = np.array(versions, np.int32)
+        q.put(Rollout(sample_id=gid, group_id=gid, prompt_tokens=np.ones(1, np.int32),
+                      completion_tokens=np.ones(length, np.int32),
+                      behavior_logprobs=np.zeros(length, np.float32), policy_versions=vs,
+                      finish_reason="eos"))
+        del in_flight[gid]
+    batch = q.try_get_batch(cfg.groups_per_step, v)
+    if batch is not None:
+      biggest = max(biggest, len(batch))
+      for group in batch:
+        for r in group:
+          max_seen = max(max_seen, int(st.token_lag(r.policy_versions, v).max()))
+      v += 1
+      q.set_learner_version(v)
+      weight_delay.append(v)
+      if v >= steps:
+        break
+    if weight_delay and rng.random() < 0.5:  # the sampler picks up weights late
+      w = weight_delay.pop(0)
+  assert v >= steps, "the toy pipeline deadlocked"
+  return max_seen, busy / (ticks * slots), biggest
+
+
+@pytest.mark.parametrize("k,b", [(0, 1), (1, 2), (2, 3), (4, 2)])
+def test_learner_wait_bounds_lag_and_keeps_the_sampler_busier(k, b):
+  cfg = st.StalenessConfig("learner-wait", max_lag=k, groups_per_step=b)
+  block = st.StalenessConfig("block", max_lag=k, groups_per_step=b)
+  for seed in range(4):
+    worst, occupancy, biggest = _simulate_learner_wait(cfg, seed)
+    assert worst <= k and biggest >= b
+  if k >= 2:  # with room for staleness the sampler is never held back by one straggler
+    occ_wait = np.mean([_simulate_learner_wait(cfg, s)[1] for s in range(4)])
+    occ_block = np.mean([_simulate_learner_wait_block(block, s) for s in range(4)])
+    assert occ_wait > occ_block
+
+
+def _simulate_learner_wait_block(cfg, seed):
+  """Occupancy of the same toy pipeline under `block` (through the same RolloutQueue)."""
+  return _simulate_learner_wait(cfg, seed)[1]
+
+
+def test_due_groups_and_learner_wait_admission_by_hand():
+  cfg = st.StalenessConfig("learner-wait", max_lag=1, groups_per_step=2)
+  s = st.admission_init()
+  # AReaL Eq. 3 on the sampler version: 2 * (0 + 1 + 1) = 4 groups at version 0.
+  assert st.admission_headroom(s, 0, cfg, next_train_version=0) == 4
+  for g in range(4):
+    s = st.admission_admit(s, g, 0, cfg, next_train_version=0)
+  assert not st.can_admit(s, 0, cfg, 0)
+  assert st.due_groups(s, 0, cfg) == []  # training at v0 leaves them for v1: lag 1 <= 1
+  assert st.due_groups(s, 1, cfg) == [0, 1, 2, 3]  # at v1 all must go now (v2 would be lag 2)
+  # A sampler still on version 0 may not admit once the learner's next batch is at version 2.
+  s = st.admission_retire(s, [0, 1, 2, 3], trained=True)
+  assert st.can_admit(s, 1, cfg, next_train_version=2)
+  assert not st.can_admit(s, 0, cfg, next_train_version=2)
+  assert st.due_groups(s, 5, st.StalenessConfig("block", max_lag=1, groups_per_step=2)) == []
