@@ -33,6 +33,7 @@ from rlax_pipe.pipeline.staleness import admission_to_dict
 from rlax_pipe.pipeline.staleness import AdmissionState
 from rlax_pipe.pipeline.staleness import areal_admission_allowed
 from rlax_pipe.pipeline.staleness import can_admit
+from rlax_pipe.pipeline.staleness import due_groups
 from rlax_pipe.pipeline.staleness import count_waste
 from rlax_pipe.pipeline.staleness import is_too_stale
 from rlax_pipe.pipeline.staleness import partition_by_staleness
