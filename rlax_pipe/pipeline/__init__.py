@@ -59,7 +59,7 @@ __all__ = (
     "WeightChannel", "Weights", "admission_admit", "admission_from_dict", "admission_headroom",
     "admission_init", "admission_retire", "admission_to_dict",
     "areal_admission_allowed", "assert_congruent", "can_admit", "check_manifest", "count_waste",
-    "is_too_stale", "logical_to_sharding", "logical_to_spec", "make_learner_mesh", "make_mesh",
+    "due_groups", "is_too_stale", "logical_to_sharding", "logical_to_spec", "make_learner_mesh", "make_mesh",
     "make_sampler_mesh", "pack_rollouts", "packing_plan", "pad_rows_to_multiple",
     "params_manifest", "partition_by_staleness", "queue_overflow", "rollout_from_dict",
     "rollout_to_dict", "split_devices", "split_rows", "token_lag", "unpack_batch",
