@@ -116,12 +116,12 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
       staleness=stale, eval_every=EVAL_EVERY.value, eval_problems=EVAL_PROBLEMS.value,
       checkpoint_every=CKPT_EVERY.value, wait_timeout_s=TIMEOUT.value,
       debug_verify_push=DEBUG_PUSH.value, cost_model=cost, seed=SEED.value)
+  sampler_dtype = None if SAMPLER_DTYPE.value == "model" else SAMPLER_DTYPE.value
   sampler = SamplerConfig(
       num_slots=SLOTS.value, page_size=PAGE_SIZE.value, num_pages=PAGES.value,
       max_seq_len=MAX_SEQ.value, max_new_tokens=MAX_SEQ.value, eos_id=tok.eos_id,
       kv_policy=KV_POLICY.value, sampling=SamplingConfig(temperature=TEMPERATURE.value),
-      seed=SEED.value,
-      **({} if SAMPLER_DTYPE.value == "model" else {"cache_dtype": SAMPLER_DTYPE.value}))
+      seed=SEED.value, **({} if sampler_dtype is None else {"cache_dtype": sampler_dtype}))
   tp = LEARNER_DEVICES.value // LEARNER_FSDP.value
   learner = LearnerConfig(mesh_axes=(("fsdp", LEARNER_FSDP.value), ("tp", tp)),
                           learning_rate=LR.value, warmup_steps=WARMUP.value, seed=SEED.value,
@@ -137,7 +137,6 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
                 constant_normalizer=(float(MAX_SEQ.value) if AGGREGATION.value == "constant"
                                      else None)),
             sampler=sampler, pipeline=pipe, resume=RESUME.value,
-            sampler_compute_dtype=(None if SAMPLER_DTYPE.value == "model"
-                                   else SAMPLER_DTYPE.value))
+            sampler_compute_dtype=sampler_dtype)
   kw.update(overrides)
   return run_lib.RunConfig(**kw)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class ModelConfig:
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
     for name in ("param_dtype", "compute_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {_DTYPES}.")
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {DTYPES}.")
     if self.rope_theta <= 0 or self.rms_eps <= 0:
       raise ValueError("ModelConfig.rope_theta and rms_eps must be > 0.")

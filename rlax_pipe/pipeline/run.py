@@ -21,6 +21,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import config as model_config
 from rlax_pipe import evaluation
 from rlax_pipe import objectives
 from rlax_pipe import plots
@@ -101,9 +102,9 @@ class RunConfig:
   resume: bool = False
 
   def __post_init__(self):
-    if self.sampler_compute_dtype not in (None, "float32", "bfloat16", "float16"):
+    if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:
       raise ValueError(f"RunConfig.sampler_compute_dtype={self.sampler_compute_dtype!r}; use "
-                       "None, 'float32', 'bfloat16' or 'float16'.")
+                       f"None or one of {model_config.DTYPES}.")
     if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
       raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--jsonl_path=problems.jsonl, "
                        'one {"prompt": ..., "answer": ...} object per line).')

@@ -41,6 +41,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
   train = [r for r in rows if r["kind"] == "train"]
   evals = [r for r in rows if r["kind"] == "eval"]
   samples = sum(r["samples"] for r in train)
+
+  def train_mean(key: str) -> float | None:
+    return float(np.mean([r[key] for r in train])) if train else None
+
   return {
       "max_lag": lag_name(max_lag), "objective": objective, "run_dir": run_dir,
       "samples_per_s": samples / max(summary["time_s"], 1e-9),
@@ -48,14 +52,12 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
       "idle_sampler": summary["idle_fraction"].get("sampler"),
       "idle_learner": summary["idle_fraction"].get("learner"),
       "slot_occupancy": summary["slot_occupancy"],
-      "ess_mean": float(np.mean([r["ess"] for r in train])) if train else None,
-      "ratio_var_mean": float(np.mean([r["ratio_var"] for r in train])) if train else None,
-      "kl_k3_mean": float(np.mean([r["kl_k3"] for r in train])) if train else None,
-      "logp_mismatch_mean": (float(np.mean([r["logp_mismatch_mean"] for r in train]))
-                             if train else None),
-      "frac_truncated_mean": (float(np.mean([r["frac_truncated"] for r in train]))
-                              if train else None),
-      "lag_mean": float(np.mean([r["lag_mean"] for r in train])) if train else None,
+      "ess_mean": train_mean("ess"),
+      "ratio_var_mean": train_mean("ratio_var"),
+      "kl_k3_mean": train_mean("kl_k3"),
+      "logp_mismatch_mean": train_mean("logp_mismatch_mean"),
+      "frac_truncated_mean": train_mean("frac_truncated"),
+      "lag_mean": train_mean("lag_mean"),
       "lag_max": max((r["lag_max"] for r in train), default=0),
       "heldout_start": evals[0]["heldout_accuracy"] if evals else None,
       "heldout_end": evals[-1]["heldout_accuracy"] if evals else None,

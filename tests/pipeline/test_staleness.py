@@ -141,8 +141,8 @@ def test_waste_counters():
     st.count_waste(c, "late", 1, 1, 1)
 
 
-def _simulate_learner_wait(cfg, seed, steps=30, slots=6):
-  """Toy pipeline of `_simulate` driven through a real RolloutQueue under `learner-wait`.
+def _simulate_queue(cfg, seed, steps=30, slots=6):
+  """Toy pipeline of `_simulate` driven through a real RolloutQueue (any policy).
 
   Returns (largest per-token lag trained, mean slot occupancy, largest batch in groups).
   """
@@ -189,17 +189,12 @@ def test_learner_wait_bounds_lag_and_keeps_the_sampler_busier(k, b):
   cfg = st.StalenessConfig("learner-wait", max_lag=k, groups_per_step=b)
   block = st.StalenessConfig("block", max_lag=k, groups_per_step=b)
   for seed in range(4):
-    worst, occupancy, biggest = _simulate_learner_wait(cfg, seed)
+    worst, occupancy, biggest = _simulate_queue(cfg, seed)
     assert worst <= k and biggest >= b
   if k >= 2:  # with room for staleness the sampler is never held back by one straggler
-    occ_wait = np.mean([_simulate_learner_wait(cfg, s)[1] for s in range(4)])
-    occ_block = np.mean([_simulate_learner_wait_block(block, s) for s in range(4)])
+    occ_wait = np.mean([_simulate_queue(cfg, s)[1] for s in range(4)])
+    occ_block = np.mean([_simulate_queue(block, s)[1] for s in range(4)])
     assert occ_wait > occ_block
-
-
-def _simulate_learner_wait_block(cfg, seed):
-  """Occupancy of the same toy pipeline under `block` (through the same RolloutQueue)."""
-  return _simulate_learner_wait(cfg, seed)[1]
 
 
 def test_due_groups_and_learner_wait_admission_by_hand():

@@ -113,13 +113,17 @@ def test_measured_window():
   assert m["lag_max"] == 1
 
 
-def test_calibrate_run_dir_and_sim_config(tmp_path):
-  spans, rows = _synthetic(logged_lengths=True)
+def _write_run(run_dir, spans, rows):
+  """Writes a run dir's timeline.jsonl and metrics.jsonl (the files calibration reads)."""
   tl = timeline_lib.Timeline()
   for s in spans:
     tl.record(s.component, s.kind, s.start, s.end, s.slots_active, s.slots_total)
-  tl.to_jsonl(str(tmp_path / "timeline.jsonl"))
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  tl.to_jsonl(str(run_dir / "timeline.jsonl"))
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_calibrate_run_dir_and_sim_config(tmp_path):
+  _write_run(tmp_path, *_synthetic(logged_lengths=True))
   config = {"sampler": {"num_slots": 16, "max_new_tokens": 64, "max_seq_len": 64},
             "pipeline": {"driver": "pipeline", "num_steps": 20, "group_size": 4,
                          "staleness": {"policy": "block", "max_lag": 2, "groups_per_step": 2,
@@ -136,12 +140,7 @@ def test_calibrate_run_dir_and_sim_config(tmp_path):
 
 def test_validation_compare_on_a_run_dir(tmp_path):
   from rlax_pipe.sim import validation  # pylint: disable=import-outside-toplevel
-  spans, rows = _synthetic()
-  tl = timeline_lib.Timeline()
-  for s in spans:
-    tl.record(s.component, s.kind, s.start, s.end, s.slots_active, s.slots_total)
-  tl.to_jsonl(str(tmp_path / "timeline.jsonl"))
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  _write_run(tmp_path, *_synthetic())
   config = {"sampler": {"num_slots": 16, "max_new_tokens": 64, "max_seq_len": 64},
             "pipeline": {"driver": "sync", "mode": "reproducible", "num_steps": 20,
                          "groups_per_step": 2, "group_size": 4,
