@@ -247,6 +247,21 @@ class Learner:
 
   # ---- checkpoints ----------------------------------------------------------------------------
 
+  def state_dict(self) -> train_state_lib.TrainState:
+    """The learner's whole state (device arrays, donated by the next `train_step`)."""
+    return self._state
+
+  def load_state_dict(self, state: train_state_lib.TrainState) -> None:
+    """Replaces the state by `state` (any placement: copied onto the learner shardings).
+
+    Raises:
+      ValueError: if its tree differs from this learner's state (the message names both).
+    """
+    want, got = jax.tree.structure(self._state), jax.tree.structure(state)
+    if want != got:
+      raise ValueError(f"Learner.load_state_dict: state tree {got} differs from {want}.")
+    self._state, self._pending = jax.device_put(state, self.state_shardings), None
+
   def save(self, extra: dict | None = None) -> int:
     """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
 
@@ -257,7 +272,7 @@ class Learner:
     if self._checkpointer is None:
       raise ValueError("Learner.save: LearnerConfig.checkpoint_dir is None.")
     step = self.step
-    self._checkpointer.save(step, self._state, extra)
+    self._checkpointer.save(step, self.state_dict(), extra)
     logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
                  self._checkpointer.directory)
     return step

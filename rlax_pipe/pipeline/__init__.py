@@ -41,12 +41,11 @@ from rlax_pipe.pipeline.weight_channel import LeafSpec
 from rlax_pipe.pipeline.weight_channel import ManifestError
 from rlax_pipe.pipeline.weight_channel import params_manifest
 from rlax_pipe.pipeline.weight_channel import WeightChannel
-from rlax_pipe.pipeline.weight_channel import Weights
 
 __all__ = (
     "AdmissionState", "ChannelStats", "LeafSpec", "ManifestError", "POLICIES", "QueueClosed",
     "QueueStats", "QueueTimeout", "RolloutQueue", "StalenessConfig", "UnpackedSample",
-    "WASTE_REASONS", "WasteCounters", "WeightChannel", "Weights", "admission_admit",
+    "WASTE_REASONS", "WasteCounters", "WeightChannel", "admission_admit",
     "admission_from_dict", "admission_headroom", "admission_init", "admission_retire",
     "admission_to_dict", "areal_admission_allowed", "assert_congruent", "can_admit",
     "check_manifest", "count_waste", "due_groups", "is_too_stale", "pack_rollouts",

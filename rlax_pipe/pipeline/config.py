@@ -1,10 +1,18 @@
-"""Configuration of an RL run's pipeline: driver, batch shape, staleness, evaluation, timing model."""
+"""Configuration of an RL run: the pipeline (driver, batch shape, staleness, evaluation, timing
+model) and the whole run (`RunConfig`: model source, task, meshes, learner, objective, sampler)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from rlax_pipe import config as model_config
+from rlax_pipe import objectives
+from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
+from rlax_pipe.sampler.config import SamplerConfig
+
+BUILTIN_INIT = "builtin"
 
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
 MODES: tuple[str, ...] = ("reproducible", "threaded")
@@ -111,3 +119,61 @@ class PipelineConfig:
           f"groups_per_step={self.groups_per_step}.")
     if not self.wait_timeout_s > 0 or not self.reward_timeout_s > 0:
       raise ValueError("PipelineConfig.wait_timeout_s and reward_timeout_s must be > 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """One RL run.
+
+  Attributes:
+    run_dir: output directory (created; reused with resume=True).
+    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task), or a
+      directory with an HF-format checkpoint (config.json + *.safetensors).
+    task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
+    jsonl_path: problems file of the JSONL task.
+    task_config: the task's own config (e.g. `tasks.ArithmeticConfig`) or None for defaults.
+    tokenizer_path: sentencepiece model; None = the shipped tokenizer.
+    num_sampler_devices: devices of the sampler mesh (>= 1).
+    num_learner_devices: devices of the learner mesh (>= 1). With a single device in total both
+      roles share it (set both to 1).
+    sampler_mesh_axes: (axis, size) pairs of the sampler mesh ("data", "tp"); product =
+      num_sampler_devices.
+    learner: learner config; its mesh_axes' product must equal num_learner_devices;
+      checkpoint_dir is set to run_dir/checkpoints.
+    objective: objective config; its max_lag is set to the pipeline's staleness bound (the
+      objective's hard lag mask is a second guard behind the queue).
+    sampler: sampler config (slots, pages, sampling); its eos_id should be the tokenizer's.
+    pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
+    eval_slots: decode slots of the held-out evaluation sampler.
+    sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
+      ("float32", "bfloat16", "float16"), or None for the model's own `compute_dtype`. The learner
+      and the held-out evaluation keep the model's dtype, so "bfloat16" reproduces the precision
+      mismatch of a bf16 inference engine feeding an fp32 learner (Yao et al. 2025; ablation A9);
+      weights still travel in the learner's param dtype. Set `sampler.cache_dtype` to match.
+    resume: continue from the newest usable checkpoint in run_dir/checkpoints.
+  """
+
+  run_dir: str = "runs/pipeline_rl"
+  init: str = BUILTIN_INIT
+  task: str = "arithmetic"
+  jsonl_path: str | None = None
+  task_config: Any = None
+  tokenizer_path: str | None = None
+  num_sampler_devices: int = 4
+  num_learner_devices: int = 4
+  sampler_mesh_axes: tuple[tuple[str, int], ...] = (("tp", 4),)
+  learner: LearnerConfig = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)))
+  objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
+  sampler: SamplerConfig = SamplerConfig()
+  pipeline: PipelineConfig = PipelineConfig()
+  eval_slots: int = 32
+  sampler_compute_dtype: str | None = None
+  resume: bool = False
+
+  def __post_init__(self):
+    if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:
+      raise ValueError(f"RunConfig.sampler_compute_dtype={self.sampler_compute_dtype!r}; use "
+                       f"None or one of {model_config.DTYPES}.")
+    if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
+      raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--jsonl_path=problems.jsonl, "
+                       'one {"prompt": ..., "answer": ...} object per line).')

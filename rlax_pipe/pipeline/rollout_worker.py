@@ -25,7 +25,7 @@ from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
 from rlax_pipe.tasks.safe_reward import RewardStats, safe_reward
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 
 @dataclasses.dataclass
@@ -56,14 +56,17 @@ class RolloutWorker:
     self.engine, self.task, self.tok, self.queue, self.cfg = engine, task, tok, queue, cfg
     self.counters = counters or WorkerCounters()
     self.reward_stats = RewardStats()
-    self.weights_version = engine.version  # newest version handed to the engine
     self._round_open = 0  # groups still to start in the current round
 
-  def install(self, params, version: int) -> None:
-    """Hands newer weights to the engine; it swaps them in at its next decode-step boundary,
-    before any token of a group started from now on is generated."""
-    self.engine.update_weights(params, version)
-    self.weights_version = int(version)
+  @property
+  def weights_version(self) -> int:
+    """Newest version handed to the engine (the engine owns the number)."""
+    return self.engine.latest_version
+
+  def install(self, update: WeightUpdate) -> None:
+    """Hands newer weights (and their ownership) to the engine; it swaps them in at its next
+    step boundary, before any token of a group started from now on is generated."""
+    self.engine.update_weights(update)
 
   # ---- rules --------------------------------------------------------------------------------
   def may_install_weights(self) -> bool:
@@ -129,4 +132,10 @@ class RolloutWorker:
     return [self.grade(r) for r in self.engine.step()]
 
   def state_dict(self) -> dict:
-    return dataclasses.asdict(self.counters)
+    """Task-iterator counters and the open round (JSON-able; the engine saves its own state)."""
+    return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict`."""
+    self.counters = WorkerCounters(**state["counters"])
+    self._round_open = int(state["round_open"])

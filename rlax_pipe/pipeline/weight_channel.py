@@ -16,12 +16,17 @@ same slice of the array; otherwise it silently assembles the whole array on the 
 
 Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built.
 
-Versioning: `push(params, version)` returns as soon as the copies are dispatched; the sampler
-calls `try_take()` between decode steps, which returns the new version only once all its arrays
-are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. At most two copies live
-on the sampler: the current one and one incoming; an incoming version that is superseded by a
-newer push before being taken is deleted, and the previous current version is deleted when the
-sampler takes the next one.
+Versioning and ownership: `push(params, version)` returns as soon as the copies are dispatched;
+the sampler calls `try_take()` between decode steps, which returns the new version only once all
+its arrays are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. A take hands
+out a `WeightUpdate(version, params, donated=True)` and the channel forgets it: from then on the
+engine owns those arrays and deletes them when a newer version replaces them. The channel owns
+only the one incoming version; one superseded by a newer push before being taken is deleted. So
+at most three copies live on the sampler mesh: the running one, one handed over and pending in
+the engine until its next step boundary, and one in transit.
+
+Threading: one learner thread calls `push`; the sampler thread calls `try_take` / `take` and
+hands the update to its engine. Both sides may run concurrently (the state is lock-protected).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
+from rlax_pipe.types import WeightUpdate
 
 _REPLICA_AXIS = "_rlax_pipe_replica"
 
@@ -60,28 +66,15 @@ class LeafSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Weights:
-  """A params version on the sampler mesh.
-
-  Attributes:
-    params: pytree of `jax.Array` in the sampler shardings.
-    version: policy version (learner optimizer steps that produced these weights).
-  """
-
-  params: Any
-  version: int
-
-
-@dataclasses.dataclass(frozen=True)
 class ChannelStats:
   """Counters of a `WeightChannel`.
 
   Attributes:
     pushes: versions pushed.
-    takes: versions taken by the sampler.
+    takes: versions taken by the sampler (handed over as `WeightUpdate`s).
     superseded: versions pushed but replaced by a newer push before being taken (deleted).
     bytes_per_version: total bytes of one params version.
-    current_version: version the sampler holds (-1 before the first take).
+    current_version: version of the last take (-1 before the first take).
     pending_version: version in transit or ready to take (-1 if none).
   """
 
@@ -249,7 +242,8 @@ def _delete_all(arrays):
 class WeightChannel:
   """Moves params versions from learner shardings to sampler shardings, device to device.
 
-  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`.
+  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`
+  (see the module docstring for who owns which copy).
 
   Example:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -257,8 +251,8 @@ class WeightChannel:
     channel = WeightChannel(target)
     channel.push(learner_params, version=3)        # returns at once
     ...                                            # between two decode steps:
-    new = channel.try_take()                       # None until the copy is complete
-    if new is not None: params, version = new.params, new.version
+    update = channel.try_take()                    # None until the copy is complete
+    if update is not None: engine.update_weights(update)   # the engine now owns the arrays
   """
 
   def __init__(self, target: Any, *,
@@ -290,7 +284,7 @@ class WeightChannel:
     self._verify, self._debug = verify, debug
     self._plans: dict[tuple[Any, ...], tuple[list[_LeafPlan], Callable | None, Callable | None]] = {}
     self._cond = threading.Condition()
-    self._current: Weights | None = None
+    self._taken_version = -1
     self._pending: _InTransit | None = None
     self._last_pushed = -1
     self._pushes = self._takes = self._superseded = 0
@@ -376,14 +370,12 @@ class WeightChannel:
       self._pushes += 1
       self._cond.notify_all()
 
-  def _take_locked(self) -> Weights:
+  def _take_locked(self) -> WeightUpdate:
     record, self._pending = self._pending, None
     _delete_all(record.intermediates)
-    if self._current is not None:
-      _delete_all(jax.tree_util.tree_leaves(self._current.params))
-    self._current = Weights(record.params, record.version)
+    self._taken_version = record.version
     self._takes += 1
-    return self._current
+    return WeightUpdate(record.version, record.params, donated=True)
 
   def poll(self) -> int | None:
     """Version that `try_take` would return now (its copy is complete), else None."""
@@ -392,19 +384,18 @@ class WeightChannel:
         return self._pending.version
       return None
 
-  def try_take(self) -> Weights | None:
+  def try_take(self) -> WeightUpdate | None:
     """Non-blocking: the newest pushed version if its copy is complete, else None.
 
-    Taking makes it the current version and deletes the previous current arrays, so call it at
-    a decode-step boundary and drop references to the old params.
+    The returned update is owned by the caller (`donated=True`): hand it to the engine.
     """
     with self._cond:
       if self._pending is None or not _all_ready(self._pending.leaves):
         return None
       return self._take_locked()
 
-  def take(self, timeout: float | None = None) -> Weights:
-    """Blocking: waits for a push newer than the current version and for its copy to finish.
+  def take(self, timeout: float | None = None) -> WeightUpdate:
+    """Blocking: waits for a push newer than the last taken one and for its copy to finish.
 
     Args:
       timeout: seconds to wait for a push (None = forever).
@@ -417,19 +408,12 @@ class WeightChannel:
       while self._pending is None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-          held = -1 if self._current is None else self._current.version
           raise TimeoutError(
               f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
-              f"version {held}, last pushed {self._last_pushed}).")
+              f"version {self._taken_version}, last pushed {self._last_pushed}).")
         self._cond.wait(left)
       jax.block_until_ready(self._pending.leaves)
       return self._take_locked()
-
-  @property
-  def current(self) -> Weights | None:
-    """The version the sampler holds (last taken), or None before the first take."""
-    with self._cond:
-      return self._current
 
   def stats(self) -> ChannelStats:
     """Counters and versions, see `ChannelStats`."""
@@ -437,15 +421,12 @@ class WeightChannel:
       return ChannelStats(
           pushes=self._pushes, takes=self._takes, superseded=self._superseded,
           bytes_per_version=self._bytes,
-          current_version=-1 if self._current is None else self._current.version,
+          current_version=self._taken_version,
           pending_version=-1 if self._pending is None else self._pending.version)
 
   def close(self) -> None:
-    """Deletes every array the channel holds (current and pending)."""
+    """Deletes the arrays the channel still owns (the version in transit, if any)."""
     with self._cond:
       if self._pending is not None:
         _delete_all(self._pending.leaves + self._pending.intermediates)
         self._pending = None
-      if self._current is not None:
-        _delete_all(jax.tree_util.tree_leaves(self._current.params))
-        self._current = None

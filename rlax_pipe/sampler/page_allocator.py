@@ -117,6 +117,24 @@ class PageAllocator:
     row[:len(pages)] = pages
     return row
 
+  def state_dict(self) -> dict:
+    """JSON-able ownership state: the free stack (in order) and each sequence's pages."""
+    return {"free": [int(p) for p in self._free],
+            "pages": {str(s): [int(p) for p in pages] for s, pages in self._pages.items()}}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` of an allocator with the same pool.
+
+    Raises:
+      AssertionError: if the state violates the invariants (leaked or doubly owned pages).
+    """
+    self._free = [int(p) for p in state["free"]]
+    self._pages = {int(s): [int(p) for p in pages] for s, pages in state["pages"].items()}
+    self._owner[:] = -1
+    for seq_id, pages in self._pages.items():
+      self._owner[pages] = seq_id
+    self.check()
+
   def check(self) -> None:
     """Verifies the invariants; raises AssertionError naming the first violation."""
     free = np.asarray(self._free, np.int64)

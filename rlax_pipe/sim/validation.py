@@ -24,12 +24,11 @@ JAX and the real pipeline are imported inside the functions that run it, so the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pathlib
 import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -139,24 +138,18 @@ def run_config(case: ValidationCase, init: str, run_dir: str, seed: int = 0):
       eval_slots=4, task_config=tasks.ArithmeticConfig(max_terms=4))
 
 
-@contextlib.contextmanager
-def recording_lengths() -> Iterator[list[int]]:
-  """Records the completion length of every trained sample while the context is open (wraps
-  `Trainer.train_on`; restored on exit)."""
-  from rlax_pipe.pipeline import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  original = trainer_lib.Trainer.train_on
-  out: list[int] = []
+class LengthRecorder:
+  """Step hook of the real job: records the completion length of every trained sample."""
 
-  def train_on(self, groups):
-    result = original(self, groups)
-    out.extend(r.num_completion_tokens for r in result.rollouts)
-    return result
+  def __init__(self):
+    self.lengths: list[int] = []
 
-  trainer_lib.Trainer.train_on = train_on
-  try:
-    yield out
-  finally:
-    trainer_lib.Trainer.train_on = original
+  def on_step(self, job, result, time_s) -> None:
+    del job, time_s
+    self.lengths.extend(r.num_completion_tokens for r in result.rollouts)
+
+  def on_end(self, job, time_s) -> None:
+    del job, time_s
 
 
 RECORDED_LENGTHS = "recorded_lengths.json"
@@ -166,10 +159,10 @@ def run_real(case: ValidationCase, init: str, run_dir: str) -> list[int]:
   """Runs the real pipeline for `case`; returns the trained samples' completion lengths (group
   by group, in training order), also written to run_dir/recorded_lengths.json."""
   from rlax_pipe.pipeline import run as run_lib  # pylint: disable=import-outside-toplevel
-  with recording_lengths() as lengths:
-    run_lib.run(run_config(case, init, run_dir))
-  (pathlib.Path(run_dir) / RECORDED_LENGTHS).write_text(json.dumps(lengths))
-  return list(lengths)
+  recorder = LengthRecorder()
+  run_lib.run(run_config(case, init, run_dir), hooks=[recorder])
+  (pathlib.Path(run_dir) / RECORDED_LENGTHS).write_text(json.dumps(recorder.lengths))
+  return list(recorder.lengths)
 
 
 def read_recorded(run_dir: str) -> list[int] | None:
