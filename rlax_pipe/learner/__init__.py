@@ -2,7 +2,7 @@
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
-from rlax_pipe.learner.config import SCHEDULES, LearnerConfig
+from rlax_pipe.learner.config import SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig
 from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import (
@@ -13,7 +13,8 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, completion_mask, make_train_step, normalizer_count, shifted_token_logprobs)
 
 __all__ = [
-    "BATCH_FIELDS", "CheckpointError", "Checkpointer", "Learner", "LearnerConfig",
+    "BATCH_FIELDS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Learner",
+    "LearnerConfig", "OptimizerConfig",
     "NonFiniteError", "Restored", "SCHEDULES", "TrainState", "abstract_state", "batch_arrays",
     "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
     "learning_rate", "make_optimizer", "make_train_step", "normalizer_count",

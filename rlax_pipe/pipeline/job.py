@@ -26,7 +26,7 @@ import dataclasses
 import pathlib
 import shutil
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from absl import logging
 import jax
@@ -143,7 +143,7 @@ class Job:
                                        "timeline": self.timeline.state_dict()})
     root = self.run_dir.path / PIPELINE_STATE
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
-    for old in steps[:-self.cfg.learner.keep_checkpoints]:
+    for old in steps[:-self.cfg.learner.checkpoint.keep]:
       shutil.rmtree(self._state_dir(old), ignore_errors=True)
 
 
@@ -153,6 +153,16 @@ def _sampler_target(model: Model, mesh) -> Any:
                                                sharding_lib.SAMPLER_RULES, shapes=abstract)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       abstract, shardings)
+
+
+def _task_config(cfg: RunConfig) -> Any:
+  """The task's config dataclass from `cfg.task_config` (dataclass, dict of fields or None)."""
+  task_cfg = cfg.task_config
+  if isinstance(task_cfg, Mapping) and cfg.task in tasks.TASKS:
+    task_cfg = tasks.TASKS[cfg.task][1](**task_cfg)
+  if task_cfg is None and cfg.task == "jsonl":
+    task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
+  return task_cfg
 
 
 def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
@@ -224,14 +234,11 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   if not cfg.resume and ckpts.exists() and any(ckpts.iterdir()):
     raise FileExistsError(
         f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
-        "(--resume) to continue it, or choose a new run_dir (--run_dir).")
+        "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
   rd = RunDir(cfg.run_dir)
   tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
          else tokenizer_lib.default_tokenizer())
-  task_cfg = cfg.task_config
-  if task_cfg is None and cfg.task == "jsonl":
-    task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
-  task = tasks.make_task(cfg.task, task_cfg)
+  task = tasks.make_task(cfg.task, _task_config(cfg))
   split = sharding_lib.split_devices(jax.devices(), cfg.num_sampler_devices,
                                      cfg.num_learner_devices)
   learner_mesh = sharding_lib.make_mesh(split.learner, dict(cfg.learner.mesh_axes),
@@ -239,7 +246,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   sampler_mesh = sharding_lib.make_mesh(split.sampler, dict(cfg.sampler_mesh_axes),
                                         sharding_lib.SAMPLER_RULES)
   model, sampler_model, params0 = _models(cfg, model, params)
-  learner_cfg = dataclasses.replace(cfg.learner, checkpoint_dir=rd.checkpoint_dir)
+  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
+      cfg.learner.checkpoint, directory=rd.checkpoint_dir))
   objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
   learner = Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
                     params=params0)
