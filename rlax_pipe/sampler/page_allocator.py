@@ -62,11 +62,6 @@ class PageAllocator:
     """Every sequence that owns pages -> its pages."""
     return {s: tuple(p) for s, p in self._pages.items()}
 
-  def can_hold(self, seq_id: int, num_tokens: int) -> bool:
-    """Whether `ensure(seq_id, num_tokens)` would succeed now."""
-    extra = self.pages_for(num_tokens) - len(self._pages.get(seq_id, ()))
-    return extra <= len(self._free)
-
   def ensure(self, seq_id: int, num_tokens: int) -> bool:
     """Grows `seq_id` to hold `num_tokens` tokens (positions 0..num_tokens-1).
 
