@@ -15,9 +15,11 @@ protocol, `state_dict()` / `load_state_dict(state)`:
 Threading contract: in reproducible mode everything runs on the calling thread. In threaded mode
 the sampler loop (worker, engine, `WeightChannel.try_take`) runs on its own thread and the learner
 loop (trainer, learner, `WeightChannel.push`, step hooks) on the calling thread; they share only
-the rollout queue and the weight channel, both lock-protected. The policy version is owned by the
-learner (`TrainState.version`); the engine owns the version of the weights it holds; the queue
-and the channel only remember the newest version they were told about.
+the rollout queue and the weight channel, both lock-protected. Exception, not addressed yet: a
+checkpoint taken on the learner thread reads the worker's task-iterator counters without a lock
+while the sampler thread may be advancing them. The policy version is owned by the learner
+(`TrainState.version`); the engine owns the version of the weights it holds; the queue and the
+channel only remember the newest version they were told about.
 """
 
 from __future__ import annotations
