@@ -63,7 +63,8 @@ class RunConfig:
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
     jsonl_path: problems file of the JSONL task.
     task_config: the task's own config (e.g. `tasks.ArithmeticConfig`) or None for defaults.
-    tokenizer_path: sentencepiece model; None = the shipped tokenizer.
+    tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
+      shipped tokenizer.
     num_sampler_devices: devices of the sampler mesh (>= 1).
     num_learner_devices: devices of the learner mesh (>= 1). With a single device in total both
       roles share it (set both to 1).
@@ -153,8 +154,7 @@ class _Job:
           f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
           "(--resume) to continue it, or choose a new run_dir (--run_dir).")
     self.rd = RunDir(cfg.run_dir)
-    self.tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
-                else tokenizer_lib.default_tokenizer())
+    self.tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
     task_cfg = cfg.task_config
     if task_cfg is None and cfg.task == "jsonl":
       task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)

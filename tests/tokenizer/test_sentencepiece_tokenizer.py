@@ -1,4 +1,4 @@
-"""Tests of rlax_pipe.tokenizer: exact round trips, special ids, batching, loading and training."""
+"""Tests of the SentencePiece backend: exact round trips, special ids, batching, loading, training."""
 
 import shutil
 
@@ -103,18 +103,19 @@ def test_load_from_arbitrary_path(tok, tmp_path):
   path = tmp_path / "some" / "where" / "my.model"
   path.parent.mkdir(parents=True)
   shutil.copy(tokenizer_lib.default_tokenizer_path(), path)
-  other = tokenizer_lib.Tokenizer(path)
+  other = tokenizer_lib.SentencePieceTokenizer(path)
+  assert tokenizer_lib.load_tokenizer(path).encode("Q: 9+9\n") == tok.encode("Q: 9+9\n")
   assert other.vocab_size == tok.vocab_size
   assert other.encode("Q: 9+9\n") == tok.encode("Q: 9+9\n")
 
 
 def test_load_errors(tmp_path):
   with pytest.raises(FileNotFoundError):
-    tokenizer_lib.Tokenizer(tmp_path / "missing.model")
+    tokenizer_lib.SentencePieceTokenizer(tmp_path / "missing.model")
   bad = tmp_path / "bad.model"
   bad.write_bytes(b"not a model")
   with pytest.raises(ValueError, match="not a SentencePiece model"):
-    tokenizer_lib.Tokenizer(bad)
+    tokenizer_lib.SentencePieceTokenizer(bad)
 
 
 def test_train_tokenizer(tmp_path):
