@@ -311,8 +311,7 @@ class _Job:
   # ---- evaluation / logging -------------------------------------------------------------------
   def _verify_push(self, sampler_params, version: int) -> None:
     """Debug check: sampler-side and learner-side log-probs of a probe sequence agree."""
-    probe = np.asarray(self.tok.encode("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6", add_bos=True),
-                       np.int32)[None]
+    probe = np.asarray(self.tok.encode_prompt("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6"), np.int32)[None]
     pos = np.arange(probe.shape[1], dtype=np.int32)[None]
     ls, _ = transformer.forward(sampler_params, probe, pos, self.model_cfg)
     ll, _ = transformer.forward(self.learner.params, probe, pos, self.model_cfg)
@@ -326,7 +325,7 @@ class _Job:
     if self.learner.version != self.eval_engine.version:
       self.eval_engine.update_weights(self.learner.params, self.learner.version)
     res = evaluation.evaluate(self.eval_engine, self.task, self.tok, self.eval_set,
-                              timeout_s=self.cfg.pipeline.reward_timeout_s)
+                              verifier=self.worker.verifier, grading=self.cfg.pipeline.grading)
     self.eval_seconds += time.perf_counter() - t0
     self.last_eval = res.accuracy
     self.rd.log({"kind": "eval", "step": step, "version": self.learner.version,
@@ -368,6 +367,8 @@ class _Job:
               "logp_mismatch_mean", "logp_mismatch_max", "is_finite"):
       if k in m:
         row[k] = np.asarray(m[k]).item()
+    row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
+    row.update(self.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     self.rd.log(row, step)
@@ -389,6 +390,7 @@ class _Job:
     final_acc = self.evaluate(step, time_s)
     self.save(time_s)
     self.learner.close()
+    self.worker.close()
     rows = self.rd.read_metrics()
     evals = [r for r in rows if r["kind"] == "eval"]
     spans = self.timeline.spans()
@@ -444,6 +446,7 @@ def run(cfg: RunConfig) -> dict:
       try:
         job.save(job.vstate.t_l if job.reproducible else job.time_offset)
         job.learner.close()
+        job.worker.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint after the error failed too: %s", e)
       raise
