@@ -37,7 +37,7 @@ GRADERS: tuple[str, ...] = ("exact", "numeric", "math_verify")
 ANSWER_MARKER = "A:"
 
 _WHITESPACE = re.compile(r"\s+")
-_GSM8K = re.compile(r"(?<![\w#])####[ \t]*([^\n]*)")
+_GSM8K = re.compile(r"(?<![\w#])####(?!#)[ \t]*([^\n]*)")
 _ANSWER_LINE = re.compile(r"^[ \t*_]*(?:final[ \t]+)?answer[ \t*_]*:[ \t*_]*(.*?)[ \t*_]*$",
                           re.IGNORECASE | re.MULTILINE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
