@@ -70,4 +70,5 @@ def _sentencepiece(model: pathlib.Path, directory: pathlib.Path | None,
   add_bos = config.get("add_bos_token")
   return sp.SentencePieceTokenizer(
       model, extra_stop_ids=stops, add_bos=add_bos if isinstance(add_bos, bool) else None,
-      chat_template=template, prompt_format=prompt_format)
+      chat_template=template, special_tokens=tuple(special.values()),
+      prompt_format=prompt_format)

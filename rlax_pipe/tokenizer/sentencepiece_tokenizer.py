@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 import importlib.resources
 import os
 import pathlib
+import re
 
 import sentencepiece as spm
 
@@ -54,6 +55,11 @@ class SentencePieceTokenizer(base.Tokenizer):
   `stop_ids` is (eos_id,) plus any further EOS ids given (e.g. from `generation_config.json`).
   Raw prompts get BOS whenever the model has a BOS piece (`add_bos_default`), unless told otherwise.
 
+  `encode` spells special-token text out ("<s>" is three pieces); only the text of a rendered chat
+  template has its special tokens (the model's control pieces and `special_tokens` given, e.g.
+  bos_token "<s>" of tokenizer_config.json) mapped to their ids, as transformers' SentencePiece
+  tokenizers do.
+
   Example:
     >>> tok = default_tokenizer()
     >>> ids = tok.encode("Q: 3+5\\n", add_bos=True)
@@ -64,6 +70,7 @@ class SentencePieceTokenizer(base.Tokenizer):
   def __init__(self, model_path: str | os.PathLike[str], *, pad_id: int | None = None,
                extra_stop_ids: Sequence[int] = (), add_bos: bool | None = None,
                chat_template: chat_lib.ChatTemplate | None = None,
+               special_tokens: Sequence[str] = (),
                prompt_format: base.PromptFormat = base.PromptFormat()):
     """Loads a SentencePiece model file.
 
@@ -74,12 +81,14 @@ class SentencePieceTokenizer(base.Tokenizer):
       extra_stop_ids: further ids that end a completion (other EOS / end-of-turn ids).
       add_bos: whether raw prompts get BOS; None = whenever the model has a BOS piece.
       chat_template: the model's chat template, if any.
+      special_tokens: special-token texts of rendered chat templates besides the model's
+        control pieces (each must be a piece of the model).
       prompt_format: default format of `encode_prompt`.
 
     Raises:
       FileNotFoundError: when `model_path` does not exist.
       ValueError: when the file is not a SentencePiece model, the model has no EOS piece, or
-        `pad_id` / a stop id is out of range.
+        `pad_id` / a stop id / a special token is not in the model.
     """
     path = pathlib.Path(model_path)
     if not path.is_file():
@@ -108,6 +117,15 @@ class SentencePieceTokenizer(base.Tokenizer):
     meta_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _META_SPACE.encode("utf-8")]
     has_bytes = all(self._sp.is_byte(i) for i in meta_bytes)
     self._meta_space_ids = meta_bytes if has_bytes else None
+    self._special = {self._sp.id_to_piece(i): i for i in range(self._vocab_size)
+                     if self._sp.is_control(i)}
+    for text in special_tokens:
+      token_id = self._sp.piece_to_id(text)
+      if self._sp.id_to_piece(token_id) != text:
+        raise ValueError(f"special token {text!r} is not a piece of {path}.")
+      self._special[text] = int(token_id)
+    self._special_re = re.compile("(" + "|".join(
+        re.escape(t) for t in sorted(self._special, key=len, reverse=True)) + ")")
     super().__init__(chat_template=chat_template, prompt_format=prompt_format)
 
   @property
@@ -167,6 +185,15 @@ class SentencePieceTokenizer(base.Tokenizer):
 
   def _decode_ids(self, ids: list[int]) -> str:
     return self._sp.decode(ids)
+
+  def _encode_rendered(self, text: str) -> list[int]:
+    ids: list[int] = []
+    for k, part in enumerate(self._special_re.split(text) if self._special else [text]):
+      if k % 2:
+        ids.append(self._special[part])
+      elif part:
+        ids.extend(self._encode_text(part))
+    return ids
 
 
 def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike[str], *,
