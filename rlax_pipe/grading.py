@@ -135,7 +135,7 @@ def generation_prompt_ids(tok: tokenizer_lib.Tokenizer) -> list[int]:
   without = tok.apply_chat_template(messages, add_generation_prompt=False)
   if not with_prompt.startswith(without) or with_prompt == without:
     return []
-  return tok.encode(with_prompt[len(without):])
+  return tok.encode_chat_text(with_prompt[len(without):])
 
 
 def prepare_prompt(tok: tokenizer_lib.Tokenizer, prompt: str, max_seq_len: int,

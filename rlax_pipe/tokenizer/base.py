@@ -132,9 +132,10 @@ class Tokenizer(abc.ABC):
     """Batch form of `_encode_text`; backends with a parallel batch encoder override it."""
     return [self._encode_text(t) for t in texts]
 
-  def _encode_rendered(self, text: str) -> list[int]:
-    """Ids of a rendered chat template, whose special-token texts ("<s>", "<|im_start|>") must
-    become their ids. HF tokenizers match added tokens in any text, so this is `encode`."""
+  def encode_chat_text(self, text: str) -> list[int]:
+    """Ids of rendered chat-template text, whose special-token texts ("<s>", "<|im_start|>")
+    become their ids (no BOS added). HF tokenizers match added tokens in any text, so this is
+    `encode`; SentencePiece maps its special tokens here only."""
     return self.encode(text)
 
   # ---- shared ----------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class Tokenizer(abc.ABC):
       messages = ([{"role": "system", "content": fmt.system_prompt}]
                   if fmt.system_prompt is not None else [])
       messages.append({"role": "user", "content": prompt})
-      ids = self._encode_rendered(self.apply_chat_template(messages, add_generation_prompt=True))
+      ids = self.encode_chat_text(self.apply_chat_template(messages, add_generation_prompt=True))
     if not ids:
       raise ValueError(f"prompt {prompt!r} encodes to no token (format {fmt.kind!r}, no BOS); "
                        "a completion needs at least one prompt token to condition on.")

@@ -186,7 +186,7 @@ class SentencePieceTokenizer(base.Tokenizer):
   def _decode_ids(self, ids: list[int]) -> str:
     return self._sp.decode(ids)
 
-  def _encode_rendered(self, text: str) -> list[int]:
+  def encode_chat_text(self, text: str) -> list[int]:
     ids: list[int] = []
     for k, part in enumerate(self._special_re.split(text) if self._special else [text]):
       if k % 2:

@@ -140,3 +140,22 @@ def test_public_functions_have_docstrings():
   for name in ("encode", "decode", "encode_batch", "decode_batch", "vocab_size", "bos_id",
                "eos_id", "pad_id", "id_to_piece"):
     assert getattr(tokenizer_lib.Tokenizer, name).__doc__, name
+
+
+def test_stop_ids_and_raw_prompts(tok):
+  assert tok.stop_ids == (tok.eos_id,)
+  assert tok.add_bos_default and tok.encode_prompt("Q: 1\n") == tok.encode("Q: 1\n", add_bos=True)
+  more = tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                              extra_stop_ids=[4, 3])
+  assert more.stop_ids == (3, 4) and more.decode(more.encode("1\n2")) == "1"
+  with pytest.raises(ValueError, match="outside"):
+    tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                         extra_stop_ids=[10_000])
+
+
+def test_special_text_maps_to_ids_only_in_rendered_chat_text(tok):
+  assert tok.encode_chat_text("<s>x</s>") == [tok.bos_id] + tok.encode("x") + [tok.eos_id]
+  assert tok.bos_id not in tok.encode("<s>x</s>")   # plain text is spelled out
+  with pytest.raises(ValueError, match="not a piece"):
+    tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                         special_tokens=["<|im_start|>"])
