@@ -17,14 +17,17 @@ from rlax_pipe.pipeline import config as pconfig
 from rlax_pipe.pipeline import staleness
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.tasks import safe_reward
+from rlax_pipe.types import FINISH_REASONS
 from rlax_pipe.types import Rollout
+
+STOP = "stop" if "stop" in FINISH_REASONS else "eos"  # finish reason of a stop token
 
 TOK = tokenizer_lib.default_tokenizer()
 
 
-def _rollout(sample_id, text="", finish="eos", reward=0.0, group=0, prompt="Q: 5+7\n"):
+def _rollout(sample_id, text="", finish=STOP, reward=0.0, group=0, prompt="Q: 5+7\n"):
   prompt_ids = np.asarray(TOK.encode_prompt(prompt), np.int32)
-  ids = np.asarray(TOK.encode(text) + ([TOK.eos_id] if finish == "eos" else []), np.int32)
+  ids = np.asarray(TOK.encode(text) + ([TOK.eos_id] if finish == STOP else []), np.int32)
   n = ids.shape[0]
   return Rollout(sample_id=sample_id, group_id=group, prompt_tokens=prompt_ids,
                  completion_tokens=ids, behavior_logprobs=np.zeros(n, np.float32),
@@ -58,10 +61,10 @@ def test_issue_input_cut_completion_under_each_policy():
   assert math.isnan(grading.apply_overlong_policy(1.0, cut, mask, budget))
   assert grading.apply_overlong_policy(1.0, cut, soft, budget) == 0.0   # 1 + (-1)
   # A completion that stopped on EOS is never masked; the soft penalty goes by length only.
-  done = _rollout(1, "A: 12", finish="eos")
+  done = _rollout(1, "A: 12", finish=STOP)
   assert grading.apply_overlong_policy(1.0, done, mask, 100) == 1.0
   assert grading.apply_overlong_policy(1.0, done, soft, 100) == 1.0
-  near = _rollout(2, "5+7=12\nA: 12", finish="eos")                    # 12 tokens + EOS
+  near = _rollout(2, "5+7=12\nA: 12", finish=STOP)                    # 12 tokens + EOS
   assert near.num_completion_tokens == 13
   # L_max 16, L_cache 4: ((16 - 4) - 13) / 4 = -0.25.
   assert grading.apply_overlong_policy(1.0, near, soft, 16) == pytest.approx(0.75)

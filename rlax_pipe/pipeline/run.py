@@ -331,7 +331,9 @@ class _Job:
     self.rd.log({"kind": "eval", "step": step, "version": self.learner.version,
                  "time_s": time_s, "heldout_accuracy": res.accuracy,
                  "wall_s": time.perf_counter() - self.t_wall0 - self.eval_seconds,
-                 "mean_completion_tokens": res.mean_completion_tokens}, step)
+                 "mean_completion_tokens": res.mean_completion_tokens,
+                 "eval_filtered_overlong": res.num_filtered,
+                 "eval_failed_rewards": res.num_failed_rewards}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
                  res.num_problems)
     return res.accuracy

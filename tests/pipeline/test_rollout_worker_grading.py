@@ -16,7 +16,10 @@ from rlax_pipe.pipeline import staleness, trainer
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.sampler import SamplerConfig
+from rlax_pipe.types import FINISH_REASONS
 from rlax_pipe.types import Rollout
+
+STOP = "stop" if "stop" in FINISH_REASONS else "eos"  # finish reason of a stop token
 
 TOK = tokenizer_lib.default_tokenizer()
 LONG_PROMPT = "Q: " + "+".join(["7"] * 31) + "\n"   # 66 tokens with BOS
@@ -100,8 +103,8 @@ def _worker(task, complete, tok=TOK, group_size=2, max_seq_len=48, **grading_kw)
   return RolloutWorker(ScriptedEngine(sampler, complete), task, tok, queue, pipe)
 
 
-def _answer(text, reason="eos"):
-  return lambda req: (TOK.encode(text) + ([TOK.eos_id] if reason == "eos" else []), reason)
+def _answer(text, reason=STOP):
+  return lambda req: (TOK.encode(text) + ([TOK.eos_id] if reason == STOP else []), reason)
 
 
 def test_issue_input_overlong_prompt_is_filtered_and_counted(tmp_path):
@@ -142,7 +145,7 @@ def test_truncated_prompt_keeps_bos_and_head_and_marks_rollouts(tmp_path):
 def test_failed_rewards_are_nan_counted_and_stop_the_run(tmp_path):
   outcomes = iter(["A: 1", "raise", "none", "A: 0"] + ["raise"] * 40)
   worker = _worker(VerdictTask(_jsonl_task(tmp_path, ["Q: 1\n"])),
-                   lambda req: (TOK.encode(next(outcomes)), "eos"), group_size=4,
+                   lambda req: (TOK.encode(next(outcomes)), STOP), group_size=4,
                    failure_window=16, max_failure_fraction=0.5)
   try:
     worker.top_up()                                    # 3 groups of 4 fill the 8 slots + 1
@@ -193,7 +196,7 @@ def test_chat_prompt_ids_reach_the_learner_unchanged(tmp_path):
   byte_7 = next(i for i in range(tok.vocab_size) if tok.id_to_piece(i) == "<0x37>")
   sampled = tok.encode("A: ") + [byte_7, tok.eos_id]
   assert tok.decode(sampled) == "A: 7" and tok.encode("A: 7") + [tok.eos_id] != sampled
-  worker = _worker(task, lambda req: (sampled, "eos"), tok=tok)
+  worker = _worker(task, lambda req: (sampled, STOP), tok=tok)
   try:
     worker.top_up()
     prompt = worker.engine.requests[0].prompt_tokens.tolist()
