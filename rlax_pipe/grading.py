@@ -131,8 +131,9 @@ def generation_prompt_ids(tok: tokenizer_lib.Tokenizer) -> list[int]:
   if tok.prompt_format.kind != "chat":
     return []
   messages = [{"role": "user", "content": "x"}]
-  with_prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-  without = tok.apply_chat_template(messages, add_generation_prompt=False)
+  kwargs = dict(tok.prompt_format.template_kwargs)
+  with_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+  without = tok.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
   if not with_prompt.startswith(without) or with_prompt == without:
     return []
   return tok.encode_chat_text(with_prompt[len(without):])

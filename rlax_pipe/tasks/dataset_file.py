@@ -164,11 +164,12 @@ def read_rows(path: str | os.PathLike[str], file_format: str = "auto") -> list[d
 
 
 def _cell_text(value) -> str | None:
-  if value is None or isinstance(value, bool):
-    return None
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value if isinstance(value, str) else str(value) if isinstance(value, (int, float)) else None
+  """A cell as text: strings as they are, finite numbers through str(); None otherwise."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+    return str(value)
+  return None
 
 
 def read_reference(text: str, reference_format: str) -> tuple[str, bool]:

@@ -24,6 +24,7 @@ import abc
 from collections.abc import Iterable, Sequence
 import dataclasses
 import pathlib
+from typing import Any
 
 import numpy as np
 
@@ -41,14 +42,27 @@ class PromptFormat:
       (the text is the content of a user message rendered with the tokenizer's chat template and
       its generation prompt; BOS only where the template writes it).
     system_prompt: optional system message placed before the user message ("chat" only).
+    template_kwargs: extra variables for the chat template as (name, value) pairs (a dict is
+      accepted and stored sorted), e.g. {"enable_thinking": False} for Qwen3 ("chat" only).
   """
 
   kind: str = "raw"
   system_prompt: str | None = None
+  template_kwargs: Any = ()
 
   def __post_init__(self):
     if self.kind not in PROMPT_FORMATS:
       raise ValueError(f"PromptFormat.kind={self.kind!r}; choose one of {PROMPT_FORMATS}.")
+    items = self.template_kwargs
+    if isinstance(items, dict):
+      items = tuple(sorted(items.items()))
+    if not isinstance(items, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in items):
+      raise ValueError(f"PromptFormat.template_kwargs={self.template_kwargs!r} must be a dict or "
+                       "(name, value) pairs.")
+    object.__setattr__(self, "template_kwargs", items)
+    if items and self.kind != "chat":
+      raise ValueError("PromptFormat.template_kwargs needs kind='chat'.")
     if self.system_prompt is not None and self.kind != "chat":
       raise ValueError("PromptFormat.system_prompt needs kind='chat' (a raw prompt has no system "
                        "message); prepend the text to the prompt instead.")
@@ -225,8 +239,9 @@ class Tokenizer(abc.ABC):
     """Token ids of a task prompt in `prompt_format` (default: `self.prompt_format`).
 
     "raw": `encode(prompt, add_bos=add_bos_default)`. "chat": the template rendered for
-    [system?, user=prompt] with the generation prompt, encoded without adding BOS (the template
-    writes BOS where the model expects it), as transformers does for `tokenize=True`.
+    [system?, user=prompt] with the generation prompt and `template_kwargs`, encoded without
+    adding BOS (the template writes BOS where the model expects it), as transformers does for
+    `tokenize=True`.
 
     Args:
       prompt: the prompt text.
@@ -245,7 +260,8 @@ class Tokenizer(abc.ABC):
       messages = ([{"role": "system", "content": fmt.system_prompt}]
                   if fmt.system_prompt is not None else [])
       messages.append({"role": "user", "content": prompt})
-      ids = self.encode_chat_text(self.apply_chat_template(messages, add_generation_prompt=True))
+      ids = self.encode_chat_text(self.apply_chat_template(
+          messages, add_generation_prompt=True, **dict(fmt.template_kwargs)))
     if not ids:
       raise ValueError(f"prompt {prompt!r} encodes to no token (format {fmt.kind!r}, no BOS); "
                        "a completion needs at least one prompt token to condition on.")

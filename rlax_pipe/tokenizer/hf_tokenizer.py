@@ -10,8 +10,8 @@ An HF model directory describes its tokenizer in up to four files, all read here
 - `generation_config.json`: `eos_token_id` (an int or a list: chat models declare several, e.g.
   end-of-text and end-of-turn), `bos_token_id`, `pad_token_id`.
 
-Special ids: BOS = `bos_token` of tokenizer_config, else `bos_token_id` of generation_config, else
-none (-1; Qwen has none). EOS = `eos_token` of tokenizer_config, else the first `eos_token_id`.
+Special ids: BOS = `bos_token` of tokenizer_config, else (when tokenizer_config does not mention it)
+`bos_token_id` of generation_config, else none (-1; Qwen declares `"bos_token": null`). EOS = `eos_token` of tokenizer_config, else the first `eos_token_id`.
 `stop_ids` = EOS, then every `eos_token_id` of generation_config, then the end-of-turn token of the
 chat template (the added token the template writes right after an assistant message, e.g.
 "<|im_end|>"), without duplicates. PAD = `pad_token`, else `pad_token_id`, else EOS (padding is
@@ -133,6 +133,7 @@ class HFTokenizer(base.Tokenizer):
       raise ValueError(f"{file} is not a tokenizers file: {e}") from e
     config = read_json(directory / TOKENIZER_CONFIG_FILE)
     generation = read_json(directory / GENERATION_CONFIG_FILE)
+    self._declared = {name for name in SPECIAL_TOKEN_NAMES if name in config}
     self._special = {name: token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
     self._special = {k: v for k, v in self._special.items() if v is not None}
     self._bos = self._named_id("bos_token", generation.get("bos_token_id"), -1)
@@ -155,6 +156,8 @@ class HFTokenizer(base.Tokenizer):
     super().__init__(chat_template=template, prompt_format=prompt_format)
 
   def _named_id(self, name: str, fallback: int | None, default: int) -> int:
+    """The id of tokenizer_config's `name`; if it does not mention `name` at all, `fallback`
+    (from generation_config.json); else (declared null, or no fallback) `default`."""
     text = self._special.get(name)
     if text is not None:
       token_id = self._tk.token_to_id(text)
@@ -162,7 +165,9 @@ class HFTokenizer(base.Tokenizer):
         raise ValueError(f"{self._dir / TOKENIZER_CONFIG_FILE}: {name}={text!r} is not in the "
                          f"vocabulary of {TOKENIZER_FILE}.")
       return int(token_id)
-    return int(fallback) if fallback is not None else default
+    if name in self._declared or fallback is None:
+      return default
+    return int(fallback)
 
   def _post_processor_adds_bos(self) -> bool:
     with_specials = self._tk.encode("a", add_special_tokens=True).ids

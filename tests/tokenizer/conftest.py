@@ -95,7 +95,8 @@ def make_chatml_dir(directory):
   return _write(directory, tk,
                 {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None,
                  "chat_template": CHATML_TEMPLATE},
-                {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]})
+                {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+                 "bos_token_id": ids["<|endoftext|>"]})  # as Qwen ships it; tokenizer_config wins
 
 
 def make_llama_dir(directory):

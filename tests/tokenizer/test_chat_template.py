@@ -1,5 +1,8 @@
 """Chat templates rendered by rlax_pipe agree with transformers' own rendering, text and ids."""
 
+import json
+import shutil
+
 import jinja2
 import pytest
 import transformers
@@ -97,3 +100,26 @@ def test_end_of_turn_text(chatml_dir, llama_dir):
   assert tokenizer_lib.load_tokenizer(llama_dir).chat_template.end_of_turn_text() == "<|eot|>"
   refusing = tokenizer_lib.ChatTemplate("{{ raise_exception('user only') }}")
   assert refusing.end_of_turn_text() is None
+
+
+def test_template_kwargs_reach_the_template(tmp_path, chatml_dir):
+  path = tmp_path / "thinking"
+  shutil.copytree(chatml_dir, path)
+  config = json.loads((path / "tokenizer_config.json").read_text())
+  config["chat_template"] = (
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n"
+      "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+      "{% endif %}")
+  (path / "tokenizer_config.json").write_text(json.dumps(config))
+  fmt = tokenizer_lib.PromptFormat("chat", template_kwargs={"enable_thinking": False})
+  tok = tokenizer_lib.load_tokenizer(path, prompt_format=fmt)
+  ref = transformers.AutoTokenizer.from_pretrained(str(path))
+  messages = [{"role": "user", "content": "2+2?"}]
+  expected = _input_ids(ref.apply_chat_template(messages, tokenize=True,
+                                                add_generation_prompt=True,
+                                                enable_thinking=False))
+  assert tok.encode_prompt("2+2?") == expected
+  assert tok.decode(tok.encode_prompt("2+2?"), stop_at_eos=False).endswith("<think></think>")
+  with pytest.raises(ValueError, match="needs kind='chat'"):
+    tokenizer_lib.PromptFormat("raw", template_kwargs={"enable_thinking": False})
