@@ -30,7 +30,8 @@ from rlax_pipe.tasks import answers
 from rlax_pipe.tasks import base
 
 _ATTEMPTS = 256  # items tried per (index, split); P(no eval item | eval_fraction 0.1) ~ 2e-12
-_INSTALL_HINT = 'reasoning-gym is not installed: pip install -e ".[gym]" (or pip install reasoning-gym).'
+_INSTALL_HINT = ('reasoning-gym is not installed: pip install -e ".[gym]" '
+                 "(or pip install reasoning-gym).")
 
 
 def _reasoning_gym():

@@ -132,7 +132,7 @@ class Tokenizer(abc.ABC):
 
   @abc.abstractmethod
   def id_to_piece(self, token_id: int) -> str:
-    """The vocabulary entry of one id (e.g. "<0xC3>", "Ġthe"); raises ValueError if out of range."""
+    """The vocabulary entry of one id (e.g. "<0xC3>", "Ġthe"); ValueError if out of range."""
 
   @abc.abstractmethod
   def _encode_text(self, text: str) -> list[int]:

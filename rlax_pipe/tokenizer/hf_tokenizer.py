@@ -11,7 +11,8 @@ An HF model directory describes its tokenizer in up to four files, all read here
   end-of-text and end-of-turn), `bos_token_id`, `pad_token_id`.
 
 Special ids: BOS = `bos_token` of tokenizer_config, else (when tokenizer_config does not mention it)
-`bos_token_id` of generation_config, else none (-1; Qwen declares `"bos_token": null`). EOS = `eos_token` of tokenizer_config, else the first `eos_token_id`.
+`bos_token_id` of generation_config, else none (-1; Qwen declares `"bos_token": null`). EOS =
+`eos_token` of tokenizer_config, else the first `eos_token_id`.
 `stop_ids` = EOS, then every `eos_token_id` of generation_config, then the end-of-turn token of the
 chat template (the added token the template writes right after an assistant message, e.g.
 "<|im_end|>"), without duplicates. PAD = `pad_token`, else `pad_token_id`, else EOS (padding is
@@ -44,7 +45,11 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 
 def read_json(path: pathlib.Path) -> dict:
-  """The JSON object in `path`, {} when the file is absent; ValueError naming the file if malformed."""
+  """The JSON object in `path`, {} when the file is absent.
+
+  Raises:
+    ValueError: naming the file, when it is not a JSON object.
+  """
   if not path.is_file():
     return {}
   try:
@@ -90,7 +95,7 @@ def load_chat_template(directory: pathlib.Path, tokenizer_config: dict,
 
 
 def as_id_list(value, where: str) -> list[int]:
-  """[] for None, [v] for an int, the list for a list of ints; ValueError naming `where` otherwise."""
+  """[] for None, [v] for an int, the list for a list of ints; else ValueError naming `where`."""
   if value is None:
     return []
   values = value if isinstance(value, list) else [value]
@@ -192,7 +197,7 @@ class HFTokenizer(base.Tokenizer):
 
   @property
   def special_tokens(self) -> dict[str, str]:
-    """Named special tokens of tokenizer_config.json as strings, e.g. {"eos_token": "<|im_end|>"}."""
+    """Named special tokens of tokenizer_config.json as strings, e.g. {"eos_token": "</s>"}."""
     return dict(self._special)
 
   @property
@@ -226,7 +231,8 @@ class HFTokenizer(base.Tokenizer):
     return self._add_bos
 
   def id_to_piece(self, token_id: int) -> str:
-    """The vocabulary entry of one id (byte-level form, e.g. "Ġthe"); ValueError if out of range."""
+    """The vocabulary entry of one id (byte-level form, e.g. "Ġthe"); ValueError if out of
+    range."""
     self._check_ids([token_id])
     return self._tk.id_to_token(int(token_id))
 

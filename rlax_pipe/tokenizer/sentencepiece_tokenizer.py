@@ -169,7 +169,7 @@ class SentencePieceTokenizer(base.Tokenizer):
     return self._add_bos
 
   def id_to_piece(self, token_id: int) -> str:
-    """The SentencePiece piece of one id, e.g. "<0xC3>" or "7"; raises ValueError if out of range."""
+    """The SentencePiece piece of one id, e.g. "<0xC3>" or "7"; ValueError if out of range."""
     self._check_ids([token_id])
     return self._sp.id_to_piece(int(token_id))
 

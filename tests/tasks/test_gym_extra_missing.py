@@ -1,4 +1,4 @@
-"""Without the gym extra, the reasoning-gym task says how to install it (runs with or without it)."""
+"""Without the gym extra, the reasoning-gym task says how to install it (runs either way)."""
 
 import sys
 

@@ -1,8 +1,8 @@
 """Fixtures: byte-level BPE tokenizers trained here by `tokenizers`, saved in HF layout.
 
 Two layouts, as real models ship them:
-- "chatml" (Qwen-like): no BOS, EOS "<|endoftext|>", generation_config eos [<|im_end|>, <|endoftext|>],
-  a ChatML chat template in tokenizer_config.json;
+- "chatml" (Qwen-like): no BOS, EOS "<|endoftext|>", generation_config eos
+  [<|im_end|>, <|endoftext|>], a ChatML chat template in tokenizer_config.json;
 - "llama" (Llama-3-like): BOS "<|begin_of_text|>" prepended by the post-processor, EOS
   "<|end_of_text|>", the end-of-turn token "<|eot|>" only in the template (chat_template.jinja).
 """

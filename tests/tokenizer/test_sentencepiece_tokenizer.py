@@ -1,4 +1,4 @@
-"""Tests of the SentencePiece backend: exact round trips, special ids, batching, loading, training."""
+"""The SentencePiece backend: exact round trips, special ids, batching, loading, training."""
 
 import shutil
 
