@@ -195,6 +195,9 @@ class RolloutWorker:
       grading.RewardFailureError: when too many recent verifier calls failed.
     """
     live = [r for r in rollouts if r.finish_reason != "aborted"]
+    for r in rollouts:
+      if r.finish_reason == "aborted":
+        self._truncated.discard(r.sample_id)
     items = [(self.task.problem(r.prompt_index, "train"), self.tok.decode(r.completion_tokens))
              for r in live]
     verdicts = self.verifier.grade(items, [r.sample_id for r in live])
