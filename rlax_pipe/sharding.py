@@ -1,13 +1,18 @@
-"""Device split, learner / sampler meshes, and logical-axis -> mesh-axis sharding rules.
+"""Logical axes, sharding rules per role, the device split, the mesh builder, sharding helpers.
 
-Model and cache code name *logical* axes only (``embed``, ``mlp``, ``heads`` ...). One small rules
-table per mesh maps each logical axis to an ordered tuple of mesh axes; `logical_to_sharding`
-turns a tree of logical-axis tuples into `NamedSharding`s for a given mesh (MaxText-style logical
-axis rules, kept small).
+The one sharding module of the package. It sits below model, sampler, learner and pipeline and
+imports none of them. Model and cache code name *logical* axes only (`EMBED`, `MLP`, `HEADS` ...);
+one small rules table per role maps each logical axis to an ordered tuple of mesh axes
+(MaxText-style logical axis rules, kept small):
 
-Meshes are always built with explicit ``AxisType.Auto`` axis types: `jax.make_mesh` defaults to
-``Explicit``, which rejects Megatron-style matmuls that contract over a sharded dimension
-(jax-notes §1).
+  `LEARNER_RULES`   params, optimizer state and batches on the learner mesh (FSDP x tp)
+  `SAMPLER_RULES`   params and slot batches on the sampler mesh (data replicas x tp)
+  `CACHE_RULES`     the paged KV pool, on whichever mesh its engine runs (sampler or eval)
+
+`logical_to_spec` / `logical_to_sharding` turn logical axes into `PartitionSpec`s /
+`NamedSharding`s for a given mesh; `make_mesh` is the one mesh builder, always with explicit
+``AxisType.Auto`` axis types: `jax.make_mesh` defaults to ``Explicit``, which rejects
+Megatron-style matmuls that contract over a sharded dimension (jax-notes §1).
 """
 
 from __future__ import annotations
@@ -22,48 +27,76 @@ from absl import logging
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import numpy as np
+import optax
 
-# Logical axis name -> ordered mesh axes it may be split over (first = major). An empty tuple
-# means "always replicated". Mesh axes missing from a given mesh are skipped.
-Rules = Mapping[str, tuple[str, ...]]
+# ---- logical axis names (what model and cache code say) ----------------------------------------
+BATCH = "batch"          # sequences of a batch / decode slots
+LENGTH = "length"        # token positions
+EMBED = "embed"          # model width d_model
+MLP = "mlp"              # feed-forward hidden width
+HEADS = "heads"          # query heads
+KV_HEADS = "kv_heads"    # key / value heads (GQA)
+HEAD_DIM = "head_dim"    # per-head width
+VOCAB = "vocab"          # vocabulary
+LAYERS = "layers"        # stacked layers
+PAGES = "pages"          # KV pool pages
+PAGE_SIZE = "page_size"  # tokens per KV page
 
 LOGICAL_AXES: tuple[str, ...] = (
-    "batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers",
-    "pages", "page_size")
+    BATCH, LENGTH, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, PAGES, PAGE_SIZE)
+
+# ---- mesh axis names ----------------------------------------------------------------------------
+DATA = "data"  # independent replicas (batch split, weights replicated)
+FSDP = "fsdp"  # fully sharded data parallel (batch and weights split)
+TP = "tp"      # tensor parallel (Megatron: heads / mlp / vocab split)
+
+# Logical axis name -> ordered mesh axes it may be split over (first = major). An empty tuple
+# means "always replicated". Mesh axes missing from a given mesh are skipped. A logical name the
+# table does not list is an error (so a cache axis cannot silently be mapped by a weight table).
+Rules = Mapping[str, tuple[str, ...]]
 
 # FSDP x tensor parallel (Megatron): weights split over fsdp on the embed dim and over tp on the
 # head / mlp / vocab dims; activations split over (data, fsdp) on the batch dim.
 LEARNER_RULES: Rules = types.MappingProxyType({
-    "batch": ("data", "fsdp"),
-    "length": (),
-    "embed": ("fsdp",),
-    "mlp": ("tp",),
-    "heads": ("tp",),
-    "kv_heads": ("tp",),
-    "head_dim": (),
-    "vocab": ("tp",),
-    "layers": (),
-    "pages": (),
-    "page_size": (),
+    BATCH: (DATA, FSDP),
+    LENGTH: (),
+    EMBED: (FSDP,),
+    MLP: (TP,),
+    HEADS: (TP,),
+    KV_HEADS: (TP,),
+    HEAD_DIM: (),
+    VOCAB: (TP,),
+    LAYERS: (),
 })
 
-# Data-parallel replicas x tensor parallel: weights replicated over data and split over tp; each
-# data replica owns its own slots (batch) and its own KV page pool (pages).
+# Data replicas x tensor parallel: weights replicated over data and split over tp; decode slots
+# (batch) split over data. The KV pool has its own table, `CACHE_RULES`.
 SAMPLER_RULES: Rules = types.MappingProxyType({
-    "batch": ("data",),
-    "length": (),
-    "embed": (),
-    "mlp": ("tp",),
-    "heads": ("tp",),
-    "kv_heads": ("tp",),
-    "head_dim": (),
-    "vocab": ("tp",),
-    "layers": (),
-    "pages": ("data",),
-    "page_size": (),
+    BATCH: (DATA,),
+    LENGTH: (),
+    EMBED: (),
+    MLP: (TP,),
+    HEADS: (TP,),
+    KV_HEADS: (TP,),
+    HEAD_DIM: (),
+    VOCAB: (TP,),
+    LAYERS: (),
+})
+
+# The paged KV pool [layers, K, P, S, D]: only kv heads are split (over tp, like the k / v
+# projections in `SAMPLER_RULES`, so attention needs no reshard). Pages stay whole: a block table
+# indexes pages of the whole pool, so splitting pages over devices would turn every gather into a
+# cross-device gather; the pool is replicated over any data axis.
+CACHE_RULES: Rules = types.MappingProxyType({
+    LAYERS: (),
+    KV_HEADS: (TP,),
+    PAGES: (),
+    PAGE_SIZE: (),
+    HEAD_DIM: (),
 })
 
 
+# ---- device split and meshes -------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DeviceSplit:
   """Which devices each role uses.
@@ -131,22 +164,36 @@ def split_devices(devices: Sequence[Any], num_sampler: int, num_learner: int) ->
                      sampler=devices[num_learner:needed], shared=False)
 
 
-def make_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
+def make_mesh(devices: Sequence[Any], axes: Mapping[str, int], rules: Rules | None = None, *,
+              keep_device_order: bool = False) -> Mesh:
   """Builds a mesh with ``AxisType.Auto`` axes over exactly `devices`.
 
   Args:
     devices: the devices of this mesh; their number must equal the product of the axis sizes.
     axes: ordered mapping axis name -> size, e.g. ``{"fsdp": 2, "tp": 2}`` (major axis first).
+    rules: the rules table of the role this mesh serves (`LEARNER_RULES`, `SAMPLER_RULES`); when
+      given, every axis name must be one that table uses. None skips the check.
+    keep_device_order: True lays `devices` out row-major in the given order (needed when the
+      order itself carries meaning, e.g. the weight channel's transfer layouts); False lets
+      `jax.make_mesh` pick a topology-aware order on TPU / GPU.
 
   Returns:
     A `jax.sharding.Mesh` whose axis types are all ``AxisType.Auto``.
 
   Raises:
-    ValueError: if `axes` is empty, a size is < 1, or the product differs from the device count.
+    ValueError: if `axes` is empty, a size is < 1, an axis name is unknown to `rules`, or the
+      size product differs from the device count.
   """
   devices = tuple(devices)
   if not axes:
     raise ValueError("make_mesh: give at least one axis, e.g. {'tp': len(devices)}.")
+  if rules is not None:
+    known = sorted({a for mesh_axes in rules.values() for a in mesh_axes})
+    unknown = [a for a in axes if a not in known]
+    if unknown:
+      raise ValueError(
+          f"make_mesh: mesh axes {unknown} are not used by the rules of this role; choose "
+          f"among {known}.")
   names, sizes = tuple(axes.keys()), tuple(int(s) for s in axes.values())
   if any(s < 1 for s in sizes):
     raise ValueError(f"make_mesh: axis sizes must be >= 1, got {dict(axes)}.")
@@ -155,43 +202,22 @@ def make_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
         f"make_mesh: mesh {dict(axes)} needs {math.prod(sizes)} devices but was given "
         f"{_describe_devices(devices)}.")
   axis_types = (AxisType.Auto,) * len(names)
-  try:  # topology-aware device order on TPU / GPU
-    return jax.make_mesh(sizes, names, axis_types=axis_types, devices=devices)
-  except (ValueError, NotImplementedError, AssertionError) as e:
-    logging.info("make_mesh: jax.make_mesh failed (%s); using the given device order.", e)
-    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), names, axis_types=axis_types)
+  if not keep_device_order:
+    try:  # topology-aware device order on TPU / GPU
+      return jax.make_mesh(sizes, names, axis_types=axis_types, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+      logging.info("make_mesh: jax.make_mesh failed (%s); using the given device order.", e)
+  return Mesh(np.asarray(devices, dtype=object).reshape(sizes), names, axis_types=axis_types)
 
 
-def make_learner_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
-  """Learner mesh, axes among ``data``, ``fsdp``, ``tp`` (e.g. ``{"fsdp": 2, "tp": 2}``).
-
-  Raises:
-    ValueError: on an axis name `LEARNER_RULES` does not use, or a size/device mismatch.
-  """
-  _check_axis_names(axes, LEARNER_RULES, "learner")
-  return make_mesh(devices, axes)
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Sharding of a value kept whole on every device of `mesh` (scalars, block tables, seeds)."""
+  return NamedSharding(mesh, PartitionSpec())
 
 
-def make_sampler_mesh(devices: Sequence[Any], axes: Mapping[str, int]) -> Mesh:
-  """Sampler mesh, axes among ``data``, ``tp`` (e.g. ``{"data": 2, "tp": 2}``).
-
-  Raises:
-    ValueError: on an axis name `SAMPLER_RULES` does not use, or a size/device mismatch.
-  """
-  _check_axis_names(axes, SAMPLER_RULES, "sampler")
-  return make_mesh(devices, axes)
-
-
-def _check_axis_names(axes: Mapping[str, int], rules: Rules, role: str):
-  known = sorted({a for mesh_axes in rules.values() for a in mesh_axes})
-  unknown = [a for a in axes if a not in known]
-  if unknown:
-    raise ValueError(
-        f"{role} mesh axes {unknown} are not used by the {role} rules; choose among {known}.")
-
-
+# ---- logical axes -> shardings -----------------------------------------------------------------
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None,
-                    mesh: Mesh, rules: Rules) -> PartitionSpec:
+                    mesh: Mesh, rules: Rules, *, canonical: bool = False) -> PartitionSpec:
   """Maps one array's logical axes to a `PartitionSpec` on `mesh`.
 
   Dimension i is split over the mesh axes `rules[logical_axes[i]]` that (a) exist in `mesh`,
@@ -206,12 +232,16 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
     shape: the array shape, same length; None skips the divisibility check (c).
     mesh: target mesh.
     rules: logical name -> ordered mesh axes, e.g. `LEARNER_RULES`.
+    canonical: drop trailing replicated dims, the form in which `jit` reports output shardings
+      (so a spec compares equal to the one of an array the engine produced).
 
   Returns:
-    A `PartitionSpec` with one entry per dimension (None, a mesh axis name, or a tuple of names).
+    A `PartitionSpec` with one entry per dimension (None, a mesh axis name, or a tuple of names),
+    or fewer with `canonical=True`.
 
   Raises:
-    ValueError: on an unknown logical name or a rank mismatch between `logical_axes` and `shape`.
+    ValueError: on a logical name `rules` does not list, or a rank mismatch between
+      `logical_axes` and `shape`.
   """
   if shape is not None and len(shape) != len(logical_axes):
     raise ValueError(
@@ -236,6 +266,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
       product *= mesh.shape[a]
     used.update(chosen)
     entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  while canonical and entries and entries[-1] is None:
+    entries.pop()
   return PartitionSpec(*entries)
 
 
@@ -283,3 +315,26 @@ def logical_to_sharding(axes_tree: Any, mesh: Mesh, rules: Rules, shapes: Any = 
       raise ValueError(f"leaf {jax.tree_util.keystr(path)}: {e}") from None
     out.append(NamedSharding(mesh, spec))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,
+                        params_shardings: Any, mesh: Mesh) -> Any:
+  """Shardings of an optax state: per-parameter leaves (moments) copy their parameter's.
+
+  Args:
+    tx: the optimizer whose state this is.
+    abstract_opt_state: `jax.eval_shape(tx.init, abstract_params)`.
+    params_shardings: NamedSharding tree with the params' structure.
+    mesh: the params' mesh (non-parameter leaves such as counts are replicated on it).
+
+  Returns:
+    A tree with the optimizer state's structure and a NamedSharding per leaf.
+  """
+  rep = replicated(mesh)
+  # tree_map_params runs tx.init on placeholders, which makes a few host scalars (counts):
+  # harmless, so allowed even under a stricter caller transfer guard.
+  with jax.transfer_guard("allow"):
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
+        transform_non_params=lambda _: rep,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
