@@ -63,7 +63,8 @@ class RunConfig:
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
     jsonl_path: problems file of the JSONL task.
     task_config: the task's own config (e.g. `tasks.ArithmeticConfig`) or None for defaults.
-    tokenizer_path: sentencepiece model; None = the shipped tokenizer.
+    tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
+      shipped tokenizer.
     num_sampler_devices: devices of the sampler mesh (>= 1).
     num_learner_devices: devices of the learner mesh (>= 1). With a single device in total both
       roles share it (set both to 1).
@@ -153,8 +154,7 @@ class _Job:
           f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
           "(--resume) to continue it, or choose a new run_dir (--run_dir).")
     self.rd = RunDir(cfg.run_dir)
-    self.tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
-                else tokenizer_lib.default_tokenizer())
+    self.tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
     task_cfg = cfg.task_config
     if task_cfg is None and cfg.task == "jsonl":
       task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
@@ -322,8 +322,7 @@ class _Job:
   # ---- evaluation / logging -------------------------------------------------------------------
   def _verify_push(self, sampler_params, version: int) -> None:
     """Debug check: sampler-side and learner-side log-probs of a probe sequence agree."""
-    probe = np.asarray(self.tok.encode("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6", add_bos=True),
-                       np.int32)[None]
+    probe = np.asarray(self.tok.encode_prompt("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6"), np.int32)[None]
     pos = np.arange(probe.shape[1], dtype=np.int32)[None]
     ls, _ = self.model.forward(sampler_params, probe, pos)
     ll, _ = self.model.forward(self.learner.params, probe, pos)
@@ -337,13 +336,15 @@ class _Job:
     if self.learner.version != self.eval_engine.version:
       self.eval_engine.update_weights(self.learner.params, self.learner.version)
     res = evaluation.evaluate(self.eval_engine, self.task, self.tok, self.eval_set,
-                              timeout_s=self.cfg.pipeline.reward_timeout_s)
+                              verifier=self.worker.verifier, grading=self.cfg.pipeline.grading)
     self.eval_seconds += time.perf_counter() - t0
     self.last_eval = res.accuracy
     self.rd.log({"kind": "eval", "step": step, "version": self.learner.version,
                  "time_s": time_s, "heldout_accuracy": res.accuracy,
                  "wall_s": time.perf_counter() - self.t_wall0 - self.eval_seconds,
-                 "mean_completion_tokens": res.mean_completion_tokens}, step)
+                 "mean_completion_tokens": res.mean_completion_tokens,
+                 "eval_filtered_overlong": res.num_filtered,
+                 "eval_failed_rewards": res.num_failed_rewards}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
                  res.num_problems)
     return res.accuracy
@@ -379,6 +380,8 @@ class _Job:
               "logp_mismatch_mean", "logp_mismatch_max", "is_finite"):
       if k in m:
         row[k] = np.asarray(m[k]).item()
+    row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
+    row.update(self.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     self.rd.log(row, step)
@@ -400,6 +403,7 @@ class _Job:
     final_acc = self.evaluate(step, time_s)
     self.save(time_s)
     self.learner.close()
+    self.worker.close()
     rows = self.rd.read_metrics()
     evals = [r for r in rows if r["kind"] == "eval"]
     spans = self.timeline.spans()
@@ -462,6 +466,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None) -
       try:
         job.save(job.vstate.t_l if job.reproducible else job.time_offset)
         job.learner.close()
+        job.worker.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint after the error failed too: %s", e)
       raise
