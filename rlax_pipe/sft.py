@@ -119,7 +119,7 @@ def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
 
   `direct=True` demonstrates the bare answer instead of the reference solution.
   """
-  prompt = np.asarray(tok.encode(problem.prompt, add_bos=True), np.int32)
+  prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)  # as the RL sampler sees it
   completion = np.asarray(tok.encode(demonstration(problem, direct)) + [tok.eos_id], np.int32)
   n = completion.shape[0]
   return Rollout(sample_id=sample_id, group_id=sample_id, prompt_tokens=prompt,

@@ -9,6 +9,7 @@ from typing import Any
 
 from rlax_pipe import config as model_config
 from rlax_pipe import objectives
+from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
@@ -83,7 +84,10 @@ class PipelineConfig:
     wait_timeout_s: limit of every blocking wait (seconds, > 0); the error says what was awaited.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
       probe sequence (slow; catches a push that silently did not apply).
-    reward_timeout_s: limit of one reward-function call (seconds, > 0).
+    reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
+      is killed with its verifier process and the sample gets no reward.
+    grading: over-long prompts, completions cut by the length limit, failed rewards
+      (`rlax_pipe.grading`).
     cost_model: virtual-clock durations for the reproducible mode.
     seed: seed of prompt order and sampling.
   """
@@ -102,6 +106,7 @@ class PipelineConfig:
   wait_timeout_s: float = 600.0
   debug_verify_push: bool = False
   reward_timeout_s: float = 5.0
+  grading: GradingConfig = GradingConfig()
   cost_model: CostModel = CostModel()
   seed: int = 0
 
@@ -135,7 +140,8 @@ class RunConfig:
     jsonl_path: problems file of the JSONL task.
     task_config: the task's own config (e.g. `tasks.ArithmeticConfig`), a dict of its fields, or
       None for the task's defaults.
-    tokenizer_path: sentencepiece model; None = the shipped tokenizer.
+    tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
+      shipped tokenizer.
     sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh, axes among "data", "tp";
       the product is the number of sampler devices. With a single device in total, learner and
       sampler share it (both meshes of size 1).

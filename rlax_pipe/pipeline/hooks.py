@@ -81,6 +81,8 @@ class TrainLog:
         "eta_s": wall / max(self.steps_this_session, 1) * remaining,
     }
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
+    row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
+    row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     job.run_dir.log(row, step)
@@ -117,13 +119,15 @@ class Evaluation:
     if job.learner.version != self.engine.version:  # the learner keeps its params
       self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
-                              timeout_s=job.cfg.pipeline.reward_timeout_s)
+                              verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     job.clock.excluded += time.perf_counter() - t0
     job.last_eval = res.accuracy
     job.run_dir.log({"kind": "eval", "step": step, "version": job.learner.version,
                      "time_s": time_s, "heldout_accuracy": res.accuracy,
                      "wall_s": job.clock.wall_s(),
-                     "mean_completion_tokens": res.mean_completion_tokens}, step)
+                     "mean_completion_tokens": res.mean_completion_tokens,
+                     "eval_filtered_overlong": res.num_filtered,
+                     "eval_failed_rewards": res.num_failed_rewards}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
                  res.num_problems)
     return res.accuracy
@@ -149,6 +153,7 @@ class Checkpoint:
   def on_end(self, job: Job, time_s: float) -> None:
     job.save(time_s)
     job.learner.close()
+    job.worker.close()
 
 
 class Report:

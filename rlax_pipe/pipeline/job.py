@@ -211,7 +211,7 @@ def _models(cfg: RunConfig, model: ModelLike | None, params: Any) -> tuple[Model
 
 def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]:
   """Debug check of a push: sampler-side and learner-side logits of a probe sequence agree."""
-  probe = np.asarray(tok.encode("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6", add_bos=True), np.int32)[None]
+  probe = np.asarray(tok.encode_prompt("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6"), np.int32)[None]
   pos = np.arange(probe.shape[1], dtype=np.int32)[None]
 
   def verify(sampler_params, version: int) -> None:
@@ -238,8 +238,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
         f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
         "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
   rd = RunDir(cfg.run_dir)
-  tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
-         else tokenizer_lib.default_tokenizer())
+  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
   task = tasks.make_task(cfg.task, _task_config(cfg))
   split = sharding_lib.split_devices(jax.devices(), cfg.num_sampler_devices,
                                      cfg.num_learner_devices)
@@ -293,6 +292,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       for gid in extra["in_flight_groups"]:
         queue.discard_group(int(gid))
       worker_state["round_open"] = 0  # and their round with them: a new round starts
+      worker_state["truncated"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   rd.write_config(cfg)

@@ -76,6 +76,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
       try:
         job.save(job.vstate.t_l if job.reproducible else job.clock.offset)
         job.learner.close()
+        job.worker.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint after the error failed too: %s", e)
       raise
