@@ -1,18 +1,26 @@
 """Command-line configs of the experiments: `--config` (an ml_collections config file plus
-`--config.<field>=value` overrides) and the flags of earlier versions, which fail with a message
-naming their new spelling.
+`--config.<field>=value` overrides), the flags of earlier versions (which fail with a message
+naming their new spelling), resumed runs (the saved configuration plus the fields the command line
+names), and `user_errors()`, which ends an entry point with a one-line message for a user's
+mistake instead of a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
-from typing import Any, Mapping
+import re
+import sys
+from typing import Any, Iterator, Mapping, Sequence
 
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from rlax_pipe import config_dict
+from rlax_pipe import platform_setup
+from rlax_pipe import run_dir as run_dir_lib
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -125,10 +133,69 @@ def rl_field_lines() -> list[str]:
   return config_dict.describe_fields(default, "config.")
 
 
-def run_config(config: Any):
-  """The `RunConfig` of a parsed `--config` (validated)."""
+def override_paths(argv: Sequence[str]) -> list[str]:
+  """Dotted field paths a command line sets explicitly (`--config.a.b=v`, `--[no]config.a`)."""
+  out = []
+  for arg in argv:
+    m = re.match(r"^--(?:no)?config\.([\w.]+)(?:=|$)", arg)
+    if m:
+      out.append(m.group(1))
+  return out
+
+
+def run_config(config: Any, argv: Sequence[str] | None = None):
+  """The `RunConfig` of a parsed `--config` (validated; errors name `--config.<field>`).
+
+  With `--config.resume`, the configuration is the one saved in `<run_dir>/config.json`, with
+  only the fields this command line names explicitly (`override_paths(argv)`) taken from it; a
+  named field whose value differs from the saved one must also be listed in
+  `--config.change_on_resume` (checked by the job, which records the change).
+
+  Args:
+    config: the parsed ConfigDict.
+    argv: the command line (default `sys.argv`).
+
+  Raises:
+    config_dict.ConfigError: on a field's own check, a cross-field rule, or a resume of a
+      directory that holds no run.
+  """
+  from rlax_pipe.pipeline import record  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.config import RunConfig  # pylint: disable=import-outside-toplevel
-  return config_dict.from_config_dict(RunConfig, config)
+  if config.resume:
+    saved = run_dir_lib.read_config(config.run_dir)
+    if saved is None:
+      raise config_dict.ConfigError(
+          f"--config.resume: --config.run_dir={config.run_dir} holds no run (no config.json): "
+          "a mistyped run dir? To start a new run there, drop --config.resume.")
+    paths = ["run_dir", "change_on_resume"] + override_paths(sys.argv if argv is None else argv)
+    config = record.merge_saved(saved, config.to_dict(), paths)
+  return config_dict.from_config_dict(RunConfig, config, prefix="--config.")
+
+
+@contextlib.contextmanager
+def user_errors(program: str | None = None) -> Iterator[None]:
+  """Ends the program with one line "<program>: error: <message>" (exit status 2) when the block
+  raises `ConfigError` (a user's mistake: the message names the flag / config field and the
+  fix); any other exception keeps its traceback."""
+  try:
+    yield
+  except config_dict.ConfigError as e:
+    name = program or pathlib.Path(sys.argv[0]).name
+    message = str(e).replace("RunConfig.", "--config.")
+    logging.flush()
+    print(f"{name}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def setup_logging() -> None:
+  """Library logging at warning level (orbax: ~50 info lines per checkpoint otherwise); set
+  `--library_log_level=info` to see them."""
+  platform_setup.quiet_library_logging(_LIB_LEVEL.value)
+
+
+_LIB_LEVEL = flags.DEFINE_enum(
+    "library_log_level", "warning", ["debug", "info", "warning", "error"],
+    "Lowest level of the log lines of the libraries rlax_pipe uses (orbax) that are shown.")
 
 
 def define_rl_flags(flag_values: flags.FlagValues = flags.FLAGS,
