@@ -101,8 +101,14 @@ def _deep_tuple(x: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
+  """A ConfigDict as a dict; lists (JSON, the command line) as tuples, inside dicts too, so a
+  config read back from config.json equals the one written."""
   if isinstance(value, ml_collections.ConfigDict):
-    return value.to_dict()
+    value = value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return tuple(_plain(v) for v in value)
   return value
 
 

@@ -177,7 +177,8 @@ class RunConfig:
     resume: continue from the newest checkpoint in run_dir/checkpoints with the configuration
       saved in run_dir/config.json (an error when there is no checkpoint).
     change_on_resume: dotted field paths (e.g. "learner.optimizer.learning_rate",
-      "pipeline.num_steps") whose values may differ from the saved configuration on resume;
+      "pipeline.num_steps"; a sub-config's path names all its fields; comma-separated text is
+      split) whose values may differ from the saved configuration on resume;
       each change is recorded in run_dir/config_changes.jsonl with the step it takes effect.
       Any other difference is refused.
   """
@@ -217,7 +218,11 @@ class RunConfig:
           "job checkpoints into run_dir/checkpoints; leave it None and set run_dir.")
     if self.eval_slots < 1:
       raise ValueError(f"RunConfig.eval_slots={self.eval_slots} must be >= 1.")
-    if not all(isinstance(p, str) and p for p in self.change_on_resume):
+    paths = (self.change_on_resume,) if isinstance(self.change_on_resume, str) else (
+        self.change_on_resume)
+    if not all(isinstance(p, str) for p in paths):
       raise ValueError(f"RunConfig.change_on_resume={self.change_on_resume!r} must be dotted "
-                       "field paths, e.g. ('pipeline.num_steps',).")
+                       "field paths, e.g. ('pipeline.num_steps',) or 'a.b,c.d'.")
+    object.__setattr__(self, "change_on_resume", tuple(  # "a,b" (command line) -> ("a", "b")
+        q.strip() for p in paths for q in p.split(",") if q.strip()))
     config_checks.check_run_config(self)

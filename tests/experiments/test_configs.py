@@ -1,6 +1,7 @@
 """Config files + flags: presets, overrides, the removed flags, the generated help, round trips."""
 
 import dataclasses
+import json
 
 from absl import flags
 import jax
@@ -8,10 +9,12 @@ import pytest
 
 from lib import config_cli
 from rlax_pipe import config_dict
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe import objectives
 from rlax_pipe.learner import CheckpointConfig, LearnerConfig, OptimizerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline import devices
+from rlax_pipe.run_dir import RunDir
 from rlax_pipe.pipeline.config import CostModel, PipelineConfig, RunConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler import SamplerConfig
@@ -25,7 +28,7 @@ def _parse(argv):
   fv = flags.FlagValues()
   holder = config_cli.define_rl_flags(fv, ["prog"] + argv)
   fv(["prog"] + argv)
-  return config_cli.run_config(holder.value)
+  return config_cli.run_config(holder.value, ["prog"] + argv)
 
 
 def test_default_preset_is_readme_command_1():
@@ -113,3 +116,21 @@ def test_sft_config_file():
     fv2 = flags.FlagValues()
     config_cli.define_removed_flags(config_cli.SFT_RENAMED, fv2)
     fv2(["prog", "--steps=3"])
+
+
+def test_command_line_resume_restores_the_saved_configuration(tmp_path):
+  """`--config.resume --config.run_dir=D` with the defaults otherwise runs D's configuration;
+  fields the command line names are taken from it (the job then checks them)."""
+  run_dir = tmp_path / "run"
+  first = _parse([f"--config.run_dir={run_dir}", "--config.learner.optimizer.learning_rate=1e-4",
+                  "--config.pipeline.num_steps=7"])
+  RunDir(run_dir).write_config(first)
+  resumed = _parse([f"--config.run_dir={run_dir}", "--config.resume"])
+  assert resumed == dataclasses.replace(first, resume=True)
+  changed = _parse([f"--config.run_dir={run_dir}", "--config.resume",
+                    "--config.pipeline.num_steps=9",
+                    "--config.change_on_resume=pipeline.num_steps,learner.seed"])
+  assert changed.pipeline.num_steps == 9 and changed.learner.optimizer.learning_rate == 1e-4
+  assert changed.change_on_resume == ("pipeline.num_steps", "learner.seed")
+  with pytest.raises(ConfigError, match=r"--config.run_dir=.*nowhere holds no run"):
+    _parse([f"--config.run_dir={tmp_path / 'nowhere'}", "--config.resume"])

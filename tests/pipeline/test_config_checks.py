@@ -1,0 +1,141 @@
+"""Cross-field rules of RunConfig (issue #14 items 12 and 16): each broken rule fails when the
+config is built, naming both fields and the fix; settings that learn nothing are refused."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from rlax_pipe import advantages
+from rlax_pipe import tasks
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.config_dict import ConfigError, from_config_dict, to_config_dict
+from rlax_pipe.grading import GradingConfig
+from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
+from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.objectives import ObjectiveConfig
+from rlax_pipe.pipeline import trainer as trainer_lib
+from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
+from rlax_pipe.sampler import SamplerConfig
+from rlax_pipe.types import Rollout
+
+
+def _run(**changes):
+  """RunConfig() with nested changes given as {"pipeline": {...}, "sampler": {...}, ...}."""
+  base = RunConfig()
+  kwargs = {}
+  for name, value in changes.items():
+    current = getattr(base, name)
+    kwargs[name] = (dataclasses.replace(current, **value) if isinstance(value, dict)
+                    and dataclasses.is_dataclass(current) else value)
+  return dataclasses.replace(base, **kwargs)
+
+
+def test_issue_input_seq_len_below_sampler_max_seq_len():
+  with pytest.raises(ConfigError, match=r"RunConfig.pipeline.seq_len=64 < "
+                                        r"RunConfig.sampler.max_seq_len=128.*seq_len >= 128"):
+    _run(pipeline={"seq_len": 64},
+         sampler={"max_seq_len": 128, "max_new_tokens": 64, "num_pages": 64})
+  _run(pipeline={"seq_len": 128}, sampler={"max_seq_len": 128, "num_pages": 64})  # the fix
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"sampler": {"num_pages": 10}},  # 384 tokens / 16 per page = 24 pages per sequence
+     r"RunConfig.sampler.num_pages=10 < 24 pages.*RunConfig.sampler.max_seq_len=384"),
+    ({"pipeline": {"grading": GradingConfig(min_completion_tokens=384)}},
+     r"RunConfig.sampler.max_seq_len=384 leaves no prompt token.*"
+     r"RunConfig.pipeline.grading.min_completion_tokens=384"),
+    ({"pipeline": {"grading": GradingConfig(overlong_policy="soft_penalty",
+                                            overlong_buffer_tokens=64,
+                                            overlong_max_tokens=500)}},
+     r"overlong_max_tokens=500 minus overlong_buffer_tokens=64 is >= "
+     r"RunConfig.sampler.max_new_tokens=384.*never applies"),
+    ({"pipeline": {"reward_timeout_s": 700.0}},
+     r"RunConfig.pipeline.reward_timeout_s=700.0 >= RunConfig.pipeline.wait_timeout_s=600.0"),
+    ({"pipeline": {"advantage": "ppo_gae"}},
+     r"RunConfig.pipeline.advantage='ppo_gae'; choose one of \('grpo', 'dr_grpo', 'rloo'\)"),
+    ({"sampler_mesh_axes": (("fsdp", 2),)},
+     r"RunConfig.sampler_mesh_axes=\(\('fsdp', 2\),\): axes must be distinct names among "
+     r"\('data', 'tp'\)"),
+    ({"learner": {"mesh_axes": (("model", 2),)}},
+     r"RunConfig.learner.mesh_axes=\(\('model', 2\),\): axes must be distinct names among "
+     r"\('data', 'fsdp', 'tp'\)"),
+    ({"jsonl_path": "x.jsonl"}, r"RunConfig.jsonl_path='x.jsonl' is only read by task 'jsonl'"),
+    ({"task": "dataset_file"}, r"task='dataset_file' needs its file: set "
+                               r"RunConfig.task_config.path"),
+    ({"task": "dataset_file", "task_config": {"paht": "x.csv"}},
+     r"RunConfig.task_config has no field\(s\) \['paht'\] for task 'dataset_file'"),
+    ({"task_config": tasks.JsonlConfig(path="x.jsonl")},
+     r"RunConfig.task_config is a JsonlConfig, but task 'arithmetic' takes a ArithmeticConfig"),
+])
+def test_rules_that_cannot_work_together(changes, pattern):
+  with pytest.raises(ConfigError, match=pattern):
+    _run(**changes)
+
+
+def test_issue_input_group_size_one_learns_nothing():
+  """#14 item 16: group_size=1 is refused, naming the estimators that need G >= 2."""
+  with pytest.raises(ConfigError, match=r"RunConfig.pipeline.group_size=1 with "
+                     r"RunConfig.pipeline.advantage='grpo' learns nothing.*"
+                     r"\['dr_grpo', 'grpo', 'rloo'\] need group_size >= 2"):
+    _run(pipeline={"group_size": 1})
+
+
+@pytest.mark.parametrize("name", sorted(advantages.ADVANTAGES))
+def test_min_group_size_table_is_what_the_estimators_do(name):
+  """The table the rule reads: with G below it every advantage is 0; at G it is not."""
+  fn = advantages.get_advantage_fn(name)
+  need = advantages.MIN_GROUP_SIZE[name]
+  below = fn(np.asarray([[1.0] * (need - 1), [0.0] * (need - 1)], np.float32))
+  assert np.all(below == 0.0)
+  at = fn(np.asarray([[1.0] + [0.0] * (need - 1)], np.float32))
+  assert np.any(at != 0.0)
+
+
+@pytest.mark.parametrize("sampling, knob", [(SamplingConfig(greedy=True), "greedy=True"),
+                                            (SamplingConfig(top_k=1), "top_k=1")])
+def test_identical_samples_per_group_learn_nothing(sampling, knob):
+  with pytest.raises(ConfigError, match=rf"RunConfig.sampler.sampling.{knob} with "
+                     r"RunConfig.pipeline.group_size=8 learns nothing"):
+    _run(sampler={"sampling": sampling})
+  _run(sampler={"sampling": SamplingConfig(top_k=2)})  # two candidates per step can differ
+
+
+def test_command_line_spelling_of_cross_field_errors():
+  """From a ConfigDict (the command line's path), errors name --config.<field>."""
+  config = to_config_dict(RunConfig())
+  config.pipeline.num_steps = -5
+  with pytest.raises(ConfigError, match=r"^--config.pipeline.num_steps=-5 must be >= 1.$"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  config.pipeline.num_steps = 30
+  config.pipeline.seq_len = 64
+  with pytest.raises(ConfigError, match=r"--config.pipeline.seq_len=64 < "
+                                        r"--config.sampler.max_seq_len=384"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+
+
+def _rollout(i, n_tokens=20):
+  return Rollout(sample_id=i, group_id=i // 2, prompt_tokens=np.full(4, 5, np.int32),
+                 completion_tokens=np.full(n_tokens, 6, np.int32),
+                 behavior_logprobs=np.full(n_tokens, -1.0, np.float32),
+                 policy_versions=np.zeros(n_tokens, np.int32), finish_reason="eos",
+                 reward=float(i % 2))
+
+
+def test_issue_input_micro_batches_3_trains():
+  """#14 item 12: micro_batches=3 used to fail at the first train step (power-of-two rows);
+  the trainer now pads rows to a multiple of the micro-batch count."""
+  cfg = PipelineConfig(seq_len=32, group_size=2)
+  groups = [(_rollout(0), _rollout(1)), (_rollout(2), _rollout(3))]
+  batch, _ = trainer_lib.build_batch(groups, cfg, row_multiple=3)
+  # 4 samples of 24 tokens, one per 32-token row: 4 rows, padded to 6 (a multiple of 3).
+  assert batch.tokens.shape == (6, 32)
+  model = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                      head_dim=8, d_ff=32, max_seq_len=32)
+  learner = Learner(model, LearnerConfig(micro_batches=3, checkpoint=CheckpointConfig(),
+                                         optimizer=OptimizerConfig(warmup_steps=0)),
+                    ObjectiveConfig(), SamplingConfig(), devices=jax.devices()[:1])
+  learner.train_step(batch)
+  metrics = learner.flush()
+  assert learner.version == 1 and np.isfinite(float(metrics["loss"]))
