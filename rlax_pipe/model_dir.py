@@ -5,7 +5,8 @@ config.json and *.safetensors (the weights, `model.hf_io`), the tokenizer (token
 tokenizer_config.json and maybe chat_template.jinja, or a SentencePiece tokenizer.model) and
 generation_config.json (its eos_token_id list is the stop set of a chat model).
 
-- `has_tokenizer(path)`: whether a directory holds a tokenizer (the RL job and SFT then use it).
+- `has_tokenizer(path)`: whether a directory holds a tokenizer (the RL job and SFT then use it);
+  `stop_set(tok)`: the sampler's stop ids from it.
 - `export_model_dir(path, params, model_cfg, tok)`: writes such a directory from trained params
   and the tokenizer they were trained with, so transformers (and `RunConfig.init`) load it back.
 """
@@ -20,7 +21,7 @@ from typing import Any, Mapping
 
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import hf_io
-from rlax_pipe.tokenizer import Tokenizer
+from rlax_pipe.tokenizer import PromptFormat, Tokenizer, load_tokenizer
 
 # Tokenizer files of an HF directory, copied as they are.
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json",
@@ -33,6 +34,31 @@ def has_tokenizer(path: str | os.PathLike[str]) -> bool:
   """Whether directory `path` holds tokenizer.json or tokenizer.model."""
   p = pathlib.Path(path)
   return p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
+def tokenizer_for(init: str | os.PathLike[str] | None, tokenizer_path: str | None = None,
+                  prompt_format: PromptFormat = PromptFormat()) -> tuple[Tokenizer, str | None]:
+  """The tokenizer of a run: `tokenizer_path` if given, else the one in model directory `init`
+  (when it holds one), else the shipped tokenizer.
+
+  Returns:
+    (tokenizer, the path it was loaded from or None for the shipped one).
+
+  Raises:
+    FileNotFoundError / ValueError: from `tokenizer.load_tokenizer`.
+  """
+  path = tokenizer_path
+  if path is None and init is not None and has_tokenizer(init):
+    path = str(init)
+  return load_tokenizer(path, prompt_format=prompt_format), path
+
+
+def stop_set(tok: Tokenizer) -> int | tuple[int, ...]:
+  """The sampler's stop set (`SamplerConfig.eos_id`) from a tokenizer: its one stop id, or the
+  tuple of its stop ids (EOS, generation_config's eos_token_id list, the chat template's
+  end-of-turn id) when it declares several."""
+  stops = tuple(int(i) for i in tok.stop_ids)
+  return stops[0] if len(stops) == 1 else stops
 
 
 def generation_config(tok: Tokenizer) -> dict:

@@ -107,57 +107,70 @@ def _check_meshes(cfg) -> None:
                         f"{known}; () chooses them from the devices present.")
 
 
-def _task_config_class(task: str) -> type:
+def _task_config_class(task: str, owner: str) -> type:
   from rlax_pipe import tasks  # pylint: disable=import-outside-toplevel
   if task not in tasks.TASKS:
-    raise ConfigError(f"RunConfig.task={task!r}; choose one of {sorted(tasks.TASKS)}.")
+    raise ConfigError(f"{owner}.task={task!r}; choose one of {sorted(tasks.TASKS)}.")
   return tasks.TASKS[task][1]
 
 
 def task_config_of(cfg) -> Any:
-  """The task's config dataclass from `cfg.task_config` (dataclass, mapping or None).
+  """The task's config dataclass of a RunConfig (`task_config_for` with its fields)."""
+  return task_config_for(cfg.task, cfg.task_config, cfg.jsonl_path)
+
+
+def task_config_for(task: str, task_cfg: Any, jsonl_path: str | None = None, *,
+                    owner: str = "RunConfig", preset_file: str = "pipeline_rl") -> Any:
+  """The config dataclass of task `task` from a dataclass, a mapping of its fields or None.
+
+  Args:
+    task: a task name of `tasks.TASKS`.
+    task_cfg: the task's config (dataclass, mapping, or None for its defaults).
+    jsonl_path: the older spelling of a JSONL task's file.
+    owner: how the fields' owner is named in messages ("RunConfig", "--config").
+    preset_file: the config file whose task presets the message suggests.
 
   Raises:
-    ConfigError: for a task config of another task, unknown fields, or a file task without its
-      file (the message names `RunConfig.task_config.<field>` / `RunConfig.jsonl_path`).
+    ConfigError: for an unknown task, a task config of another task, unknown fields, or a file
+      task without its file (the message names `<owner>.task_config.<field>`).
   """
-  config_cls = _task_config_class(cfg.task)
-  task_cfg = cfg.task_config
-  if cfg.jsonl_path is not None:
-    if cfg.task != "jsonl":
-      raise ConfigError(f"RunConfig.jsonl_path={cfg.jsonl_path!r} is only read by task 'jsonl' "
-                        f"(RunConfig.task={cfg.task!r}); drop it or set task='jsonl'.")
+  config_cls = _task_config_class(task, owner)
+  if jsonl_path is not None:
+    if task != "jsonl":
+      raise ConfigError(f"{owner}.jsonl_path={jsonl_path!r} is only read by task 'jsonl' "
+                        f"({owner}.task={task!r}); drop it or set task='jsonl'.")
     if task_cfg is not None:
-      raise ConfigError("RunConfig.jsonl_path and RunConfig.task_config both name the JSONL "
+      raise ConfigError(f"{owner}.jsonl_path and {owner}.task_config both name the JSONL "
                         "file; keep one (task_config.path).")
-    return config_cls(path=cfg.jsonl_path)
+    return config_cls(path=jsonl_path)
   if task_cfg is None:
-    if cfg.task in FILE_TASKS:
+    if task in FILE_TASKS:
       raise ConfigError(
-          f"RunConfig.task={cfg.task!r} needs its file: set RunConfig.task_config.path (on the "
-          f"command line: --config=experiments/configs/pipeline_rl.py:{cfg.task} "
+          f"{owner}.task={task!r} needs its file: set {owner}.task_config.path (on the "
+          f"command line: --config=experiments/configs/{preset_file}.py:{task} "
           "--config.task_config.path=FILE).")
     return config_cls()
   if dataclasses.is_dataclass(task_cfg):
     if not isinstance(task_cfg, config_cls):
-      raise ConfigError(f"RunConfig.task_config is a {type(task_cfg).__name__}, but task "
-                        f"{cfg.task!r} takes a {config_cls.__name__}.")
+      raise ConfigError(f"{owner}.task_config is a {type(task_cfg).__name__}, but task "
+                        f"{task!r} takes a {config_cls.__name__}.")
     return task_cfg
+  if hasattr(task_cfg, "to_dict"):  # a ConfigDict
+    task_cfg = task_cfg.to_dict()
   if not isinstance(task_cfg, Mapping):
-    raise ConfigError(f"RunConfig.task_config={task_cfg!r} must be a {config_cls.__name__}, a "
+    raise ConfigError(f"{owner}.task_config={task_cfg!r} must be a {config_cls.__name__}, a "
                       "dict of its fields, or None.")
   fields = {f.name for f in dataclasses.fields(config_cls)}
   unknown = sorted(set(task_cfg) - fields)
   if unknown:
-    raise ConfigError(f"RunConfig.task_config has no field(s) {unknown} for task {cfg.task!r} "
+    raise ConfigError(f"{owner}.task_config has no field(s) {unknown} for task {task!r} "
                       f"({config_cls.__name__}: {sorted(fields)}).")
   if "path" in fields and task_cfg.get("path") is None:
-    raise ConfigError(f"RunConfig.task={cfg.task!r} needs its file: set "
-                      "RunConfig.task_config.path.")
+    raise ConfigError(f"{owner}.task={task!r} needs its file: set {owner}.task_config.path.")
   try:
     return config_cls(**task_cfg)
   except (TypeError, ValueError) as e:
-    raise ConfigError(f"RunConfig.task_config: {e}") from None
+    raise ConfigError(f"{owner}.task_config: {e}") from None
 
 
 def check_run_config(cfg) -> None:

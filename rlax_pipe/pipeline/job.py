@@ -185,13 +185,12 @@ def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | Non
 
 def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `cfg.tokenizer_path`, else of the init directory, else the shipped one."""
-  path, field = cfg.tokenizer_path, "tokenizer_path"
-  if path is None and cfg.init != BUILTIN_INIT and model_dir.has_tokenizer(cfg.init):
-    path, field = cfg.init, "init"
+  init = None if cfg.init == BUILTIN_INIT else cfg.init
+  field = "tokenizer_path" if cfg.tokenizer_path is not None else "init"
   try:
-    return tokenizer_lib.load_tokenizer(path, prompt_format=cfg.prompt_format)
+    return model_dir.tokenizer_for(init, cfg.tokenizer_path, cfg.prompt_format)[0]
   except (FileNotFoundError, ValueError) as e:
-    raise ConfigError(f"RunConfig.{field}={path!r}: {e}") from None
+    raise ConfigError(f"RunConfig.{field}={getattr(cfg, field)!r} (tokenizer): {e}") from None
 
 
 def _task(cfg: RunConfig):
@@ -205,10 +204,7 @@ def _task(cfg: RunConfig):
 
 def _stop_ids(cfg: RunConfig, tok) -> Any:
   """The sampler's stop set: `cfg.sampler.eos_id`, or the tokenizer's stop ids when None."""
-  if cfg.sampler.eos_id is not None:
-    return cfg.sampler.eos_id
-  stops = tuple(int(i) for i in tok.stop_ids)
-  return stops[0] if len(stops) == 1 else stops
+  return cfg.sampler.eos_id if cfg.sampler.eos_id is not None else model_dir.stop_set(tok)
 
 
 def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
