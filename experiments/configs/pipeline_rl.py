@@ -7,7 +7,8 @@ base run of ablations.py.
   --config=experiments/configs/pipeline_rl.py:tiny,reasoning_gym   presets combine with commas
   --config.pipeline.num_steps=60 --config.learner.optimizer.learning_rate=1e-4   overrides
 
-Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences); one per task whose
+Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices); one
+per task whose
 config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileConfig`: path,
 eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 (`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...). The defaults are those of
@@ -30,7 +31,8 @@ PRESETS = SIZE_PRESETS + TASK_PRESETS
 
 
 def _tiny(cfg: RunConfig) -> RunConfig:
-  """3 learner steps of 2 groups x 2 samples, 48-token sequences."""
+  """3 learner steps of 2 groups x 2 samples, 48-token sequences, one device per role (one
+  shared device on a one-device host): seconds per run, most of it compilation."""
   seq = 48
   sampler = dataclasses.replace(cfg.sampler, num_slots=4, page_size=8, num_pages=32,
                                 max_seq_len=seq, max_new_tokens=seq)
@@ -39,8 +41,10 @@ def _tiny(cfg: RunConfig) -> RunConfig:
       checkpoint_every=1,
       staleness=StalenessConfig(policy="learner-wait", max_lag=1, groups_per_step=2))
   task_config = {"max_terms": 4} if cfg.task == "arithmetic" else cfg.task_config
+  learner = dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1)))
   return dataclasses.replace(cfg, run_dir="runs/pipeline_rl_tiny", sampler=sampler,
-                             pipeline=pipeline, eval_slots=4, task_config=task_config)
+                             pipeline=pipeline, eval_slots=4, task_config=task_config,
+                             sampler_mesh_axes=(("tp", 1),), learner=learner)
 
 
 def _task_example(task: str):

@@ -93,8 +93,9 @@ def load_config_file(path: str | pathlib.Path, preset: str = "default") -> Any:
 
 
 def define_config(family: str, intro: str, field_lines: list[str],
-                  flag_values: flags.FlagValues = flags.FLAGS, sys_argv: list[str] | None = None):
-  """Defines `--config` (default: configs/<family>.py) whose help lists every field.
+                  flag_values: flags.FlagValues = flags.FLAGS, sys_argv: list[str] | None = None,
+                  preset: str = "default"):
+  """Defines `--config` (default: configs/<family>.py:<preset>) whose help lists every field.
 
   Args:
     family: config file name without ".py", e.g. "pipeline_rl".
@@ -103,6 +104,7 @@ def define_config(family: str, intro: str, field_lines: list[str],
     flag_values: where to define it (tests pass their own `FlagValues`).
     sys_argv: the command line whose `--config.<field>` overrides are registered (None =
       `sys.argv`; tests pass theirs).
+    preset: the preset of the default config file.
 
   Returns:
     The flag holder; `.value` is the ConfigDict after parsing.
@@ -110,7 +112,8 @@ def define_config(family: str, intro: str, field_lines: list[str],
   help_text = (f"{intro} Presets: `--config=experiments/configs/{family}.py:<preset>`; override "
                "any field with --config.<field>=<value>. Fields, their units and their default "
                "values:\n    " + "\n    ".join(field_lines))
-  return config_flags.DEFINE_config_file("config", str(CONFIGS / f"{family}.py"), help_text,
+  default = str(CONFIGS / f"{family}.py") + ("" if preset == "default" else f":{preset}")
+  return config_flags.DEFINE_config_file("config", default, help_text,
                                          flag_values=flag_values, lock_config=True,
                                          sys_argv=sys_argv)
 
@@ -199,9 +202,10 @@ _LIB_LEVEL = flags.DEFINE_enum(
 
 
 def define_rl_flags(flag_values: flags.FlagValues = flags.FLAGS,
-                    sys_argv: list[str] | None = None):
-  """`--config` of the RL family plus the removed flags of rl_flags.py; returns the holder."""
+                    sys_argv: list[str] | None = None, preset: str = "default"):
+  """`--config` of the RL family (default preset `preset`) plus the removed flags of
+  rl_flags.py; returns the holder."""
   holder = define_config("pipeline_rl", "The RL run (ml_collections config file).",
-                         rl_field_lines(), flag_values, sys_argv)
+                         rl_field_lines(), flag_values, sys_argv, preset)
   define_removed_flags(RL_RENAMED, flag_values)
   return holder

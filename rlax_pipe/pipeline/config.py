@@ -4,6 +4,7 @@ model) and the whole run (`RunConfig`: model source, task, meshes, learner, obje
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from rlax_pipe import config as model_config
@@ -226,3 +227,29 @@ class RunConfig:
     object.__setattr__(self, "change_on_resume", tuple(  # "a,b" (command line) -> ("a", "b")
         q.strip() for p in paths for q in p.split(",") if q.strip()))
     config_checks.check_run_config(self)
+
+  @property
+  def num_sampler_devices(self) -> int:
+    """Devices of the sampler mesh (product of `sampler_mesh_axes`; a job's resolved config).
+
+    Raises:
+      ValueError: when the shape is () (chosen from the devices present when the job is built:
+        read `Job.cfg` or `Job.plan`).
+    """
+    return _num_devices(self.sampler_mesh_axes, "sampler_mesh_axes")
+
+  @property
+  def num_learner_devices(self) -> int:
+    """Devices of the learner mesh (product of `learner.mesh_axes`; a job's resolved config).
+
+    Raises:
+      ValueError: when the shape is () (see `num_sampler_devices`).
+    """
+    return _num_devices(self.learner.mesh_axes, "learner.mesh_axes")
+
+
+def _num_devices(axes: tuple[tuple[str, int], ...], field: str) -> int:
+  if not axes:
+    raise ValueError(f"RunConfig.{field}=() is chosen from the devices present when the job is "
+                     "built; read the job's resolved config (Job.cfg) or plan (Job.plan).")
+  return math.prod(size for _, size in axes)
