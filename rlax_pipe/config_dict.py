@@ -7,8 +7,8 @@ overrides (`--config.learner.optimizer.learning_rate=1e-4`) edit the ConfigDict,
 `from_config_dict(RunConfig, config)` rebuilds (and so re-validates) the dataclass; a validation
 error becomes a `ConfigError` whose message names the field by its path in the config
 (`pipeline.num_steps`, or `--config.pipeline.num_steps` with a flag prefix), so an entry point can
-print it as one line. `describe_fields` lists every field with the unit and range written in its class docstring, for
-`--helpfull`.
+print it as one line. `describe_fields` lists every field with the unit and range written in its
+class docstring, for `--helpfull`.
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ class DevicePlan:
 
   def describe(self) -> str:
     """One line for the log: shapes, device ids, and what was chosen automatically."""
-    ids = lambda ds: [getattr(d, "id", d) for d in ds]  # pylint: disable=unnecessary-lambda-assignment
+    def ids(ds):
+      return [getattr(d, "id", d) for d in ds]
+
     how = f" (chosen for the devices present: {', '.join(self.chosen)})" if self.chosen else ""
     shared = "; one device shared by both" if self.split.shared else ""
     return (f"learner mesh {dict(self.learner_mesh_axes)} on devices {ids(self.split.learner)}, "

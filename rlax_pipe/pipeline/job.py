@@ -284,6 +284,33 @@ def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]
   return verify
 
 
+def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
+                   sampler_mesh, state: dict | None, sampler_clock, timeline):
+  """(weight channel, sampler engine): the engine holds the learner's weights, or, on an exact
+  resume (`state`), the weights and requests it held at the checkpoint with the learner's newest
+  version pending in the channel, as it was."""
+  pcfg, reproducible = cfg.pipeline, cfg.pipeline.mode == "reproducible"
+  target = _sampler_target(model, sampler_mesh)
+  verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
+  channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
+  engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
+                   on_span=None if reproducible else timeline.record)
+  if state is None:
+    channel.push(learner.params, learner.version)
+    return channel, SamplerEngine(sampler_model, cfg.sampler,
+                                  channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
+  leaves, treedef = jax.tree.flatten(target)
+  initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
+                                         zip(state["engine"]["params"], leaves)])
+  engine = SamplerEngine(sampler_model, cfg.sampler,
+                         WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
+                         **engine_kw)
+  engine.load_state_dict(state["engine"])
+  channel.push(learner.params, learner.version)  # pending, as it was
+  timeline.load_state_dict(state["timeline"])
+  return channel, engine
+
+
 def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None) -> Job:
   """Builds (and with `cfg.resume`, restores) every component of a run.
 
@@ -327,31 +354,12 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     vstate.load_state_dict(state["clock"])
   sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
   timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter)
-  target = _sampler_target(model, sampler_mesh)
-  verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
-  channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
-  engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
-                   on_span=None if reproducible else timeline.record)
-  if state is None:
-    channel.push(learner.params, learner.version)
-    engine = SamplerEngine(sampler_model, cfg.sampler, channel.take(timeout=pcfg.wait_timeout_s),
-                           **engine_kw)
-  else:  # exact resume: the sampler exactly as it was at the checkpoint
-    leaves, treedef = jax.tree.flatten(target)
-    initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
-                                           zip(state["engine"]["params"], leaves)])
-    engine = SamplerEngine(sampler_model, cfg.sampler,
-                           WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
-                           **engine_kw)
-    engine.load_state_dict(state["engine"])
-    channel.push(learner.params, learner.version)  # pending, as it was
-    timeline.load_state_dict(state["timeline"])
-
-  queue = RolloutQueue(pcfg.staleness, pcfg.group_size)
-  worker = RolloutWorker(engine, task, tok, queue, pcfg)
+  channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
+                                   sampler_clock, timeline)
+  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
+           else RolloutQueue(pcfg.staleness, pcfg.group_size))
+  worker = RolloutWorker(engine, task, tok, queue, pcfg)  # one worker: it owns verifier processes
   if extra:
-    queue = RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness)
-    worker = RolloutWorker(engine, task, tok, queue, pcfg)
     worker_state = dict(extra["worker"])
     if state is None:  # the in-flight samples are lost with the sampler: never trained
       for gid in extra["in_flight_groups"]:
@@ -360,8 +368,9 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       worker_state["truncated"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
-  return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=learner_mesh,
-             learner=learner, channel=channel, engine=engine, queue=queue, worker=worker,
-             trainer=trainer, timeline=timeline, sampler_clock=sampler_clock, vstate=vstate,
+  return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,
+             learner_mesh=learner_mesh, learner=learner, channel=channel, engine=engine,
+             queue=queue, worker=worker, trainer=trainer, timeline=timeline,
+             sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
              last_eval=extra.get("last_eval") if extra else None)

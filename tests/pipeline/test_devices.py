@@ -78,7 +78,8 @@ plan = devices.plan_devices((), (), jax.devices())
 learner_mesh, sampler_mesh = devices.make_meshes(plan)
 print(json.dumps({"n": len(jax.devices()), "sampler": plan.sampler_mesh_axes,
                   "learner": plan.learner_mesh_axes, "shared": plan.split.shared,
-                  "learner_mesh": dict(learner_mesh.shape), "sampler_mesh": dict(sampler_mesh.shape)}))
+                  "learner_mesh": dict(learner_mesh.shape),
+                  "sampler_mesh": dict(sampler_mesh.shape)}))
 """
 
 
