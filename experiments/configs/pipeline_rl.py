@@ -40,7 +40,8 @@ def _tiny(cfg: RunConfig) -> RunConfig:
       num_steps=3, group_size=2, seq_len=seq, eval_every=100, eval_problems=4,
       checkpoint_every=1,
       staleness=StalenessConfig(policy="learner-wait", max_lag=1, groups_per_step=2))
-  task_config = {"max_terms": 4} if cfg.task == "arithmetic" else cfg.task_config
+  task_config = (dataclasses.replace(cfg.task_config, max_terms=4) if cfg.task == "arithmetic"
+                 else cfg.task_config)
   learner = dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1)))
   return dataclasses.replace(cfg, run_dir="runs/pipeline_rl_tiny", sampler=sampler,
                              pipeline=pipeline, eval_slots=4, task_config=task_config,
@@ -71,6 +72,8 @@ def get_config(preset: str = "default"):
   if task is not None:
     cfg = dataclasses.replace(cfg, task=task, task_config=_task_example(task),
                               run_dir=f"runs/pipeline_rl_{task}")
+  else:  # the arithmetic task's fields, so --config.task_config.max_terms=... works
+    cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig())
   if "tiny" in names:
     cfg = _tiny(cfg)
   out = config_dict.to_config_dict(cfg)

@@ -8,6 +8,7 @@ mistake instead of a traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import pathlib
 import re
@@ -16,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 from rlax_pipe import config_dict
@@ -113,6 +115,14 @@ def define_config(family: str, intro: str, field_lines: list[str],
                "any field with --config.<field>=<value>. Fields, their units and their default "
                "values:\n    " + "\n    ".join(field_lines))
   default = str(CONFIGS / f"{family}.py") + ("" if preset == "default" else f":{preset}")
+  argv = sys.argv if sys_argv is None else sys_argv
+  try:
+    check_override_paths(argv, default)
+  except config_dict.ConfigError as e:
+    if sys_argv is not None:
+      raise
+    print(f"{pathlib.Path(argv[0]).name}: error: {e}", file=sys.stderr)
+    sys.exit(2)
   return config_flags.DEFINE_config_file("config", default, help_text,
                                          flag_values=flag_values, lock_config=True,
                                          sys_argv=sys_argv)
@@ -134,6 +144,40 @@ def rl_field_lines() -> list[str]:
   from rlax_pipe.pipeline.config import RunConfig  # pylint: disable=import-outside-toplevel
   default = config_dict.from_config_dict(RunConfig, load_config_file(CONFIGS / "pipeline_rl.py"))
   return config_dict.describe_fields(default, "config.")
+
+
+def check_override_paths(argv: Sequence[str], default: str) -> None:
+  """Checks that every `--config.<path>` of `argv` names a field of the config file (`--config=`
+  of argv, else `default`), before absl parses them (a typo there ends in a traceback).
+
+  Fields whose value is free-form (e.g. `task_config` without a task preset) are not looked into.
+
+  Raises:
+    ConfigError: naming the unknown field, the closest valid name and the valid names.
+  """
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), default)
+  path, _, preset = spec.partition(":")
+  try:
+    config = load_config_file(path, preset or "default")
+  except (OSError, ValueError) as e:
+    raise config_dict.ConfigError(f"--config={spec}: {e}") from None
+  for override in override_paths(argv):
+    node, walked = config, "--config"
+    for key in override.split("."):
+      if node is None:
+        raise config_dict.ConfigError(
+            f"--config.{override}: {walked} is not set, so it has no fields to override; for a "
+            "task's config choose the task's preset first (--config=experiments/configs/"
+            "<file>.py:<task>, e.g. pipeline_rl.py:dataset_file).")
+      if not isinstance(node, ml_collections.ConfigDict):
+        break  # a free-form value (dict, tuple): its keys are checked when it is used
+      if key not in node:
+        names = sorted(node.keys())
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {walked}.{close[0]}?)" if close else ""
+        raise config_dict.ConfigError(f"--config.{override}: {walked} has no field {key!r}"
+                                      f"{hint}; valid: {names}.")
+      node, walked = node[key], f"{walked}.{key}"
 
 
 def override_paths(argv: Sequence[str]) -> list[str]:

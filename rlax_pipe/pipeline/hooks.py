@@ -102,12 +102,41 @@ def _evals_left(step: int, num_steps: int, every: int) -> int:
   return len([s for s in range(step + 1, num_steps) if s % every == 0]) + 1
 
 
+def signal_group_fraction(result: StepResult) -> float:
+  """Share of the step's prompt groups whose valid rewards differ: the only groups a
+  group-relative advantage is non-zero for (a group of equal rewards teaches nothing). NaN
+  without groups."""
+  groups: dict[int, list[float]] = {}
+  for r in result.rollouts:
+    if not np.isnan(r.reward):
+      groups.setdefault(r.group_id, []).append(r.reward)
+  if not groups:
+    return float("nan")
+  return float(np.mean([len(v) >= 2 and max(v) > min(v) for v in groups.values()]))
+
+
+# Consecutive learner steps without a single group of differing rewards before a warning.
+NO_SIGNAL_WARN_STEPS = 5
+
+
 class TrainLog:
-  """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line."""
+  """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line; a
+  warning when `NO_SIGNAL_WARN_STEPS` steps in a row had no learning signal (every group's
+  rewards equal, so every advantage was 0)."""
 
   def __init__(self, eta: Eta | None = None):
     self.steps_this_session = 0
     self.eta = eta or Eta()
+    self.no_signal_steps = 0
+
+  def _check_signal(self, step: int, frac: float) -> None:
+    self.no_signal_steps = self.no_signal_steps + 1 if frac == 0.0 else 0
+    if self.no_signal_steps == NO_SIGNAL_WARN_STEPS:
+      logging.warning(
+          "steps %d-%d learned nothing: in every prompt group all samples got the same reward, "
+          "so every group-relative advantage was 0. The task may be too hard or too easy for "
+          "the policy (batch reward near 0 or 1), or sampling too deterministic "
+          "(sampler.sampling.temperature).", step - NO_SIGNAL_WARN_STEPS + 1, step)
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     self.steps_this_session += 1
@@ -135,6 +164,8 @@ class TrainLog:
         "eta_s": eta,
     }
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
+    row["signal_group_frac"] = signal_group_fraction(result)
+    self._check_signal(step, row["signal_group_frac"])
     row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()

@@ -11,6 +11,7 @@ from lib import config_cli
 from rlax_pipe import config_dict
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe import objectives
+from rlax_pipe import tasks
 from rlax_pipe.learner import CheckpointConfig, LearnerConfig, OptimizerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline import devices
@@ -49,7 +50,8 @@ def test_default_preset_is_readme_command_1():
           advantage="grpo", staleness=StalenessConfig("learner-wait", 4, 8), eval_every=10,
           eval_problems=128, checkpoint_every=5, wait_timeout_s=600.0, debug_verify_push=False,
           cost_model=CostModel(), seed=0),
-      eval_slots=32, sampler_compute_dtype=None, resume=False)
+      eval_slots=32, sampler_compute_dtype=None, resume=False,
+      task_config=dataclasses.asdict(tasks.ArithmeticConfig()))  # the task's defaults
   assert _parse([]) == want
   plan = devices.plan_devices(want.sampler_mesh_axes, want.learner.mesh_axes, jax.devices())
   assert plan.sampler_mesh_axes == (("tp", 4),)
@@ -64,7 +66,7 @@ def test_preset_and_overrides():
   assert cfg.pipeline.num_steps == 3 and cfg.sampler.max_seq_len == 48
   assert cfg.learner.optimizer.learning_rate == 1e-4 and cfg.pipeline.staleness.max_lag == 3
   assert cfg.learner.mesh_axes == (("fsdp", 4),) and cfg.learner.num_devices == 4
-  assert cfg.task_config == {"max_terms": 4}
+  assert cfg.task_config == dataclasses.asdict(tasks.ArithmeticConfig(max_terms=4))
   hash(cfg.learner)  # tuples stay tuples: the configs remain hashable (jit static arguments)
   with pytest.raises(Exception, match="learning_rat"):  # no new fields: typos fail
     _parse(["--config.learner.optimizer.learning_rat=1e-4"])
@@ -134,3 +136,15 @@ def test_command_line_resume_restores_the_saved_configuration(tmp_path):
   assert changed.change_on_resume == ("pipeline.num_steps", "learner.seed")
   with pytest.raises(ConfigError, match=r"--config.run_dir=.*nowhere holds no run"):
     _parse([f"--config.run_dir={tmp_path / 'nowhere'}", "--config.resume"])
+
+
+def test_mistyped_override_is_one_error_naming_the_field():
+  """A typo in --config.<path> used to end in an AttributeError traceback from the flag parser."""
+  with pytest.raises(ConfigError, match=r"--config.pipeline has no field 'num_stepz' \(did you "
+                                        r"mean --config.pipeline.num_steps\?\)"):
+    _parse(["--config.pipeline.num_stepz=3"])
+  with pytest.raises(ConfigError, match=r"--config.task_config has no field 'pth' \(did you "
+                                        r"mean --config.task_config.path\?\)"):
+    _parse([f"--config={RL_FILE}:tiny,dataset_file", "--config.task_config.pth=x"])
+  cfg = _parse(["--config.task_config.max_terms=6"])  # the default task's fields are there
+  assert cfg.task_config["max_terms"] == 6

@@ -15,6 +15,7 @@ from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.objectives import ObjectiveConfig
+from rlax_pipe.pipeline import hooks
 from rlax_pipe.pipeline import trainer as trainer_lib
 from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
 from rlax_pipe.sampler import SamplerConfig
@@ -139,3 +140,28 @@ def test_issue_input_micro_batches_3_trains():
   learner.train_step(batch)
   metrics = learner.flush()
   assert learner.version == 1 and np.isfinite(float(metrics["loss"]))
+
+
+def test_steps_without_learning_signal_are_measured_and_warned(caplog):
+  """The run-time side of #14 item 16: the share of groups with differing rewards is logged per
+  step, and NO_SIGNAL_WARN_STEPS steps in a row without one raise a warning."""
+  mixed = [_rollout(i) for i in range(4)]                      # groups 0, 1: rewards 0 and 1
+  flat = [dataclasses.replace(r, reward=1.0) for r in mixed]   # every reward equal
+  half = flat[:2] + mixed[2:] + [dataclasses.replace(mixed[0], sample_id=9, group_id=7,
+                                                     reward=float("nan"))]
+  def result(rollouts):
+    return trainer_lib.StepResult(version=1, metrics={}, rollouts=tuple(rollouts),
+                                  completion_tokens=0, reward_mean=0.0)
+  assert hooks.signal_group_fraction(result(mixed)) == 1.0
+  assert hooks.signal_group_fraction(result(flat)) == 0.0
+  # group 0 equal, group 1 mixed; an unscored (all-NaN) group is not trained and not counted
+  assert hooks.signal_group_fraction(result(half)) == 0.5
+  log = hooks.TrainLog()
+  with caplog.at_level("WARNING"):
+    for step in range(1, hooks.NO_SIGNAL_WARN_STEPS):
+      log._check_signal(step, 0.0)
+    assert "learned nothing" not in caplog.text
+    log._check_signal(hooks.NO_SIGNAL_WARN_STEPS, 0.0)
+  assert f"steps 1-{hooks.NO_SIGNAL_WARN_STEPS} learned nothing" in caplog.text
+  log._check_signal(9, 0.5)
+  assert log.no_signal_steps == 0
