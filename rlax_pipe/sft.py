@@ -216,11 +216,17 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
 
   Raises:
     FileExistsError: when out_dir already holds a model (checked before training).
+    ConfigError: when cfg.learner_devices exceeds the devices present.
     ConfigError: when cfg.seq_len exceeds the model's context, or the tokenizer's ids do not
       fit its embedding.
   """
   out_dir = pathlib.Path(out_dir)
   model = as_model(model or default_model_config(tok.vocab_size, cfg.seq_len))
+  if cfg.learner_devices > len(jax.devices()):
+    raise ConfigError(
+        f"SFTConfig.learner_devices={cfg.learner_devices} (--config.sft.learner_devices) but "
+        f"{len(jax.devices())} device(s) found; lower it (on a CPU-only machine, XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={cfg.learner_devices} gives more).")
   if (out_dir / "config.json").exists() or list(out_dir.glob("model*.safetensors")):
     raise FileExistsError(f"{out_dir} already holds a model; choose another output directory.")
   if cfg.seq_len > model.max_seq_len:
