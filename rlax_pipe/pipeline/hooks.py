@@ -75,25 +75,30 @@ def clock_rows(job: Job, time_s: float, trained_tokens: int | None = None) -> di
 
 
 class Eta:
-  """Measured wall-clock time left: the mean duration of this session's learner steps after its
-  first (which includes compilation) times the steps left, plus the evaluations left at the
-  duration of the latest one. None until two steps of this session were timed."""
+  """Measured wall-clock time left: the median duration of this session's learner steps after
+  its first (which includes compilation) times the steps left, plus the evaluations left at the
+  duration of the latest one. None until two steps of this session were timed.
+
+  The median, not the mean: a step that compiles a new batch shape takes 5-10x a typical one
+  (README command 1 on 2 loaded CPU cores: 27.5 s among 1.2-3.4 s steps), and one such step
+  early in a run made a mean-based ETA 2.5x too long (notes_ux.md, "ETA").
+  """
 
   def __init__(self):
-    self.first_step_wall: float | None = None
-    self.steps_after_first = 0
+    self.last_wall: float | None = None
+    self.durations: list[float] = []
     self.eval_s: float | None = None
 
   def step(self, wall_s: float) -> None:
-    if self.first_step_wall is None:
-      self.first_step_wall = wall_s
-    else:
-      self.steps_after_first += 1
+    if self.last_wall is not None:
+      self.durations.append(wall_s - self.last_wall)
+    self.last_wall = wall_s
 
   def seconds_left(self, wall_s: float, steps_left: int, evals_left: int) -> float | None:
-    if not self.steps_after_first:
+    del wall_s
+    if not self.durations:
       return None
-    per_step = (wall_s - self.first_step_wall) / self.steps_after_first
+    per_step = float(np.median(self.durations))
     return per_step * steps_left + (self.eval_s or 0.0) * evals_left
 
 
