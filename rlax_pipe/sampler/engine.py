@@ -1,19 +1,29 @@
-"""`SamplerEngine`: continuous-batching generation over the paged KV cache.
+"""`SamplerEngine`: continuous-batching generation over paged KV, K decode steps per dispatch.
 
-A thin host-side shell over two pure jitted programs:
-- `prefill_step` [prefill_rows, bucket]: computes the KV of whole prefixes (prompt + tokens
-  generated so far, minus the pending last token) and writes it into the sequences' pages; used
-  at admission, after a preemption, and under kv_policy="recompute" after a weight swap.
-- `decode_step` [num_slots, 1]: feeds every active slot's pending token, writes its KV, and draws
-  the next token through `rlax_pipe.logprobs.sample` (the same logit processing the learner
-  scores with), returning the token and its behaviour log-prob (fp32).
-Every generated token is produced by a decode step and stamped with the version of the weights
-that step ran with. Shapes never depend on which requests are running, so after `warmup()`
-admits, finishes, preemptions and weight swaps (same shapes/shardings) do not compile.
+A host-side shell over pure jitted programs (`device_loop`):
+- prefill: computes the KV of whole prefixes (prompt + tokens generated so far, minus the
+  pending last token; from a cached shared prompt on when a group shares it) and writes it into
+  the sequences' pages; at admission, after a preemption, and under kv_policy="recompute" after
+  a weight swap;
+- decode dispatch: up to K = `decode_steps_per_dispatch` decode steps of every active slot in a
+  device `while_loop`, drawing tokens through `rlax_pipe.logprobs.sample` (the same logit
+  processing the learner scores with) and recording their behaviour log-probs (fp32).
+Block tables, positions, active flags, stop lengths and the PRNG key live on the device; the
+host sends what it changed and reads back once per dispatch. Every generated token is stamped
+with the version of the weights its dispatch ran with; a weight swap handed over at any time
+(from any thread, the caller never waits) lands at the next dispatch boundary, i.e. at most K
+decode steps later. Shapes never depend on which requests run, so after `warmup()` admissions,
+finishes, preemptions and weight swaps (same shapes/shardings) do not compile.
 
-Stopping: on `eos_id` (kept as the completion's last token; an EOS drawn first gives the
-one-token completion [EOS] with finish_reason "eos", returned like any other), on the request's
-budget, or when prompt + completion reaches max_seq_len ("length").
+Data replicas: the sampler mesh's "data" axis means disjoint slot sets. The engine runs one
+`EngineReplica` (own slots, own page pool) per data index on that index's "tp" sub-mesh,
+dispatches them all before reading any back, and routes every sample of a group to one replica
+(so the group can share its prompt pages). `num_slots` and `num_pages` are per replica.
+
+Stopping (`Rollout.finish_reason`): "eos" on any id of the stop set (`SamplerConfig.eos_id`;
+kept as the completion's last token, nothing after it is sampled), "length" at the request's
+completion budget, "capacity" when prompt + completion reaches max_seq_len first, "aborted" by
+`abort` / `abort_all`.
 
 Timings come from an injectable `clock` (seconds), so a pipeline can drive a virtual clock.
 Threading: `update_weights` may be called from any thread; everything else from one thread.
@@ -22,114 +32,62 @@ Threading: `update_weights` may be called from any thread; everything else from 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import hashlib
 import itertools
 import threading
 import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
-from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
 from rlax_pipe.sampler import page_pool
 from rlax_pipe.sampler.config import Request, SamplerConfig
-from rlax_pipe.sampler.page_allocator import PageAllocator
-from rlax_pipe.sampler.paged_cache import PagedKVCache, resolve_impl
-from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
+from rlax_pipe.sampler.paged_cache import resolve_impl
+from rlax_pipe.sampler.replica import EngineReplica
+from rlax_pipe.sampler.scheduler import SequenceState
 from rlax_pipe.types import Rollout
 
 # on_span(component, kind, start_s, end_s, slots_active, slots_total)
 SpanHook = Callable[[str, str, float, float, int, int], None]
 
 
-def _constrain(tree, sharding):
-  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
-
-
-@functools.partial(jax.jit, static_argnames=("model_cfg", "pool_sharding"),
-                   donate_argnames=("k_pages", "v_pages"))
-def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R, *,
-                 model_cfg: ModelConfig, pool_sharding):
-  """Writes the KV of positions [0, lengths[r]) of each row into its pages.
-
-  Args:
-    params: model parameters.
-    k_pages, v_pages: [layers, K, P, S, D] pools (donated).
-    block_tables_RW: int32 [R, W] pages of each row.
-    tokens_RT: int32 [R, T] prefix tokens from position 0 (T = bucket; padding beyond lengths).
-    lengths_R: int32 [R] real tokens per row (0 = padding row, writes nothing).
-    model_cfg: model configuration (static).
-    pool_sharding: sharding of the pools (static; pins the outputs' layout).
-
-  Returns:
-    (k_pages, v_pages) updated. The logits are not computed (dead code).
-  """
-  r, t = tokens_RT.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (r, t))
-  valid = positions < lengths_R[:, None]
-  # A prefill starts at position 0, so only the pages under the bucket are read or written.
-  pages = -(-t // k_pages.shape[3])
-  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=block_tables_RW[:, :pages])
-  _, cache = transformer.forward(params, tokens_RT, positions, model_cfg, cache=cache,
-                                 valid_BT=valid)
-  return _constrain((cache.k, cache.v), pool_sharding)
-
-
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampling", "impl", "pool_sharding"),
-                   donate_argnames=("k_pages", "v_pages", "rng"))
-def decode_step(params, k_pages, v_pages, slots_BX, rng, *, model_cfg: ModelConfig,
-                sampling: logprobs_lib.SamplingConfig, impl: str, pool_sharding):
-  """One decode step for every slot: feed the pending token, write its KV, draw the next token.
-
-  Args:
-    params: model parameters.
-    k_pages, v_pages: [layers, K, P, S, D] pools (donated).
-    slots_BX: int32 [B, 3 + W], one host-to-device transfer per step; per slot: the pending
-      token, its position, active (1) or not (0; writes nothing, outputs ignored), then the
-      block-table row [W].
-    rng: PRNG key (donated); split once per step.
-    model_cfg, sampling, impl, pool_sharding: static.
-
-  Returns:
-    (next_tokens int32 [B], behaviour log-probs float32 [B], k_pages, v_pages, rng).
-  """
-  tokens_B1, positions_B1, active_B1 = slots_BX[:, 0:1], slots_BX[:, 1:2], slots_BX[:, 2:3] > 0
-  cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=slots_BX[:, 3:], impl=impl)
-  logits, cache = transformer.forward(params, tokens_B1, positions_B1, model_cfg, cache=cache,
-                                      valid_BT=active_B1)
-  rng, draw = jax.random.split(rng)
-  tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
-  k, v = _constrain((cache.k, cache.v), pool_sharding)
-  replicated = page_pool.replicated(pool_sharding.mesh)
-  return tokens, logps, k, v, jax.lax.with_sharding_constraint(rng, replicated)
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplerStats:
-  """Counters since construction.
+  """Counters since construction (summed over replicas).
 
   Attributes:
-    decode_steps, prefill_calls: jitted calls made.
+    decode_steps: decode steps run (a dispatch of n steps counts n; replicas step in lockstep,
+      so a round counts the most steps any replica ran).
+    dispatches: engine steps that dispatched decode work.
+    host_syncs: blocking device-to-host reads (one per dispatch round).
+    host_s: seconds the host spent in `step` outside those blocking reads (scheduling,
+      bookkeeping, dispatching): the host's share of a step, apart from device work.
+    prefill_calls: jitted prefill calls made.
     prefill_tokens: real (unpadded) tokens prefilled, recomputation included.
     recomputed_tokens: prefill tokens spent rebuilding KV of already-started sequences (after a
       preemption, or a kv_policy="recompute" weight swap).
+    shared_prompt_copies: partial prompt pages copied for samples sharing a group's prompt.
     generated_tokens: tokens produced by decode steps.
-    finished, aborted: rollouts returned by `step` / `abort_all`.
+    finished, aborted: rollouts returned by `step` / `abort` / `abort_all`.
     preemptions: times a running sequence lost its pages.
     weight_updates: weight swaps applied.
-    slot_occupancy: mean over decode steps of active slots / num_slots.
+    slot_occupancy: generated tokens / (decode_steps * slots of all replicas).
     kv_utilization: mean over decode steps of tokens held in KV / pool capacity (P * S).
-    kv_page_fill: mean over decode steps of tokens held in KV / capacity of allocated pages.
+    kv_page_fill: mean over decode steps of tokens held in KV / capacity of allocated pages
+      (look-ahead pages included).
   """
 
   decode_steps: int = 0
+  dispatches: int = 0
+  host_syncs: int = 0
+  host_s: float = 0.0
   prefill_calls: int = 0
   prefill_tokens: int = 0
   recomputed_tokens: int = 0
+  shared_prompt_copies: int = 0
   generated_tokens: int = 0
   finished: int = 0
   aborted: int = 0
@@ -140,7 +98,8 @@ class SamplerStats:
   kv_page_fill: float = 0.0
 
 
-_AVERAGES = ("slot_occupancy", "kv_utilization", "kv_page_fill")
+_REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "preemptions",
+                   "shared_prompt_copies")
 
 
 def _check_same_layout(old, new):
@@ -160,15 +119,49 @@ def _check_same_layout(old, new):
                        "recompile the decode step.")
 
 
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+  """One mesh per index of `mesh`'s "data" axis, over the remaining axes (or a 1-device "tp")."""
+  names = list(mesh.axis_names)
+  if "data" not in names:
+    return [mesh]
+  axis = names.index("data")
+  rest = tuple(n for n in names if n != "data")
+  out = []
+  for i in range(mesh.shape["data"]):
+    sub = np.take(np.asarray(mesh.devices), i, axis=axis)
+    if not rest:
+      out.append(Mesh(sub.reshape(1), ("tp",), axis_types=(AxisType.Auto,)))
+    else:
+      out.append(Mesh(sub, rest, axis_types=(AxisType.Auto,) * len(rest)))
+  return out
+
+
+def _replica_view(leaf: jax.Array, sub: Mesh) -> jax.Array:
+  """`leaf` (on the full sampler mesh, replicated over data) as an array on `sub`, sharing its
+  device buffers (no copy); a leaf laid out otherwise is copied onto `sub`."""
+  sharding = leaf.sharding
+  sub_devices = set(sub.devices.flat)
+  if isinstance(sharding, NamedSharding) and "data" not in jax.tree.leaves(tuple(sharding.spec)):
+    spec = sharding.spec
+    target = NamedSharding(sub, spec)
+    shards = [s.data for s in leaf.addressable_shards if s.device in sub_devices]
+    try:
+      return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
+    except ValueError:
+      pass
+  return jax.device_put(leaf, NamedSharding(sub, PartitionSpec()))
+
+
 class SamplerEngine:
-  """Paged-KV continuous-batching sampler.
+  """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
     model_cfg: the model.
-    cfg: sampler configuration.
+    cfg: sampler configuration (slots and pages per data replica).
     params: initial weights, already placed on `mesh` (jax arrays).
     version: policy version of `params`.
-    mesh: sampler mesh; None = one device. The page pool is sharded over its "tp" axis by kv head.
+    mesh: sampler mesh; None = one device. Axes "data" (replicas) and "tp" (the pool's kv
+      heads; kernels run under shard_map over it).
     clock: seconds; defaults to `time.perf_counter` (pass a virtual clock to replay runs).
     on_span: optional hook `on_span(component, kind, start, end, slots_active, slots_total)`
       called with component "sampler" and kind "prefill" / "decode" (the engine then waits for
@@ -176,10 +169,11 @@ class SamplerEngine:
     admit_filter: optional admission control `admit_filter(request) -> bool`, asked before a
       waiting request is started (e.g. the staleness `block` policy). Preempted sequences
       resume without asking. Also settable later as the `admit_filter` attribute.
+    interpret_kernels: run a Pallas `attention_impl` in interpret mode on any platform (tests).
 
   Raises:
-    ValueError: if cfg.max_seq_len exceeds the model's, eos_id is outside the vocabulary, or
-      "pallas_gpu" is requested off a one-device GPU mesh.
+    ValueError: if cfg.max_seq_len exceeds the model's, a stop id is outside the vocabulary, or
+      a Pallas kernel is requested on a platform that cannot run it.
 
   Example:
     engine = SamplerEngine(model_cfg, SamplerConfig(eos_id=2), params)
@@ -190,47 +184,58 @@ class SamplerEngine:
   def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, params: Any, *, version: int = 0,
                mesh=None, clock: Callable[[], float] = time.perf_counter,
                on_span: SpanHook | None = None,
-               admit_filter: Callable[[Request], bool] | None = None):
+               admit_filter: Callable[[Request], bool] | None = None,
+               interpret_kernels: bool = False):
     if cfg.max_seq_len > model_cfg.max_seq_len:
       raise ValueError(f"SamplerConfig.max_seq_len={cfg.max_seq_len} exceeds the model's "
                        f"max_seq_len={model_cfg.max_seq_len}.")
-    if cfg.eos_id is not None and cfg.eos_id >= model_cfg.vocab_size:
-      raise ValueError(f"SamplerConfig.eos_id={cfg.eos_id} is outside the vocabulary "
+    bad = [i for i in cfg.stop_ids if i >= model_cfg.vocab_size]
+    if bad:
+      raise ValueError(f"SamplerConfig.eos_id: stop ids {bad} are outside the vocabulary "
                        f"[0, {model_cfg.vocab_size}).")
     self.model_cfg, self.cfg = model_cfg, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
-    self.impl = resolve_impl(cfg.attention_impl, self.mesh)
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter
-    self._pool_sharding = page_pool.pool_sharding(model_cfg, cfg, self.mesh)
-    self._replicated = page_pool.replicated(self.mesh)
-    self._k, self._v = page_pool.init_pool(model_cfg, cfg, self.mesh)
-    self._rng = jax.device_put(jax.random.key(cfg.seed), self._replicated)
+    self.impl = cfg.attention_impl if interpret_kernels and cfg.attention_impl != "auto" else (
+        resolve_impl(cfg.attention_impl, self.mesh))
+    self.meshes = replica_meshes(self.mesh)
+    keys = jax.random.split(jax.random.key(cfg.seed), len(self.meshes))
+    self.replicas = [EngineReplica(model_cfg, cfg, m, self.impl, interpret_kernels, keys[i])
+                     for i, m in enumerate(self.meshes)]
     _check_same_layout(params, params)
     self._params, self._version = params, int(version)
+    self._views = self._replica_params(params)
+    for r in self.replicas:
+      r.version = self._version
     self._pending: tuple[Any, int] | None = None
     self._lock = threading.Lock()
-    self._alloc = PageAllocator(cfg.num_pages, cfg.page_size)
-    self._sched = Scheduler(cfg.num_slots, self._alloc)
     self._uids = itertools.count()
-    self._sums = dict.fromkeys(_AVERAGES, 0.0)
-    self._counts = {f.name: 0 for f in dataclasses.fields(SamplerStats)
-                    if f.name not in _AVERAGES}
+    self._group_replica: dict[Any, list[int]] = {}  # share key -> [replica, live members]
+    self._sums = dict(kv_utilization=0.0, kv_page_fill=0.0)
+    self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
+                        finished=0, aborted=0, weight_updates=0)
+    self._host_s = 0.0
 
   # --- public state -------------------------------------------------------------------------
   @property
   def version(self) -> int:
-    """Version of the weights the next decode step runs with (pending swaps not yet applied)."""
+    """Version of the weights the next dispatch runs with (pending swaps not yet applied)."""
     return self._version
 
   @property
   def num_active(self) -> int:
-    """Sequences holding a decode slot."""
-    return self._sched.num_active
+    """Sequences holding a decode slot (all replicas)."""
+    return sum(r.sched.num_active for r in self.replicas)
 
   @property
   def num_waiting(self) -> int:
     """Sequences waiting for a slot (new, filtered out by admission control, or preempted)."""
-    return len(self._sched.waiting)
+    return sum(len(r.sched.waiting) for r in self.replicas)
+
+  @property
+  def num_slots(self) -> int:
+    """Decode slots of all replicas."""
+    return self.cfg.num_slots * len(self.replicas)
 
   @property
   def has_work(self) -> bool:
@@ -240,11 +245,17 @@ class SamplerEngine:
   def stats(self) -> SamplerStats:
     """Counters and time averages (see `SamplerStats`)."""
     steps = max(self._counts["decode_steps"], 1)
-    return SamplerStats(**self._counts, **{k: v / steps for k, v in self._sums.items()})
+    counts = dict(self._counts)
+    for name in _REPLICA_COUNTS:
+      counts[name] = sum(r.counts[name] for r in self.replicas)
+    return SamplerStats(
+        **counts, host_s=self._host_s,
+        slot_occupancy=counts["generated_tokens"] / (steps * self.num_slots),
+        **{k: v / steps for k, v in self._sums.items()})
 
   # --- requests -----------------------------------------------------------------------------
   def submit(self, request: Request) -> None:
-    """Queues a request.
+    """Queues a request (on the replica of its group, else the least loaded one).
 
     Raises:
       ValueError: prompt longer than max_seq_len - 1 (with overlong_prompt="error"), token ids
@@ -272,16 +283,33 @@ class SamplerEngine:
           f"{cfg.pages_for(longest)} pages of {cfg.page_size}, but the pool has only "
           f"{cfg.num_pages} pages; increase SamplerConfig.num_pages to at least "
           f"{cfg.pages_for(longest)} (or lower max_new_tokens / max_seq_len).")
-    self._sched.enqueue(SequenceState(uid=next(self._uids), request=request, prompt=prompt,
-                                      max_new=max_new, tokens=prompt.tolist(),
-                                      t_submit=self.clock()))
+    key = (int(request.group_id), hashlib.blake2b(prompt.tobytes(), digest_size=8).hexdigest())
+    seq = SequenceState(uid=next(self._uids), request=request, prompt=prompt, max_new=max_new,
+                        budget=budget, tokens=prompt.tolist(), t_submit=self.clock(),
+                        share_key=key)
+    self._replica_for(key).sched.enqueue(seq)
+
+  def _replica_for(self, key) -> EngineReplica:
+    entry = self._group_replica.get(key)
+    if entry is None:
+      load = [r.sched.num_active + len(r.sched.waiting) for r in self.replicas]
+      entry = self._group_replica[key] = [int(np.argmin(load)), 0]
+    entry[1] += 1
+    return self.replicas[entry[0]]
+
+  def _forget(self, seq: SequenceState) -> None:
+    entry = self._group_replica.get(seq.share_key)
+    if entry is not None:
+      entry[1] -= 1
+      if entry[1] <= 0:
+        del self._group_replica[seq.share_key]
 
   def update_weights(self, params: Any, version: int) -> None:
-    """Hands over newer weights; they are used from the next decode-step boundary on.
+    """Hands over newer weights; they are used from the next dispatch boundary on.
 
-    Thread-safe. If several arrive between two steps, the newest wins (an equal version replaces
-    the pending one). Running sequences continue (kv_policy "keep": on their existing KV;
-    "recompute": after re-prefilling their prefix).
+    Thread-safe and non-blocking. If several arrive between two dispatches, the newest wins (an
+    equal version replaces the pending one). Running sequences continue (kv_policy "keep": on
+    their existing KV; "recompute": after re-prefilling their prefix).
 
     Raises:
       ValueError: if `version` is not newer than the running one or older than the pending one,
@@ -296,36 +324,85 @@ class SamplerEngine:
                          f"version {self._version} (pending: {pending}).")
       self._pending = (params, int(version))
 
+  def abort(self, sample_id: int) -> Rollout | None:
+    """Stops one request (running or waiting) and returns its Rollout with finish_reason
+    "aborted" (tokens so far), or None if no unfinished request has that sample_id."""
+    for r in self.replicas:
+      for seq in r.sched.running() + list(r.sched.waiting):
+        if seq.request.sample_id == sample_id:
+          r.sched.remove(seq)
+          self._forget(seq)
+          self._counts["aborted"] += 1
+          return self._rollout(seq, "aborted", self.clock())
+    return None
+
   def abort_all(self) -> list[Rollout]:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
     request (running ones with their tokens so far, waiting ones possibly empty)."""
     now = self.clock()
-    out = [self._rollout(seq, "aborted", now) for seq in self._sched.drain()]
+    out = []
+    for r in self.replicas:
+      for seq in r.sched.drain():
+        self._forget(seq)
+        out.append(self._rollout(seq, "aborted", now))
     self._counts["aborted"] += len(out)
     return out
 
   # --- stepping -----------------------------------------------------------------------------
   def step(self) -> list[Rollout]:
-    """One scheduler iteration: swap weights if pending, reserve pages (preempting if short),
-    admit waiting requests, prefill, then ONE decode step for all active slots.
+    """One engine step: swap weights if pending, then per replica reserve pages (preempting if
+    short), admit waiting requests, prefill, and dispatch up to K decode steps; then read every
+    replica's results back (one blocking read per step).
 
     Returns:
       Rollouts that finished in this step.
     """
+    t_start, waited = time.perf_counter(), 0.0
     self._apply_pending_weights()
-    preempted = self._sched.reserve_decode()
-    self._counts["preemptions"] += len(preempted)
-    if not preempted:  # under page pressure, let running sequences drain first
-      for seq in self._sched.admit(self._may_admit):
-        if not seq.started:
-          seq.t_admit = self.clock()
-    self._prefill()
-    if self.num_active == 0:
+    start = self.clock()
+    calls = sum(r.counts["prefill_calls"] for r in self.replicas)
+    for r, params in zip(self.replicas, self._views):
+      r.prepare(self._may_admit, start, params)
+    if self.on_span is not None and sum(r.counts["prefill_calls"] for r in self.replicas) > calls:
+      t0 = time.perf_counter()
+      jax.block_until_ready([r.pools for r in self.replicas])
+      waited += time.perf_counter() - t0
+      self.on_span("sampler", "prefill", start, self.clock(), self.num_active, self.num_slots)
+      start = self.clock()
+    launched = [r.launch(params, self.cfg.sampling)
+                for r, params in zip(self.replicas, self._views)]
+    live = [(r, l) for r, l in zip(self.replicas, launched) if l is not None]
+    if not live:
+      self._host_s += time.perf_counter() - t_start - waited
       return []
-    return self._decode()
+    t0 = time.perf_counter()
+    results = jax.device_get([(l.ints, l.logps) for _, l in live])
+    waited += time.perf_counter() - t0
+    now = self.clock()
+    finished, steps, tokens = [], 0, 0
+    for (r, l), (ints, logps) in zip(live, results):
+      done, st = r.collect(l, ints, logps, now)
+      steps, tokens = max(steps, st["steps"]), tokens + st["tokens"]
+      self._sums["kv_utilization"] += st["live_token_steps"] / (
+          self.cfg.num_pages * self.cfg.page_size * len(self.replicas))
+      self._sums["kv_page_fill"] += st["live_token_steps"] / (st["used_tokens"] * len(live))
+      for seq, reason in done:
+        self._forget(seq)
+        finished.append(self._rollout(seq, reason, now))
+    c = self._counts
+    c["decode_steps"] += steps
+    c["dispatches"] += 1
+    c["host_syncs"] += 1
+    c["generated_tokens"] += tokens
+    c["finished"] += len(finished)
+    if self.on_span is not None:
+      self.on_span("sampler", "decode", start, now, tokens // max(steps, 1), self.num_slots)
+    self._host_s += time.perf_counter() - t_start - waited
+    return finished
 
   def run_to_completion(self, max_steps: int | None = None) -> list[Rollout]:
-    """Steps until no work is left (or `max_steps`); returns rollouts in finishing order.
+    """Steps until no work is left (or `max_steps` engine steps); returns rollouts in
+    finishing order.
 
     Raises:
       RuntimeError: if nothing runs and admission control refuses every waiting request (the
@@ -335,35 +412,37 @@ class SamplerEngine:
     for _ in itertools.repeat(None) if max_steps is None else range(max_steps):
       if not self.has_work:
         break
-      decodes = self._counts["decode_steps"]
+      dispatches = self._counts["dispatches"]
       out.extend(self.step())
-      if self._counts["decode_steps"] == decodes:  # nothing admitted, nothing running
+      if self._counts["dispatches"] == dispatches:  # nothing admitted, nothing running
         raise RuntimeError(f"run_to_completion: admit_filter refuses all {self.num_waiting} "
                            "waiting requests and nothing is running.")
     return out
 
   def warmup(self, max_prefill_len: int | None = None) -> None:
-    """Compiles the decode step and the prefill buckets on all-padding inputs (no writes).
+    """Compiles every program a run can call, on all-padding inputs (no writes, no tokens).
+
+    Raises:
+      RuntimeError: if sequences are already running.
 
     Args:
-      max_prefill_len: compile only the buckets up to the one holding this many tokens (e.g. the
-        longest prompt); None = every bucket, so nothing (not even the long re-prefill of a
-        preempted sequence) compiles later.
+      max_prefill_len: compile only the prefill buckets up to the one holding this many tokens
+        (e.g. the longest prompt); None = every bucket, so nothing (not even the long re-prefill
+        of a preempted sequence) compiles later.
     """
-    cfg, w = self.cfg, self.cfg.pages_per_seq
-    top = cfg.max_seq_len if max_prefill_len is None else cfg.bucket_for(max_prefill_len)
-    for bucket in (b for b in cfg.prefill_buckets if b <= top):
-      zeros = np.zeros((cfg.prefill_rows, bucket), np.int32)
-      args = jax.device_put((np.zeros((cfg.prefill_rows, w), np.int32), zeros,
-                             np.zeros(cfg.prefill_rows, np.int32)), self._replicated)
-      self._k, self._v = prefill_step(self._params, self._k, self._v, *args,
-                                      model_cfg=self.model_cfg, pool_sharding=self._pool_sharding)
-    slots = jax.device_put(np.zeros((cfg.num_slots, 3 + w), np.int32), self._replicated)
-    rng = jax.device_put(jax.random.key(0), self._replicated)
-    _, _, self._k, self._v, _ = self._decode_call(slots, rng)
-    jax.block_until_ready(self._k)
+    from rlax_pipe.sampler import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
+    if self.num_active:
+      raise RuntimeError("warmup: call it before sequences are running (it dispatches idle "
+                         "decode steps).")
+    for r, params in zip(self.replicas, self._views):
+      warmup_lib.compile_replica(r, params, self.cfg, max_prefill_len)
 
   # --- internals ----------------------------------------------------------------------------
+  def _replica_params(self, params) -> list[Any]:
+    if len(self.replicas) == 1:
+      return [params]
+    return [jax.tree.map(lambda x, m=m: _replica_view(x, m), params) for m in self.meshes]
+
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
@@ -373,90 +452,14 @@ class SamplerEngine:
     if pending is None:
       return
     self._params, self._version = pending
+    self._views = self._replica_params(self._params)
     self._counts["weight_updates"] += 1
-    if self.cfg.kv_policy == "recompute":
-      for seq in self._sched.running():
-        seq.num_cached = 0
-
-  def _block_table(self, seq: SequenceState, out_row: np.ndarray) -> None:
-    pages = self._alloc.pages_of(seq.uid)
-    out_row[:len(pages)] = pages
-
-  def _prefill(self) -> None:
-    cfg, w = self.cfg, self.cfg.pages_per_seq
-    calls = plan_prefill(self._sched.running(), cfg)
-    if not calls:
-      return
-    start = self.clock()
-    for bucket, rows in calls:
-      tokens = np.zeros((cfg.prefill_rows, bucket), np.int32)
-      lengths = np.zeros(cfg.prefill_rows, np.int32)
-      tables = np.zeros((cfg.prefill_rows, w), np.int32)
-      for r, seq in enumerate(rows):
-        n = seq.prefill_len
-        tokens[r, :n], lengths[r] = seq.tokens[:n], n
-        self._block_table(seq, tables[r])
-        self._counts["prefill_tokens"] += n
-        if seq.num_generated > 0:
-          self._counts["recomputed_tokens"] += n
-        seq.num_cached = n
-      args = jax.device_put((tables, tokens, lengths), self._replicated)
-      self._k, self._v = prefill_step(self._params, self._k, self._v, *args,
-                                      model_cfg=self.model_cfg, pool_sharding=self._pool_sharding)
-      self._counts["prefill_calls"] += 1
-    if self.on_span is not None:
-      jax.block_until_ready(self._k)
-      self.on_span("sampler", "prefill", start, self.clock(), self.num_active, cfg.num_slots)
-
-  def _decode_call(self, slots_BX, rng):
-    return decode_step(self._params, self._k, self._v, slots_BX, rng,
-                       model_cfg=self.model_cfg, sampling=self.cfg.sampling, impl=self.impl,
-                       pool_sharding=self._pool_sharding)
-
-  def _decode(self) -> list[Rollout]:
-    cfg, b = self.cfg, self.cfg.num_slots
-    start = self.clock()
-    slots = list(self._sched.slots)
-    inputs = np.zeros((b, 3 + cfg.pages_per_seq), np.int32)
-    live = 0
-    for i, seq in enumerate(slots):
-      if seq is not None:
-        inputs[i, :3] = seq.tokens[-1], len(seq.tokens) - 1, 1
-        self._block_table(seq, inputs[i, 3:])
-        live += len(seq.tokens)
-    n_active = b - slots.count(None)
-    new_tokens, logps, self._k, self._v, self._rng = self._decode_call(
-        jax.device_put(inputs, self._replicated), self._rng)
-    new_tokens, logps = jax.device_get((new_tokens, logps))
-    now, version = self.clock(), self._version
-    self._counts["decode_steps"] += 1
-    self._counts["generated_tokens"] += n_active
-    self._sums["slot_occupancy"] += n_active / b
-    self._sums["kv_utilization"] += live / (cfg.num_pages * cfg.page_size)
-    self._sums["kv_page_fill"] += live / max(self._alloc.num_used * cfg.page_size, 1)
-    finished = []
-    for i, seq in enumerate(slots):
-      if seq is None:
-        continue
-      token = int(new_tokens[i])
-      seq.tokens.append(token)
-      seq.logprobs.append(float(logps[i]))
-      seq.versions.append(version)
-      seq.num_cached = len(seq.tokens) - 1
-      if seq.num_generated == 1:
-        seq.t_first_token = now
-      reason = None
-      if cfg.eos_id is not None and token == cfg.eos_id:
-        reason = "eos"
-      elif seq.num_generated >= seq.max_new or len(seq.tokens) >= cfg.max_seq_len:
-        reason = "length"
-      if reason is not None:
-        self._sched.finish(seq)
-        finished.append(self._rollout(seq, reason, now))
-    self._counts["finished"] += len(finished)
-    if self.on_span is not None:
-      self.on_span("sampler", "decode", start, now, n_active, b)
-    return finished
+    for r in self.replicas:
+      r.version = self._version
+      r.sharing.invalidate(self._version)
+      if self.cfg.kv_policy == "recompute":
+        for seq in r.sched.running():
+          r.sched.drop_pages(seq)
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
     r = seq.request

@@ -1,14 +1,15 @@
 """Exact snapshot / restore of a `SamplerEngine` (for resuming reproducible runs bit for bit).
 
-A snapshot is split into a JSON-able dict (sequences, page ownership, counters) and a dict of
-numpy arrays (KV pools, PRNG key data, running and pending weights), so it can be written without
-pickle (`np.savez` + `json`). Restoring into an engine built with the same model, sampler config
-and mesh reproduces its future exactly: same tokens, log-probs, versions and timings.
+A snapshot is split into a JSON-able dict (sequences, page ownership, shared prompt entries,
+counters) and a dict of numpy arrays (KV pools, PRNG key data of every replica, running and
+pending weights), so it can be written without pickle (`np.savez` + `json`). The device slot
+state (block tables, positions, active flags) is not stored: it is a function of the host state
+and is re-sent in full at the next dispatch. Restoring into an engine built with the same model,
+sampler config and mesh reproduces its future exactly: same tokens, log-probs, versions, timings.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from typing import Any
@@ -18,7 +19,11 @@ import numpy as np
 
 from rlax_pipe.sampler.config import Request
 from rlax_pipe.sampler.engine import SamplerEngine
+from rlax_pipe.sampler.page_allocator import _key_from_json, _key_to_json
+from rlax_pipe.sampler.prompt_sharing import PromptEntry
 from rlax_pipe.sampler.scheduler import SequenceState
+
+# pylint: disable=protected-access
 
 
 def _num(x: float) -> float | None:
@@ -28,12 +33,12 @@ def _num(x: float) -> float | None:
 def _seq_to_dict(s: SequenceState) -> dict:
   r = s.request
   return {
-      "uid": s.uid, "max_new": s.max_new, "tokens": list(map(int, s.tokens)),
+      "uid": s.uid, "max_new": s.max_new, "budget": s.budget, "tokens": list(map(int, s.tokens)),
       "prompt": s.prompt.tolist(), "logprobs": [float(x) for x in s.logprobs],
       "versions": list(map(int, s.versions)), "t_submit": _num(s.t_submit),
       "t_admit": _num(s.t_admit), "t_first_token": _num(s.t_first_token),
       "num_preemptions": s.num_preemptions, "slot": s.slot, "num_cached": s.num_cached,
-      "admit_order": s.admit_order,
+      "admit_order": s.admit_order, "share_key": _key_to_json(s.share_key),
       "request": {"prompt_tokens": r.prompt_tokens.tolist(), "sample_id": r.sample_id,
                   "group_id": r.group_id, "prompt_index": r.prompt_index,
                   "max_new_tokens": r.max_new_tokens},
@@ -46,10 +51,11 @@ def _seq_from_dict(d: dict) -> SequenceState:
   rq["prompt_tokens"] = np.asarray(rq["prompt_tokens"], np.int32)
   return SequenceState(
       uid=d["uid"], request=Request(**rq), prompt=np.asarray(d["prompt"], np.int32),
-      max_new=d["max_new"], tokens=list(d["tokens"]), logprobs=list(d["logprobs"]),
-      versions=list(d["versions"]), t_submit=nan(d["t_submit"]), t_admit=nan(d["t_admit"]),
-      t_first_token=nan(d["t_first_token"]), num_preemptions=d["num_preemptions"],
-      slot=d["slot"], num_cached=d["num_cached"], admit_order=d["admit_order"])
+      max_new=d["max_new"], budget=d["budget"], tokens=list(d["tokens"]),
+      logprobs=list(d["logprobs"]), versions=list(d["versions"]), t_submit=nan(d["t_submit"]),
+      t_admit=nan(d["t_admit"]), t_first_token=nan(d["t_first_token"]),
+      num_preemptions=d["num_preemptions"], slot=d["slot"], num_cached=d["num_cached"],
+      admit_order=d["admit_order"], share_key=_key_from_json(d["share_key"]))
 
 
 def _flat(tree: Any, prefix: str) -> dict[str, np.ndarray]:
@@ -63,71 +69,104 @@ def _unflat(like: Any, arrays: dict[str, np.ndarray], prefix: str) -> Any:
   return jax.tree.unflatten(treedef, new)
 
 
+def _replica_state(r) -> tuple[dict, dict[str, np.ndarray]]:
+  sched, sharing = r.sched, r.sharing
+  state = {
+      "slots": [None if s is None else _seq_to_dict(s) for s in sched.slots],
+      "waiting": [_seq_to_dict(s) for s in sched.waiting],
+      "admit_counter": sched._admit_counter,
+      "alloc": r.alloc.state_dict(),
+      "entries": [[_key_to_json(k), _key_to_json(e.holder), e.num_tokens, list(e.full_pages),
+                   e.partial_page, e.version] for k, e in sharing.entries.items()],
+      "members": [[_key_to_json(k), n] for k, n in sharing.members.items()],
+      "counts": dict(r.counts),
+  }
+  arrays = {f"pool{i}": np.asarray(jax.device_get(p)) for i, p in enumerate(r.pools)}
+  arrays["rng"] = np.asarray(jax.random.key_data(r.state.rng))
+  return state, arrays
+
+
 def snapshot(engine: SamplerEngine) -> tuple[dict, dict[str, np.ndarray]]:
   """Host copy of the engine's whole state.
 
   Returns:
-    (state, arrays): a JSON-able dict and a dict of numpy arrays (KV pools "k"/"v", PRNG key data
-    "rng", running weights "params<i>", pending weights "pending<i>" if any; with pending weights
-    "params<i>" holds them too, since the running ones will not be used again).
+    (state, arrays): a JSON-able dict and a dict of numpy arrays (per replica i: pools
+    "r<i>/pool<j>" and PRNG key data "r<i>/rng"; running weights "params<k>", pending weights
+    "pending<k>" if any; with pending weights "params<k>" holds them too, since the running ones
+    will not be used again).
   """
-  with engine._lock:  # pylint: disable=protected-access
-    pending = engine._pending  # pylint: disable=protected-access
-  sched, alloc = engine._sched, engine._alloc  # pylint: disable=protected-access
-  next_uid = next(engine._uids)  # pylint: disable=protected-access
-  engine._uids = itertools.count(next_uid)  # pylint: disable=protected-access
-  state = {
-      "version": engine._version,  # pylint: disable=protected-access
-      "pending_version": None if pending is None else int(pending[1]),
-      "slots": [None if s is None else _seq_to_dict(s) for s in sched.slots],
-      "waiting": [_seq_to_dict(s) for s in sched.waiting],
-      "admit_counter": sched._admit_counter,  # pylint: disable=protected-access
-      "alloc_free": list(alloc._free),  # pylint: disable=protected-access
-      "alloc_pages": {str(k): list(v) for k, v in alloc._pages.items()},  # pylint: disable=protected-access
-      "next_uid": next_uid,
-      "sums": dict(engine._sums), "counts": dict(engine._counts),  # pylint: disable=protected-access
-  }
-  arrays = {"k": np.asarray(jax.device_get(engine._k)),  # pylint: disable=protected-access
-            "v": np.asarray(jax.device_get(engine._v)),  # pylint: disable=protected-access
-            "rng": np.asarray(jax.random.key_data(engine._rng))}  # pylint: disable=protected-access
+  e = engine
+  with e._lock:
+    pending = e._pending
+  next_uid = next(e._uids)
+  e._uids = itertools.count(next_uid)
+  state = {"version": e._version, "pending_version": None if pending is None else int(pending[1]),
+           "next_uid": next_uid, "sums": dict(e._sums), "counts": dict(e._counts),
+           "host_s": e._host_s,
+           "groups": [[_key_to_json(k), v[0], v[1]] for k, v in e._group_replica.items()],
+           "replicas": []}
+  arrays: dict[str, np.ndarray] = {}
+  for i, r in enumerate(e.replicas):
+    rs, ra = _replica_state(r)
+    state["replicas"].append(rs)
+    arrays.update({f"r{i}/{k}": v for k, v in ra.items()})
   if pending is None:
-    arrays.update(_flat(engine._params, "params"))  # pylint: disable=protected-access
+    arrays.update(_flat(e._params, "params"))
   else:
-    # The running weights are never used again (the swap comes before the next decode step),
-    # and their buffers may already be released by the weight channel: store the pending ones.
+    # The running weights are never used again (the swap comes before the next dispatch), and
+    # their buffers may already be released by the weight channel: store the pending ones.
     arrays.update(_flat(pending[0], "pending"))
     arrays.update(_flat(pending[0], "params"))
   return state, arrays
+
+
+def _restore_replica(r, state: dict, arrays: dict[str, np.ndarray], prefix: str) -> None:
+  r.pools = tuple(jax.device_put(arrays[f"{prefix}pool{j}"], p.sharding)
+                  for j, p in enumerate(r.pools))
+  rng = jax.device_put(jax.random.wrap_key_data(arrays[f"{prefix}rng"]), r.replicated)
+  r.state = r.state.replace(rng=rng)
+  sched, sharing = r.sched, r.sharing
+  sched.slots = [None if d is None else _seq_from_dict(d) for d in state["slots"]]
+  sched.waiting.clear()
+  sched.waiting.extend(_seq_from_dict(d) for d in state["waiting"])
+  sched._admit_counter = int(state["admit_counter"])
+  r.alloc.load_state_dict(state["alloc"])
+  r.alloc.take_fresh()
+  sharing.entries = {_key_from_json(k): PromptEntry(_key_from_json(h), n, tuple(f), p, v)
+                     for k, h, n, f, p, v in state["entries"]}
+  sharing.members.clear()
+  sharing.members.update({_key_from_json(k): n for k, n in state["members"]})
+  sharing.pending_copies = []
+  r.counts = {k: int(v) for k, v in state["counts"].items()}
+  r.mark_all_dirty()
 
 
 def restore(engine: SamplerEngine, state: dict, arrays: dict[str, np.ndarray]) -> None:
   """Loads a `snapshot` into `engine` (same model, sampler config and mesh).
 
   Raises:
-    ValueError: if the pool shapes or the slot count differ from the snapshot's.
+    ValueError: if the replica count, pool shapes or slot count differ from the snapshot's.
   """
   e = engine
-  if arrays["k"].shape != e._k.shape or len(state["slots"]) != len(e._sched.slots):  # pylint: disable=protected-access
-    raise ValueError(f"sampler snapshot does not fit this engine: pool {arrays['k'].shape} vs "
-                     f"{e._k.shape}, slots {len(state['slots'])} vs {len(e._sched.slots)}.")  # pylint: disable=protected-access
-  e._k = jax.device_put(arrays["k"], e._k.sharding)  # pylint: disable=protected-access
-  e._v = jax.device_put(arrays["v"], e._v.sharding)  # pylint: disable=protected-access
-  e._rng = jax.device_put(jax.random.wrap_key_data(arrays["rng"]), e._rng.sharding)  # pylint: disable=protected-access
-  running = e._params  # pylint: disable=protected-access
-  e._params, e._version = _unflat(running, arrays, "params"), int(state["version"])  # pylint: disable=protected-access
-  e._pending = (None if state["pending_version"] is None else  # pylint: disable=protected-access
+  if len(state["replicas"]) != len(e.replicas):
+    raise ValueError(f"sampler snapshot has {len(state['replicas'])} replicas, this engine "
+                     f"{len(e.replicas)}.")
+  for i, (r, rs) in enumerate(zip(e.replicas, state["replicas"])):
+    if (arrays[f"r{i}/pool0"].shape != r.pools[0].shape
+        or len(rs["slots"]) != len(r.sched.slots)):
+      raise ValueError(f"sampler snapshot does not fit this engine: pool "
+                       f"{arrays[f'r{i}/pool0'].shape} vs {r.pools[0].shape}, slots "
+                       f"{len(rs['slots'])} vs {len(r.sched.slots)}.")
+  running = e._params
+  e._params, e._version = _unflat(running, arrays, "params"), int(state["version"])
+  e._views = e._replica_params(e._params)
+  e._pending = (None if state["pending_version"] is None else
                 (_unflat(running, arrays, "pending"), int(state["pending_version"])))
-  sched, alloc = e._sched, e._alloc  # pylint: disable=protected-access
-  sched.slots = [None if d is None else _seq_from_dict(d) for d in state["slots"]]
-  sched.waiting.clear()
-  sched.waiting.extend(_seq_from_dict(d) for d in state["waiting"])
-  sched._admit_counter = int(state["admit_counter"])  # pylint: disable=protected-access
-  alloc._free = list(state["alloc_free"])  # pylint: disable=protected-access
-  alloc._pages = {int(k): list(v) for k, v in state["alloc_pages"].items()}  # pylint: disable=protected-access
-  alloc._owner[:] = -1  # pylint: disable=protected-access
-  for uid, pages in alloc._pages.items():  # pylint: disable=protected-access
-    alloc._owner[pages] = uid  # pylint: disable=protected-access
-  alloc.check()
-  e._uids = itertools.count(int(state["next_uid"]))  # pylint: disable=protected-access
-  e._sums = {k: float(v) for k, v in state["sums"].items()}  # pylint: disable=protected-access
-  e._counts = {k: int(v) for k, v in state["counts"].items()}  # pylint: disable=protected-access
+  for i, (r, rs) in enumerate(zip(e.replicas, state["replicas"])):
+    _restore_replica(r, rs, arrays, f"r{i}/")
+    r.version = e._version
+  e._uids = itertools.count(int(state["next_uid"]))
+  e._sums = {k: float(v) for k, v in state["sums"].items()}
+  e._counts = {k: int(v) for k, v in state["counts"].items()}
+  e._host_s = float(state["host_s"])
+  e._group_replica = {_key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}

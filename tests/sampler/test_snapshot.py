@@ -1,5 +1,7 @@
 """Engine snapshot/restore: a restored engine continues exactly like the original."""
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -27,19 +29,21 @@ def test_restored_engine_continues_identically():
   for i in range(5):  # more requests than slots, and a small pool: waiting + preemptions
     a.submit(Request(prompt_tokens=np.arange(1, 4 + i, dtype=np.int32), sample_id=i,
                      group_id=i))
-  for _ in range(7):
-    a.step()
+  early = []
+  for _ in range(3):
+    early += a.step()
   a.update_weights(new_params, 1)  # pending at snapshot time
   state, arrays = snapshot.snapshot(a)
   b = _engine(params, cfg, model_cfg)
   snapshot.restore(b, state, arrays)
   ra = a.run_to_completion()
   rb = b.run_to_completion()
-  assert len(ra) == len(rb) == 5
+  assert len(ra) == len(rb) == 5 - len(early) > 0
   for x, y in zip(ra, rb):
     assert x.sample_id == y.sample_id
     np.testing.assert_array_equal(x.completion_tokens, y.completion_tokens)
     np.testing.assert_array_equal(x.behavior_logprobs, y.behavior_logprobs)
     np.testing.assert_array_equal(x.policy_versions, y.policy_versions)
     assert x.num_preemptions == y.num_preemptions
-  assert a.stats() == b.stats()
+  # Everything but the measured host time (wall clock) continues identically.
+  assert dataclasses.replace(a.stats(), host_s=0.0) == dataclasses.replace(b.stats(), host_s=0.0)
