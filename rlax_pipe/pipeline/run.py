@@ -73,7 +73,8 @@ class RunConfig:
       checkpoint_dir is set to run_dir/checkpoints.
     objective: objective config; its max_lag is set to the pipeline's staleness bound (the
       objective's hard lag mask is a second guard behind the queue).
-    sampler: sampler config (slots, pages, sampling); its eos_id should be the tokenizer's.
+    sampler: sampler config (slots, pages, sampling, stop set); the default stops on the
+      shipped tokenizer's EOS; with tokenizer_path, set its eos_id to that tokenizer's stop ids.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler.
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
@@ -95,7 +96,9 @@ class RunConfig:
   sampler_mesh_axes: tuple[tuple[str, int], ...] = (("tp", 4),)
   learner: LearnerConfig = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)))
   objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
-  sampler: SamplerConfig = SamplerConfig()
+  # Stops on the shipped tokenizer's EOS (tokenizer.EOS_ID); a run with another tokenizer must
+  # pass that tokenizer's stop ids.
+  sampler: SamplerConfig = SamplerConfig(eos_id=tokenizer_lib.EOS_ID)
   pipeline: PipelineConfig = PipelineConfig()
   eval_slots: int = 32
   sampler_compute_dtype: str | None = None

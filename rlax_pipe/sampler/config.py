@@ -55,8 +55,9 @@ class SamplerConfig:
       prefill to the reference. Kernels run per tp shard under `shard_map`.
     decode_steps_per_dispatch: K, decode steps run on the device per engine step (>= 1): the
       host joins once per dispatch (one read-back of tokens, log-probs and counts). A dispatch
-      stops early when a slot needs a KV page the host has not granted, or when a slot finishes
-      while requests wait for a slot. Weight swaps land at dispatch boundaries.
+      stops early when a slot needs a KV page the host has not granted, or when
+      min(waiting requests, ceil(num_slots / 8)) slots have finished. Weight swaps land at
+      dispatch boundaries.
     share_prompt_pages: the samples of a group (same group_id and prompt) prefill their prompt
       once and share its full KV pages (reference-counted; the partial last page is copied).
     attention_chunk_tokens: keys per step of the reference attention's loop over pages (rounded

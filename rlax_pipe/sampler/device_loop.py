@@ -7,7 +7,9 @@ joins once per dispatch: it sends only what it changed (a slot-update matrix and
 deltas) and reads back one packed result (tokens, log-probs, per-slot counts).
 
 A dispatch stops early when a slot needs a KV position beyond the pages the host granted, when
-every slot is done, or (if the host asks, because requests wait) when a slot finishes. A slot
+every slot is done, or when `refill_at` slots have finished (the host asks for that when
+requests wait for a slot: `refill_at` = min(waiting requests, ceil(B / 8)), so freed slots are
+refilled in batches and a dispatch is not cut short by every single finish). A slot
 stops on a stop id (kept as its last token, nothing sampled after it) or at its stop length.
 
 All programs are jitted with the pool (and slot state) donated and carried through their loops,
@@ -161,7 +163,7 @@ def _decode_one(params, pools, tables, state: SlotState, *, model_cfg, sampling,
 @functools.partial(jax.jit, static_argnames=(
     "model_cfg", "sampling", "layout", "impl", "chunk_pages", "mesh", "interpret", "stop_ids",
     "steps", "sharding", "replicated"), donate_argnums=(1,))
-def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, stop_on_finish, *,
+def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refill_at, *,
                     model_cfg: ModelConfig, sampling: logprobs_lib.SamplingConfig,
                     layout: PoolLayout, impl: str, chunk_pages: int, mesh, interpret: bool,
                     stop_ids: tuple[int, ...], steps: int, sharding, replicated):
@@ -173,7 +175,7 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, stop
     tables_BW: int32 [B, W] block tables (read only).
     state: `SlotState`.
     updates_XB: int32 [UPDATE_ROWS, B] host changes applied first (`apply_slot_updates`).
-    stop_on_finish: bool scalar; end the dispatch after a step in which a slot finished.
+    refill_at: int32 scalar; end the dispatch once this many slots finished in it (0 = never).
     model_cfg, sampling, layout, impl, chunk_pages, mesh, interpret, stop_ids, steps,
       sharding (pool), replicated: static.
 
@@ -198,18 +200,19 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, stop
     return (step < steps) & go
 
   def body(carry):
-    step, _, pools, state, toks, logps, count = carry
+    step, _, pools, state, toks, logps, count, finished = carry
     live = state.active
     pools, state, t, lp, done = one(params, pools, tables_BW, state)
     toks = toks.at[step].set(jnp.where(live, t, 0))
     logps = logps.at[step].set(jnp.where(live, lp, 0.0))
     count = count + live.astype(jnp.int32)
-    go = can_continue(state) & ~(stop_on_finish & jnp.any(done))
-    return step + 1, go, pools, state, toks, logps, count
+    finished = finished + jnp.sum(done, dtype=jnp.int32)
+    go = can_continue(state) & ((refill_at <= 0) | (finished < refill_at))
+    return step + 1, go, pools, state, toks, logps, count, finished
 
   init = (jnp.int32(0), can_continue(state), pools, state, jnp.zeros((steps, b), jnp.int32),
-          jnp.zeros((steps, b), jnp.float32), jnp.zeros(b, jnp.int32))
-  n, _, pools, state, toks, logps, count = jax.lax.while_loop(cond, body, init)
+          jnp.zeros((steps, b), jnp.float32), jnp.zeros(b, jnp.int32), jnp.int32(0))
+  n, _, pools, state, toks, logps, count, _ = jax.lax.while_loop(cond, body, init)
   ints = jnp.concatenate([toks, count[None], jnp.broadcast_to(n, (1, b))], axis=0)
   return (_constrain(pools, sharding), _constrain(state, replicated),
           jax.lax.with_sharding_constraint(ints, replicated),

@@ -63,8 +63,10 @@ class SamplerStats:
       so a round counts the most steps any replica ran).
     dispatches: engine steps that dispatched decode work.
     host_syncs: blocking device-to-host reads (one per dispatch round).
-    host_s: seconds the host spent in `step` outside those blocking reads (scheduling,
-      bookkeeping, dispatching): the host's share of a step, apart from device work.
+    host_s: seconds of host work in `step`: its wall time minus the blocking reads and minus
+      the calls of jitted device programs and uploads (`device_call_s`; on CPU such a call may
+      run the program inline). Scheduling, page bookkeeping, packing updates, appending tokens.
+    device_call_s: seconds inside calls of jitted device programs and uploads.
     prefill_calls: jitted prefill calls made.
     prefill_tokens: real (unpadded) tokens prefilled, recomputation included.
     recomputed_tokens: prefill tokens spent rebuilding KV of already-started sequences (after a
@@ -84,6 +86,7 @@ class SamplerStats:
   dispatches: int = 0
   host_syncs: int = 0
   host_s: float = 0.0
+  device_call_s: float = 0.0
   prefill_calls: int = 0
   prefill_tokens: int = 0
   recomputed_tokens: int = 0
@@ -250,6 +253,7 @@ class SamplerEngine:
       counts[name] = sum(r.counts[name] for r in self.replicas)
     return SamplerStats(
         **counts, host_s=self._host_s,
+        device_call_s=sum(r.device_call_s for r in self.replicas),
         slot_occupancy=counts["generated_tokens"] / (steps * self.num_slots),
         **{k: v / steps for k, v in self._sums.items()})
 
@@ -358,6 +362,7 @@ class SamplerEngine:
       Rollouts that finished in this step.
     """
     t_start, waited = time.perf_counter(), 0.0
+    calls_before = sum(r.device_call_s for r in self.replicas)
     self._apply_pending_weights()
     start = self.clock()
     calls = sum(r.counts["prefill_calls"] for r in self.replicas)
@@ -373,7 +378,7 @@ class SamplerEngine:
                 for r, params in zip(self.replicas, self._views)]
     live = [(r, l) for r, l in zip(self.replicas, launched) if l is not None]
     if not live:
-      self._host_s += time.perf_counter() - t_start - waited
+      self._add_host_time(t_start, waited, calls_before)
       return []
     t0 = time.perf_counter()
     results = jax.device_get([(l.ints, l.logps) for _, l in live])
@@ -397,8 +402,12 @@ class SamplerEngine:
     c["finished"] += len(finished)
     if self.on_span is not None:
       self.on_span("sampler", "decode", start, now, tokens // max(steps, 1), self.num_slots)
-    self._host_s += time.perf_counter() - t_start - waited
+    self._add_host_time(t_start, waited, calls_before)
     return finished
+
+  def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
+    calls = sum(r.device_call_s for r in self.replicas) - calls_before
+    self._host_s += time.perf_counter() - t_start - waited - calls
 
   def run_to_completion(self, max_steps: int | None = None) -> list[Rollout]:
     """Steps until no work is left (or `max_steps` engine steps); returns rollouts in

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -34,7 +35,7 @@ from rlax_pipe.sampler.paged_cache import uses_combined_layout
 from rlax_pipe.sampler.prompt_sharing import PromptSharing
 from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
 
-FLAG_ROW = device_loop.UPDATE_ROWS  # extra row of the update matrix: [0] = stop_on_finish
+FLAG_ROW = device_loop.UPDATE_ROWS  # extra row of the update matrix: [0] = refill_at
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -87,8 +88,17 @@ class EngineReplica:
     self.sched = Scheduler(cfg.num_slots, self.alloc, self.sharing, version=lambda: self.version)
     self.counts = dict(prefill_calls=0, prefill_tokens=0, recomputed_tokens=0, preemptions=0,
                        shared_prompt_copies=0)
-    self._pending_upload: tuple[np.ndarray, tuple | None] | None = None
+    self.device_call_s = 0.0  # seconds inside jitted-program calls and uploads (see `_call`)
     self.mark_all_dirty()
+
+  def _call(self, fn, *args, **kwargs):
+    """Calls a device program (or upload) and adds its duration to `device_call_s`: on CPU a
+    jitted call may run the program inline, so that time is device work, not host work."""
+    t0 = time.perf_counter()
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      self.device_call_s += time.perf_counter() - t0
 
   @property
   def static(self) -> dict:
@@ -124,8 +134,9 @@ class EngineReplica:
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.cfg.num_pages, np.int32)
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
-    self.pools = page_pool.copy_pages(self.pools, *jax.device_put((src, dst), self.replicated),
-                                      layout=self.layout, sharding=self.pool_sharding)
+    self.pools = self._call(
+        lambda: page_pool.copy_pages(self.pools, *jax.device_put((src, dst), self.replicated),
+                                     layout=self.layout, sharding=self.pool_sharding))
     self.counts["shared_prompt_copies"] += len(copies)
 
   def _zero_fresh(self) -> None:
@@ -135,8 +146,9 @@ class EngineReplica:
     n = _bucket(len(fresh), 16)
     pages = np.full(n, self.cfg.num_pages, np.int32)
     pages[:len(fresh)] = fresh
-    self.pools = device_loop.zero_pages(self.pools, jax.device_put(pages, self.replicated),
-                                        layout=self.layout, sharding=self.pool_sharding)
+    self.pools = self._call(
+        lambda: device_loop.zero_pages(self.pools, jax.device_put(pages, self.replicated),
+                                       layout=self.layout, sharding=self.pool_sharding))
 
   def _prefill(self, params) -> None:
     cfg = self.cfg
@@ -158,9 +170,9 @@ class EngineReplica:
         if seq.num_generated > 0:
           self.counts["recomputed_tokens"] += n
         seq.num_cached = seq.prefill_len
-      args = jax.device_put((tables, tokens, starts, lengths), self.replicated)
-      self.pools = device_loop.prefill_step(params, self.pools, *args, model_cfg=self.model_cfg,
-                                            sharding=self.pool_sharding, **self.static)
+      self.pools = self._call(lambda: device_loop.prefill_step(
+          params, self.pools, *jax.device_put((tables, tokens, starts, lengths), self.replicated),
+          model_cfg=self.model_cfg, sharding=self.pool_sharding, **self.static))
       self.counts["prefill_calls"] += 1
     if not copied:
       self._run_copies()
@@ -187,7 +199,8 @@ class EngineReplica:
         pages.extend(new)
         seq.table_cols = len(held)
     self.sched.dirty.clear()
-    upd[FLAG_ROW, 0] = int(bool(self.sched.waiting))
+    waiting = len(self.sched.waiting)
+    upd[FLAG_ROW, 0] = min(waiting, -(-b // 8))  # refill freed slots in batches
     if not slots:
       return upd, None
     n = _bucket(len(slots), 64)
@@ -203,14 +216,14 @@ class EngineReplica:
       return None
     upd, deltas = self._updates()
     if deltas is not None:
-      self.tables = device_loop.write_tables(
-          self.tables, *jax.device_put(deltas, self.replicated), replicated=self.replicated)
-    self.pools, self.state, ints, logps = device_loop.decode_dispatch(
-        params, self.pools, self.tables, self.state, jax.device_put(upd[:FLAG_ROW], self.replicated),
-        jax.device_put(upd[FLAG_ROW, 0] > 0, self.replicated), model_cfg=self.model_cfg,
-        sampling=model_sampling, stop_ids=self.cfg.stop_ids,
+      self.tables = self._call(lambda: device_loop.write_tables(
+          self.tables, *jax.device_put(deltas, self.replicated), replicated=self.replicated))
+    self.pools, self.state, ints, logps = self._call(lambda: device_loop.decode_dispatch(
+        params, self.pools, self.tables, self.state,
+        *jax.device_put((upd[:FLAG_ROW], upd[FLAG_ROW, 0]), self.replicated),
+        model_cfg=self.model_cfg, sampling=model_sampling, stop_ids=self.cfg.stop_ids,
         steps=self.cfg.decode_steps_per_dispatch, sharding=self.pool_sharding,
-        replicated=self.replicated, **self.static)
+        replicated=self.replicated, **self.static))
     lengths = np.array([0 if s is None else len(s.tokens) for s in slots], np.int64)
     used = max(self.alloc.num_used, 1) * self.cfg.page_size
     return Launched(ints, logps, slots, self.version, lengths, used)

@@ -153,8 +153,11 @@ class Scheduler:
     return False
 
   def _fits(self, seq: SequenceState) -> bool:
-    if not self.allocator.holds(seq.uid):
+    held = self.allocator.num_pages_of(seq.uid)
+    if not held:
       return self._grant(seq)
+    if held * self.allocator.page_size >= len(seq.tokens):  # the common case: nothing to do
+      return True
     if self.allocator.ensure(seq.uid, len(seq.tokens)):
       return True
     return self.sharing.evict() and self.allocator.ensure(seq.uid, len(seq.tokens))
@@ -223,14 +226,15 @@ class Scheduler:
 
   def look_ahead(self, steps: int) -> None:
     """Grants running sequences pages for up to `steps` more fed tokens (never preempts)."""
-    alloc = self.allocator
+    alloc, size = self.allocator, self.allocator.page_size
     for seq in sorted(self.running(), key=lambda s: s.admit_order):
-      target = min(len(seq.tokens) - 1 + steps, seq.end - 1)
+      target = min(len(seq.tokens) - 1 + steps, len(seq.prompt) + seq.max_new - 1)
       held = alloc.num_pages_of(seq.uid)
-      extra = min(alloc.pages_for(target) - held, alloc.num_free)
+      if held * size >= target:
+        continue
+      extra = min(-(-target // size) - held, alloc.num_free)
       if extra > 0:
-        alloc.ensure(seq.uid, (held + extra) * alloc.page_size)
-        self.dirty.add(seq.slot)
+        alloc.ensure(seq.uid, (held + extra) * size)
 
   def finish(self, seq: SequenceState) -> None:
     """Frees the slot and pages of a running sequence that stopped."""

@@ -57,7 +57,7 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
   upd = np.zeros((FLAG_ROW, b), np.int32)  # nothing changed: every slot stays idle, 0 steps
   r.pools, r.state, ints, _ = device_loop.decode_dispatch(
       params, r.pools, r.tables, r.state, jax.device_put(upd, rep),
-      jax.device_put(np.bool_(False), rep), model_cfg=r.model_cfg, sampling=cfg.sampling,
+      jax.device_put(np.int32(0), rep), model_cfg=r.model_cfg, sampling=cfg.sampling,
       stop_ids=cfg.stop_ids, steps=cfg.decode_steps_per_dispatch, sharding=r.pool_sharding,
       replicated=rep, **r.static)
   jax.block_until_ready(ints)

@@ -30,7 +30,7 @@ def _compiled(num_pages, program):
     state = jax.eval_shape(lambda: device_loop.SlotState.zeros(B, jax.random.key(0)))
     lowered = device_loop.decode_dispatch.lower(
         params, pools, i32(B, W), state, i32(device_loop.UPDATE_ROWS, B),
-        jax.ShapeDtypeStruct((), bool), sampling=SamplingConfig(), stop_ids=(3,), steps=4,
+        jax.ShapeDtypeStruct((), jnp.int32), sampling=SamplingConfig(), stop_ids=(3,), steps=4,
         replicated=page_pool.replicated(mesh), **static)
   else:
     lowered = device_loop.prefill_step.lower(params, pools, i32(2, W), i32(2, 32), i32(2),

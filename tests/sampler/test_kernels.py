@@ -125,3 +125,31 @@ def test_decode_only_kernels_refuse_prefill_rows():
     _kernel("pallas_gpu", *case[:2], layout, *case[2:])
   with pytest.raises(ValueError, match="unknown kernel"):
     _kernel("flash", *case[:2], layout, *case[2:])
+
+
+def test_engine_with_a_kernel_zeroes_fresh_pages_so_stale_nan_cannot_leak():
+  """JAX's kernels multiply masked probabilities by values, so a NaN left in a granted page
+  would reach the output; the engine zeroes every page it grants when a kernel is in use.
+  With every page poisoned by NaN, the kernel engine matches the reference engine."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from rlax_pipe import model  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine  # pylint: disable=import-outside-toplevel
+  model_cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                          head_dim=16, d_ff=48, max_seq_len=40)
+  params = model.init_params(model_cfg, jax.random.key(0))
+  cfg = SamplerConfig(num_slots=2, page_size=4, num_pages=24, max_seq_len=40, max_new_tokens=8,
+                      min_prefill_bucket=8, prefill_rows=2, attention_impl="pallas_gpu",
+                      decode_steps_per_dispatch=4)
+  out = {}
+  for impl in ("pallas_gpu", "reference"):
+    engine = SamplerEngine(model_cfg, dataclasses.replace(cfg, attention_impl=impl), params,
+                           interpret_kernels=True)
+    r = engine.replicas[0]
+    r.pools = tuple(jnp.full(p.shape, jnp.nan, p.dtype) for p in r.pools)
+    for i in range(3):
+      engine.submit(Request(prompt_tokens=np.arange(1, 4 + i, dtype=np.int32), sample_id=i))
+    out[impl] = engine.run_to_completion()
+  for a, b in zip(out["pallas_gpu"], out["reference"]):
+    np.testing.assert_array_equal(a.completion_tokens, b.completion_tokens)
+    np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-5, rtol=0)

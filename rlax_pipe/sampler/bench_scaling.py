@@ -1,0 +1,247 @@
+"""The sampler's scaling benchmark (`experiments/bench_sampler.py --suite=scaling`): does a step
+cost follow the work (live tokens, sequences) and not the reservations (pool, table width)?
+
+Every time is measured wall clock (`time.perf_counter`), warmed (compiles apart), as a median
+over >= 20 dispatches in one process; bytes and temporaries are read from the compiled program
+(`cost_analysis()`, `memory_analysis()`); counts come from the engine's own counters.
+
+Keys of `run_scaling` (issue #10 point 7), with the goal each is compared against in the notes:
+  pool_scaling_ratio       decode step time, 16x pool / 1x pool, same batch and live tokens
+  pool_bytes_ratio         XLA cost analysis bytes accessed of the same two programs
+  width_scaling_ratio      decode step time, 16x block-table width / 1x, same live tokens
+  decode_temp_over_pool    compiled temporary bytes of the decode dispatch / pool bytes
+  host_syncs_per_token     blocking device-to-host reads per generated token
+  host_us_per_token        host work per generated token at 256 slots, 8k max length
+  prefill_tokens_per_group_ratio  prefill tokens of a group of 8 with / without shared pages
+  replica_tokens_per_step_ratio   sequences advanced per decode step, 2 data replicas / 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax_pipe import model
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.sampler import device_loop, page_pool
+from rlax_pipe.sampler.config import Request, SamplerConfig
+from rlax_pipe.sampler.engine import SamplerEngine
+
+# Tiny model: the ratios are about the sampler's mechanics, not the model.
+TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   d_ff=128, max_seq_len=8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePoint:
+  """One decode-dispatch measurement: median step time, compiled bytes and temporaries."""
+
+  step_s: float
+  bytes_accessed: float
+  temp_bytes: int
+  pool_bytes: int
+
+
+def decode_point(model_cfg: ModelConfig, *, slots: int, live_tokens: int, num_pages: int,
+                 width_pages: int, page_size: int = 16, steps: int = 8, repeats: int = 24,
+                 seed: int = 0) -> DecodePoint:
+  """Times `decode_dispatch` with every slot at `live_tokens` tokens (reset each dispatch).
+
+  Args:
+    model_cfg: the model (random weights).
+    slots: B, all active.
+    live_tokens: tokens each slot holds when a dispatch starts.
+    num_pages: P, pages in the pool (per layer).
+    width_pages: W, block-table width (pages per sequence).
+    page_size: S.
+    steps: K decode steps per dispatch.
+    repeats: timed dispatches (the median is reported; >= 20).
+    seed: PRNG seed of weights and page choice.
+
+  Returns:
+    A `DecodePoint` (step_s = median dispatch time / K).
+
+  Raises:
+    ValueError: if the pool cannot hold the live tokens plus the dispatch's growth.
+  """
+  need = -(-(live_tokens + steps) // page_size)
+  if need > width_pages or slots * need > num_pages:
+    raise ValueError(f"decode_point: {slots} slots x {need} pages do not fit W={width_pages}, "
+                     f"P={num_pages}.")
+  mesh = page_pool.default_mesh()
+  rep = page_pool.replicated(mesh)
+  layout = page_pool.PoolLayout(model_cfg.n_layers, model_cfg.n_kv_heads, num_pages, page_size,
+                                model_cfg.head_dim, model_cfg.param_dtype)
+  params = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
+  pools = page_pool.init_pool(layout, mesh)
+  rng = np.random.default_rng(seed)
+  pages = rng.permutation(num_pages)[:slots * need].reshape(slots, need)
+  tables = np.zeros((slots, width_pages), np.int32)
+  tables[:, :need] = pages
+  tables = jax.device_put(tables, rep)
+  state = jax.device_put(device_loop.SlotState.zeros(slots, jax.random.key(seed)), rep)
+  upd = np.zeros((device_loop.UPDATE_ROWS, slots), np.int32)
+  upd[0], upd[1], upd[2], upd[3] = 1, 1, live_tokens - 1, 1
+  upd[4], upd[5] = live_tokens + 10 * steps, need * page_size
+  upd, flag = jax.device_put((upd, np.int32(0)), rep)
+  compiled = device_loop.decode_dispatch.lower(
+      params, pools, tables, state, upd, flag, model_cfg=model_cfg, sampling=SamplingConfig(),
+      layout=layout, impl="reference", chunk_pages=max(1, 256 // page_size), mesh=None,
+      interpret=False, stop_ids=(), steps=steps, sharding=layout.sharding(mesh),
+      replicated=rep).compile()
+  times = []
+  for i in range(repeats + 3):
+    t0 = time.perf_counter()
+    pools, _, ints, _ = compiled(params, pools, tables, state, upd, flag)
+    jax.block_until_ready(ints)
+    if i >= 3:
+      times.append((time.perf_counter() - t0) / steps)
+  cost = compiled.cost_analysis() or {}
+  return DecodePoint(float(np.median(times)), float(cost.get("bytes accessed", np.nan)),
+                     int(compiled.memory_analysis().temp_size_in_bytes), layout.nbytes)
+
+
+def _requests(n: int, rng, prompt: tuple[int, int], budget: tuple[int, int], vocab: int,
+              group_size: int = 1) -> list[Request]:
+  out = []
+  for g in range(n // group_size):
+    tokens = rng.integers(4, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
+    for j in range(group_size):
+      out.append(Request(prompt_tokens=tokens.astype(np.int32), sample_id=len(out), group_id=g,
+                         max_new_tokens=int(rng.integers(budget[0], budget[1] + 1))))
+  return out
+
+
+def host_cost(model_cfg: ModelConfig, *, slots: int = 256, max_seq_len: int = 8192,
+              num_requests: int = 512, seed: int = 0) -> dict:
+  """Host work and read-backs per generated token, engine at `slots` slots and `max_seq_len`.
+
+  Returns:
+    {host_us_per_token, host_syncs_per_token, host_syncs_per_decode_step, generated_tokens,
+     dispatches, decode_steps}.
+  """
+  cfg = SamplerConfig(num_slots=slots, page_size=16, num_pages=slots * 16 + 256,
+                      max_seq_len=max_seq_len, max_new_tokens=256, min_prefill_bucket=64,
+                      prefill_rows=16, attention_impl="reference")
+  params = model.init_params(model_cfg, jax.random.key(seed))
+  engine = SamplerEngine(model_cfg, cfg, params)
+  requests = _requests(num_requests, np.random.default_rng(seed), (16, 48), (64, 192),
+                       model_cfg.vocab_size)
+  engine.warmup(max(len(r.prompt_tokens) for r in requests))
+  for r in requests:
+    engine.submit(r)
+  engine.run_to_completion()
+  s = engine.stats()
+  return {"host_us_per_token": 1e6 * s.host_s / s.generated_tokens,
+          "host_syncs_per_token": s.host_syncs / s.generated_tokens,
+          "host_syncs_per_decode_step": s.host_syncs / s.decode_steps,
+          "host_generated_tokens": s.generated_tokens, "host_dispatches": s.dispatches,
+          "host_decode_steps": s.decode_steps, "host_device_call_s": s.device_call_s,
+          "host_s": s.host_s}
+
+
+def prefill_sharing(model_cfg: ModelConfig, *, group_size: int = 8, prompt_len: int = 64,
+                    seed: int = 0) -> dict:
+  """Prefill tokens computed for one group of `group_size` with / without shared prompt pages.
+
+  Returns:
+    {prefill_tokens_per_group_ratio, prefill_tokens_shared, prefill_tokens_unshared,
+     shared_logprob_max_abs_diff (same draws, shared vs not: the prefix KV is the same)}.
+  """
+  tokens = {}
+  logps = {}
+  for share in (True, False):
+    cfg = SamplerConfig(num_slots=group_size, page_size=16, num_pages=256, max_seq_len=256,
+                        max_new_tokens=32, min_prefill_bucket=32, prefill_rows=4,
+                        share_prompt_pages=share, attention_impl="reference", seed=seed)
+    engine = SamplerEngine(model_cfg, cfg, model.init_params(model_cfg, jax.random.key(seed)))
+    prompt = np.random.default_rng(seed).integers(4, model_cfg.vocab_size, prompt_len)
+    for i in range(group_size):
+      engine.submit(Request(prompt_tokens=prompt.astype(np.int32), sample_id=i, group_id=0))
+    out = sorted(engine.run_to_completion(), key=lambda r: r.sample_id)
+    tokens[share] = engine.stats().prefill_tokens
+    logps[share] = np.concatenate([r.behavior_logprobs for r in out])
+  n = min(len(logps[True]), len(logps[False]))
+  return {"prefill_tokens_per_group_ratio": tokens[True] / tokens[False],
+          "prefill_tokens_shared": tokens[True], "prefill_tokens_unshared": tokens[False],
+          "shared_logprob_max_abs_diff": float(np.abs(logps[True][:n] - logps[False][:n]).max())}
+
+
+def replica_throughput(model_cfg: ModelConfig, *, slots: int = 8, num_requests: int = 64,
+                       seed: int = 0) -> dict:
+  """Distinct sequences advanced per decode step with 2 data replicas vs 1 (needs 2 devices).
+
+  Returns:
+    {replica_tokens_per_step_ratio, tokens_per_step_1, tokens_per_step_2, replica_overlap}
+    (overlap = samples decoded by both replicas: must be 0), or a "replica_skipped" reason.
+  """
+  devices = jax.devices()
+  if len(devices) < 2:
+    return {"replica_tokens_per_step_ratio": None,
+            "replica_skipped": f"needs 2 devices, found {len(devices)}"}
+  cfg = SamplerConfig(num_slots=slots, page_size=16, num_pages=slots * 24, max_seq_len=384,
+                      max_new_tokens=128, min_prefill_bucket=32, prefill_rows=4,
+                      attention_impl="reference")
+  params = model.init_params(model_cfg, jax.random.key(seed))
+  requests = _requests(num_requests, np.random.default_rng(seed), (8, 24), (64, 128),
+                       model_cfg.vocab_size)
+  per_step, overlap = {}, 0
+  for n in (1, 2):
+    mesh = jax.sharding.Mesh(np.asarray(devices[:n]).reshape(n, 1), ("data", "tp"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    placed = jax.device_put(params, page_pool.replicated(mesh))
+    engine = SamplerEngine(model_cfg, cfg, placed, mesh=mesh)
+    engine.warmup(max(len(r.prompt_tokens) for r in requests))
+    for r in requests:
+      engine.submit(r)
+    seen = [set() for _ in engine.replicas]
+    while engine.has_work:
+      engine.step()
+      for i, r in enumerate(engine.replicas):
+        seen[i].update(s.request.sample_id for s in r.sched.running())
+    if n == 2:
+      overlap = len(seen[0] & seen[1])
+    s = engine.stats()
+    per_step[n] = s.generated_tokens / s.decode_steps
+  return {"replica_tokens_per_step_ratio": per_step[2] / per_step[1],
+          "tokens_per_step_1": per_step[1], "tokens_per_step_2": per_step[2],
+          "replica_overlap": overlap}
+
+
+def run_scaling(model_cfg: ModelConfig = TINY, *, slots: int = 16, live_tokens: int = 256,
+                num_pages: int = 512, width_pages: int = 32, scale: int = 16) -> dict:
+  """Every point-7 measurement; see the module docstring for the keys.
+
+  Args:
+    model_cfg: the model of the decode and host measurements.
+    slots, live_tokens: batch and live tokens per slot of the pool/width pairs.
+    num_pages, width_pages: the 1x pool and the 1x block-table width.
+    scale: the factor between the pairs (16 in the issue).
+  """
+  small = decode_point(model_cfg, slots=slots, live_tokens=live_tokens, num_pages=num_pages,
+                       width_pages=width_pages)
+  big_pool = decode_point(model_cfg, slots=slots, live_tokens=live_tokens,
+                          num_pages=scale * num_pages, width_pages=width_pages)
+  wide = decode_point(model_cfg, slots=slots, live_tokens=live_tokens, num_pages=num_pages,
+                      width_pages=scale * width_pages)
+  out = {
+      "pool_scaling_ratio": big_pool.step_s / small.step_s,
+      "pool_bytes_ratio": big_pool.bytes_accessed / small.bytes_accessed,
+      "width_scaling_ratio": wide.step_s / small.step_s,
+      "decode_temp_over_pool": big_pool.temp_bytes / big_pool.pool_bytes,
+      "decode_step_ms": {"small": 1e3 * small.step_s, "big_pool": 1e3 * big_pool.step_s,
+                         "wide_table": 1e3 * wide.step_s},
+      "bytes_accessed_mb": {"small": small.bytes_accessed / 1e6,
+                            "big_pool": big_pool.bytes_accessed / 1e6},
+      "pool_mb": {"small": small.pool_bytes / 1e6, "big_pool": big_pool.pool_bytes / 1e6},
+      "decode_temp_mb": {"small": small.temp_bytes / 1e6, "big_pool": big_pool.temp_bytes / 1e6},
+  }
+  out.update(host_cost(model_cfg))
+  out.update(prefill_sharing(model_cfg))
+  out.update(replica_throughput(model_cfg))
+  return out
