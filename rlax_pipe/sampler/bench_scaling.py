@@ -245,3 +245,54 @@ def run_scaling(model_cfg: ModelConfig = TINY, *, slots: int = 16, live_tokens: 
   out.update(prefill_sharing(model_cfg))
   out.update(replica_throughput(model_cfg))
   return out
+
+
+def kernel_checks(seed: int = 0) -> dict:
+  """Each Pallas kernel of this platform vs the jnp reference on random paged K/V.
+
+  On GPU / TPU the kernels run natively at preset-like shapes (8 kv heads, head dim 128 and 64,
+  page 16, bf16 pool); on CPU the decode kernels run in Pallas interpret mode at tiny shapes
+  and the ragged TPU path through JAX's reference kernel (the interpreter fails on it).
+
+  Returns:
+    {"kernel_<impl>_<shape>_max_abs_err": float, ...} and "kernel_platform".
+  """
+  from rlax_pipe.sampler import kernels  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.sampler import paged_attention as pa  # pylint: disable=import-outside-toplevel
+
+  platform = jax.devices()[0].platform
+  native = {"gpu": ("pallas_gpu",), "tpu": ("pallas_tpu", "pallas_tpu_ragged")}.get(platform)
+  impls = native or ("pallas_gpu", "pallas_tpu", "pallas_tpu_ragged")
+  shapes = ((8, 2, 128), (8, 4, 64)) if native else ((2, 2, 16),)  # (kv heads, group, head dim)
+  dtype = jnp.bfloat16 if native else jnp.float32
+  out = {"kernel_platform": platform}
+  rng = np.random.default_rng(seed)
+  for kvh, group, dim in shapes:
+    for impl in impls:
+      layout = page_pool.PoolLayout(2, kvh, 64, 16, dim, jnp.dtype(dtype).name,
+                                    combined=impl == "pallas_tpu_ragged")
+      pools = tuple(jnp.asarray(rng.normal(size=s), dtype) for s in layout.shapes)
+      lengths = np.array([1, 17, 100, 250])
+      tables = np.zeros((4, 16), np.int32)
+      perm, used = rng.permutation(64), 0
+      for b, n in enumerate(lengths):
+        k = -(-n // 16)
+        tables[b, :k] = perm[used:used + k]
+        used += k
+      t = 1
+      pos = jnp.asarray((lengths - 1)[:, None], jnp.int32)
+      valid = jnp.ones((4, t), bool)
+      q = jnp.asarray(rng.normal(size=(4, t, kvh * group, dim)), dtype)
+      ref = pa.paged_attention_reference(q.astype(jnp.float32),
+                                         tuple(p.astype(jnp.float32) for p in pools), layout,
+                                         jnp.int32(1), jnp.asarray(tables), pos, valid,
+                                         chunk_pages=4)
+      ragged_ref = None
+      if impl == "pallas_tpu_ragged" and not native:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa  # pylint: disable=import-outside-toplevel
+        ragged_ref = rpa.ref_ragged_paged_attention
+      got = kernels.attend(impl, q, pools, layout, jnp.int32(1), jnp.asarray(tables), pos, valid,
+                           mesh=None, interpret=not native, ragged_kernel=ragged_ref)
+      err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))
+      out[f"kernel_{impl}_K{kvh}G{group}D{dim}_max_abs_err"] = err
+  return out

@@ -77,3 +77,82 @@ def roofline_fraction(bytes_per_step: float, step_s: float, hbm_gbps: float | No
   if not hbm_gbps or step_s <= 0:
     return None
   return bytes_per_step / step_s / (hbm_gbps * 1e9)
+
+
+def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
+               new_tokens: int = 128, hbm_gbps: float | None = None, full: bool | None = None,
+               attention_impl: str = "auto", seed: int = 0) -> dict:
+  """Decode throughput of a preset model with random bf16 weights, and its roofline fraction.
+
+  `slots` requests of `prompt_len` random tokens each generate exactly `new_tokens` tokens
+  (no stop id). The first engine step (admission, prefill, first dispatch) is excluded; the
+  rest is pure decode, timed wall clock after `warmup()` (compiles apart).
+
+  Args:
+    name: a key of `PRESETS`.
+    slots: decode slots (default 64 on an accelerator, 4 on CPU).
+    prompt_len, new_tokens: tokens per request.
+    hbm_gbps: HBM bandwidth override (GB/s); default from `CHIPS` by device kind.
+    full: run the full-size preset (default: on an accelerator only; CPU runs `reduced`).
+    attention_impl: the sampler's attention switch ("auto" = Pallas kernel on GPU/TPU).
+    seed: PRNG seed.
+
+  Returns:
+    dict: preset, device, reduced, model shape, slots, decode_tokens_per_s, decode_step_ms,
+    bytes_per_step (weights + mean live KV read, from the shapes), hbm_gbps, roofline_fraction.
+
+  Raises:
+    KeyError: for an unknown preset name.
+  """
+  from rlax_pipe import model as model_lib  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.sampler.config import Request, SamplerConfig  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.sampler.engine import SamplerEngine  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  if name not in PRESETS:
+    raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+  device = jax.devices()[0]
+  accel = device.platform != "cpu"
+  full = accel if full is None else full
+  model_cfg = PRESETS[name] if full else reduced(PRESETS[name])
+  slots = slots or (64 if accel else 4)
+  max_len = -(-(prompt_len + new_tokens + 1) // 16) * 16
+  model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(max_len, 16))
+  cfg = SamplerConfig(num_slots=slots, page_size=16, num_pages=slots * (max_len // 16) + 16,
+                      max_seq_len=max_len, max_new_tokens=new_tokens,
+                      min_prefill_bucket=min(prompt_len, max_len), prefill_rows=min(slots, 8),
+                      cache_dtype="bfloat16", attention_impl=attention_impl,
+                      share_prompt_pages=False, seed=seed)
+  params = jax.jit(model_lib.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
+  engine = SamplerEngine(model_cfg, cfg, params)
+  engine.warmup(prompt_len)
+  rng = np.random.default_rng(seed)
+  for i in range(slots):
+    engine.submit(Request(prompt_tokens=rng.integers(0, model_cfg.vocab_size, prompt_len
+                                                     ).astype(np.int32), sample_id=i))
+  engine.step()  # admission + prefill + first dispatch
+  before = engine.stats()
+  t0 = time.perf_counter()
+  engine.run_to_completion()
+  elapsed = time.perf_counter() - t0
+  after = engine.stats()
+  steps = after.decode_steps - before.decode_steps
+  tokens = after.generated_tokens - before.generated_tokens
+  layout_bytes = 2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim * 2
+  first = before.generated_tokens // slots  # tokens each sequence had before the timed part
+  mean_live = prompt_len + (first + new_tokens) / 2  # live tokens per slot, mean over steps
+  bytes_per_step = weight_bytes(params) + slots * mean_live * layout_bytes
+  step_s = elapsed / max(steps, 1)
+  kind, table_gbps = chip_bandwidth_gbps(device)
+  gbps = hbm_gbps or table_gbps
+  return {
+      "preset": name, "device": kind, "platform": device.platform, "reduced": not full,
+      "attention_impl": engine.impl, "n_layers": model_cfg.n_layers,
+      "vocab_size": model_cfg.vocab_size, "slots": slots, "prompt_len": prompt_len,
+      "new_tokens": new_tokens, "decode_steps_timed": steps, "decode_tokens_timed": tokens,
+      "decode_tokens_per_s": tokens / elapsed, "decode_step_ms": 1e3 * step_s,
+      "weight_bytes": weight_bytes(params), "bytes_per_step": bytes_per_step,
+      "hbm_gbps": gbps, "hbm_gbps_source": "--hbm_gbps" if hbm_gbps else (
+          "presets.CHIPS" if table_gbps else None),
+      "roofline_fraction": roofline_fraction(bytes_per_step, step_s, gbps),
+  }

@@ -1,0 +1,29 @@
+"""experiments/bench_sampler.py runs where only jax, flax, numpy and absl are installed (the
+accelerator machine): it must not import optional libraries."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BLOCKED = ("ml_collections", "tokenizers", "sentencepiece", "safetensors", "transformers",
+           "torch", "orbax", "optax", "hypothesis", "pytest")
+
+_SCRIPT = f"""
+import runpy, sys
+class Block:
+  def find_spec(self, name, path, target=None):
+    if name.split('.')[0] in {BLOCKED!r}:
+      raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+runpy.run_path({str(ROOT / 'experiments' / 'bench_sampler.py')!r}, run_name='bench')
+from rlax_pipe.sampler import bench_scaling, kernels, presets  # everything the suites call
+print('IMPORTS-OK')
+"""
+
+
+def test_bench_imports_only_jax_flax_numpy_absl():
+  out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+                       cwd=ROOT, env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+                       timeout=300, check=False)
+  assert "IMPORTS-OK" in out.stdout, out.stderr[-2000:]
