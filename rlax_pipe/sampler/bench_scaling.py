@@ -172,7 +172,7 @@ def prefill_sharing(model_cfg: ModelConfig, *, group_size: int = 8, prompt_len: 
           "shared_logprob_max_abs_diff": float(np.abs(logps[True][:n] - logps[False][:n]).max())}
 
 
-def replica_throughput(model_cfg: ModelConfig, *, slots: int = 8, num_requests: int = 64,
+def replica_throughput(model_cfg: ModelConfig, *, slots: int = 8, num_requests: int = 256,
                        seed: int = 0) -> dict:
   """Distinct sequences advanced per decode step with 2 data replicas vs 1 (needs 2 devices).
 
@@ -257,8 +257,10 @@ def kernel_checks(seed: int = 0) -> dict:
   Returns:
     {"kernel_<impl>_<shape>_max_abs_err": float, ...} and "kernel_platform".
   """
-  from rlax_pipe.sampler import kernels  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.sampler import paged_attention as pa  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+  from rlax_pipe.sampler import kernels
+  from rlax_pipe.sampler import paged_attention as pa
 
   platform = jax.devices()[0].platform
   native = {"gpu": ("pallas_gpu",), "tpu": ("pallas_tpu", "pallas_tpu_ragged")}.get(platform)
@@ -287,10 +289,7 @@ def kernel_checks(seed: int = 0) -> dict:
                                          tuple(p.astype(jnp.float32) for p in pools), layout,
                                          jnp.int32(1), jnp.asarray(tables), pos, valid,
                                          chunk_pages=4)
-      ragged_ref = None
-      if impl == "pallas_tpu_ragged" and not native:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa  # pylint: disable=import-outside-toplevel
-        ragged_ref = rpa.ref_ragged_paged_attention
+      ragged_ref = rpa.ref_ragged_paged_attention if not native else None
       got = kernels.attend(impl, q, pools, layout, jnp.int32(1), jnp.asarray(tables), pos, valid,
                            mesh=None, interpret=not native, ragged_kernel=ragged_ref)
       err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)))

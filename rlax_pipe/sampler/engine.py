@@ -17,8 +17,10 @@ finishes, preemptions and weight swaps (same shapes/shardings) do not compile.
 
 Data replicas: the sampler mesh's "data" axis means disjoint slot sets. The engine runs one
 `EngineReplica` (own slots, own page pool) per data index on that index's "tp" sub-mesh,
-dispatches them all before reading any back, and routes every sample of a group to one replica
-(so the group can share its prompt pages). `num_slots` and `num_pages` are per replica.
+dispatches them all before reading any back. New requests wait in one engine-level FIFO and are
+handed to the replica with the most free slots when it has room (so replicas stay balanced);
+every sample of a group goes to its group's replica (so the group shares its prompt pages).
+`num_slots` and `num_pages` are per replica.
 
 Stopping (`Rollout.finish_reason`): "eos" on any id of the stop set (`SamplerConfig.eos_id`;
 kept as the completion's last token, nothing after it is sampled), "length" at the request's
@@ -31,6 +33,7 @@ Threading: `update_weights` may be called from any thread; everything else from 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -59,10 +62,11 @@ class SamplerStats:
   """Counters since construction (summed over replicas).
 
   Attributes:
-    decode_steps: decode steps run (a dispatch of n steps counts n; replicas step in lockstep,
-      so a round counts the most steps any replica ran).
-    dispatches: engine steps that dispatched decode work.
-    host_syncs: blocking device-to-host reads (one per dispatch round).
+    decode_steps: decode steps run (a dispatch of n steps counts n). Replicas decode
+      concurrently on their own devices, so this is the most steps any replica has run (the
+      critical path); generated_tokens / decode_steps = sequences advanced per decode step.
+    dispatches: decode dispatches read back (all replicas).
+    host_syncs: blocking device-to-host reads (at most one per engine step).
     host_s: seconds of host work in `step`: its wall time minus the blocking reads and minus
       the calls of jitted device programs and uploads (`device_call_s`; on CPU such a call may
       run the program inline). Scheduling, page bookkeeping, packing updates, appending tokens.
@@ -214,6 +218,9 @@ class SamplerEngine:
     self._lock = threading.Lock()
     self._uids = itertools.count()
     self._group_replica: dict[Any, list[int]] = {}  # share key -> [replica, live members]
+    self._queue: collections.deque[SequenceState] = collections.deque()  # not yet on a replica
+    self._buffer: list[Rollout] = []  # finished by `settle`, returned by the next `step`
+    self._launches = 0
     self._sums = dict(kv_utilization=0.0, kv_page_fill=0.0)
     self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
                         finished=0, aborted=0, weight_updates=0)
@@ -233,7 +240,7 @@ class SamplerEngine:
   @property
   def num_waiting(self) -> int:
     """Sequences waiting for a slot (new, filtered out by admission control, or preempted)."""
-    return sum(len(r.sched.waiting) for r in self.replicas)
+    return len(self._queue) + sum(len(r.sched.waiting) for r in self.replicas)
 
   @property
   def num_slots(self) -> int:
@@ -291,15 +298,25 @@ class SamplerEngine:
     seq = SequenceState(uid=next(self._uids), request=request, prompt=prompt, max_new=max_new,
                         budget=budget, tokens=prompt.tolist(), t_submit=self.clock(),
                         share_key=key)
-    self._replica_for(key).sched.enqueue(seq)
+    self._queue.append(seq)
+    if len(self.replicas) == 1:
+      self._distribute()
 
-  def _replica_for(self, key) -> EngineReplica:
-    entry = self._group_replica.get(key)
-    if entry is None:
-      load = [r.sched.num_active + len(r.sched.waiting) for r in self.replicas]
-      entry = self._group_replica[key] = [int(np.argmin(load)), 0]
-    entry[1] += 1
-    return self.replicas[entry[0]]
+  def _distribute(self) -> None:
+    """Hands queued requests (FIFO) to replicas: a group's replica if it has one, else the
+    replica with the most free slots, while some replica has a free slot for it."""
+    while self._queue:
+      seq = self._queue[0]
+      entry = self._group_replica.get(seq.share_key)
+      if entry is None:
+        room = [r.cfg.num_slots - r.sched.num_active - len(r.sched.waiting)
+                for r in self.replicas]
+        best = int(np.argmax(room))
+        if room[best] <= 0 and len(self.replicas) > 1:
+          return
+        entry = self._group_replica[seq.share_key] = [best, 0]
+      entry[1] += 1
+      self.replicas[entry[0]].sched.enqueue(self._queue.popleft())
 
   def _forget(self, seq: SequenceState) -> None:
     entry = self._group_replica.get(seq.share_key)
@@ -331,6 +348,12 @@ class SamplerEngine:
   def abort(self, sample_id: int) -> Rollout | None:
     """Stops one request (running or waiting) and returns its Rollout with finish_reason
     "aborted" (tokens so far), or None if no unfinished request has that sample_id."""
+    self.settle()
+    for seq in self._queue:
+      if seq.request.sample_id == sample_id:
+        self._queue.remove(seq)
+        self._counts["aborted"] += 1
+        return self._rollout(seq, "aborted", self.clock())
     for r in self.replicas:
       for seq in r.sched.running() + list(r.sched.waiting):
         if seq.request.sample_id == sample_id:
@@ -342,31 +365,42 @@ class SamplerEngine:
 
   def abort_all(self) -> list[Rollout]:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
-    request (running ones with their tokens so far, waiting ones possibly empty)."""
+    request (running ones with their tokens so far, waiting ones possibly empty), after any
+    rollouts that finished in dispatches still in flight (with their own finish reasons)."""
+    self.settle()
     now = self.clock()
-    out = []
+    out, self._buffer = self._buffer, []
     for r in self.replicas:
       for seq in r.sched.drain():
         self._forget(seq)
         out.append(self._rollout(seq, "aborted", now))
-    self._counts["aborted"] += len(out)
+    out.extend(self._rollout(seq, "aborted", now) for seq in self._queue)
+    self._queue.clear()
+    self._counts["aborted"] += sum(1 for x in out if x.finish_reason == "aborted")
     return out
 
   # --- stepping -----------------------------------------------------------------------------
   def step(self) -> list[Rollout]:
-    """One engine step: swap weights if pending, then per replica reserve pages (preempting if
-    short), admit waiting requests, prefill, and dispatch up to K decode steps; then read every
-    replica's results back (one blocking read per step).
+    """One engine step: swap weights if pending; every replica without a dispatch in flight
+    reserves pages (preempting if short), admits waiting requests, prefills and dispatches up to
+    K decode steps; then ONE blocking read-back: the oldest dispatch in flight.
+
+    With one replica that is the dispatch just launched. With several, replicas run
+    concurrently: each is read back in turn (round robin, deterministic) and relaunched at once,
+    so none waits for the others' dispatches.
 
     Returns:
-      Rollouts that finished in this step.
+      Rollouts that finished in this step (plus any collected by `settle`).
     """
     t_start, waited = time.perf_counter(), 0.0
     calls_before = sum(r.device_call_s for r in self.replicas)
     self._apply_pending_weights()
     start = self.clock()
     calls = sum(r.counts["prefill_calls"] for r in self.replicas)
-    for r, params in zip(self.replicas, self._views):
+    self._distribute()
+    idle = [(r, p) for r, p in zip(self.replicas, self._views) if r.inflight is None]
+    for r, params in idle:
+      self._adopt_version(r)
       r.prepare(self._may_admit, start, params)
     if self.on_span is not None and sum(r.counts["prefill_calls"] for r in self.replicas) > calls:
       t0 = time.perf_counter()
@@ -374,36 +408,58 @@ class SamplerEngine:
       waited += time.perf_counter() - t0
       self.on_span("sampler", "prefill", start, self.clock(), self.num_active, self.num_slots)
       start = self.clock()
-    launched = [r.launch(params, self.cfg.sampling)
-                for r, params in zip(self.replicas, self._views)]
-    live = [(r, l) for r, l in zip(self.replicas, launched) if l is not None]
-    if not live:
-      self._add_host_time(t_start, waited, calls_before)
-      return []
+    for r, params in idle:
+      r.inflight = r.launch(params, self.cfg.sampling, queued=len(self._queue))
+      if r.inflight is not None:
+        r.inflight.order, self._launches = self._launches, self._launches + 1
+    finished, self._buffer = self._buffer, []
+    flying = [r for r in self.replicas if r.inflight is not None]
+    if flying:
+      oldest = min(flying, key=lambda r: r.inflight.order)
+      waited += self._collect([oldest], finished, start)
+    self._add_host_time(t_start, waited, calls_before)
+    return finished
+
+  def settle(self) -> None:
+    """Reads back every dispatch in flight (their finished rollouts are returned by the next
+    `step`), so that the host state is complete: before a snapshot, an abort or a warm-up."""
+    flying = sorted((r for r in self.replicas if r.inflight is not None),
+                    key=lambda r: r.inflight.order)
+    if flying:
+      self._collect(flying, self._buffer, self.clock())
+
+  def _collect(self, replicas: list[EngineReplica], finished: list[Rollout], start: float
+               ) -> float:
+    """One blocking read of `replicas`' dispatches; appends finished rollouts. Returns the
+    seconds spent waiting for the device."""
     t0 = time.perf_counter()
-    results = jax.device_get([(l.ints, l.logps) for _, l in live])
-    waited += time.perf_counter() - t0
+    results = jax.device_get([(r.inflight.ints, r.inflight.logps) for r in replicas])
+    waited = time.perf_counter() - t0
     now = self.clock()
-    finished, steps, tokens = [], 0, 0
-    for (r, l), (ints, logps) in zip(live, results):
-      done, st = r.collect(l, ints, logps, now)
-      steps, tokens = max(steps, st["steps"]), tokens + st["tokens"]
+    tokens = n_done = 0
+    for r, (ints, logps) in zip(replicas, results):
+      launched, r.inflight = r.inflight, None
+      done, st = r.collect(launched, ints, logps, now)
+      r.steps_total += st["steps"]
+      tokens += st["tokens"]
       self._sums["kv_utilization"] += st["live_token_steps"] / (
           self.cfg.num_pages * self.cfg.page_size * len(self.replicas))
-      self._sums["kv_page_fill"] += st["live_token_steps"] / (st["used_tokens"] * len(live))
+      self._sums["kv_page_fill"] += st["live_token_steps"] / (
+          st["used_tokens"] * len(self.replicas))
+      n_done += len(done)
       for seq, reason in done:
         self._forget(seq)
         finished.append(self._rollout(seq, reason, now))
+      if self.on_span is not None:
+        self.on_span("sampler", "decode", start, now, st["tokens"] // max(st["steps"], 1),
+                     self.num_slots)
     c = self._counts
-    c["decode_steps"] += steps
-    c["dispatches"] += 1
+    c["decode_steps"] = max(r.steps_total for r in self.replicas)
+    c["dispatches"] += len(replicas)
     c["host_syncs"] += 1
     c["generated_tokens"] += tokens
-    c["finished"] += len(finished)
-    if self.on_span is not None:
-      self.on_span("sampler", "decode", start, now, tokens // max(steps, 1), self.num_slots)
-    self._add_host_time(t_start, waited, calls_before)
-    return finished
+    c["finished"] += n_done
+    return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
     calls = sum(r.device_call_s for r in self.replicas) - calls_before
@@ -440,7 +496,7 @@ class SamplerEngine:
         of a preempted sequence) compiles later.
     """
     from rlax_pipe.sampler import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
-    if self.num_active:
+    if self.num_active or any(r.inflight is not None for r in self.replicas):
       raise RuntimeError("warmup: call it before sequences are running (it dispatches idle "
                          "decode steps).")
     for r, params in zip(self.replicas, self._views):
@@ -463,12 +519,18 @@ class SamplerEngine:
     self._params, self._version = pending
     self._views = self._replica_params(self._params)
     self._counts["weight_updates"] += 1
-    for r in self.replicas:
-      r.version = self._version
-      r.sharing.invalidate(self._version)
-      if self.cfg.kv_policy == "recompute":
-        for seq in r.sched.running():
-          r.sched.drop_pages(seq)
+
+  def _adopt_version(self, r: EngineReplica) -> None:
+    """A replica between dispatches switches to the engine's version: prompt entries of older
+    weights are dropped, and under kv_policy="recompute" running sequences lose their pages
+    (their prefix is prefilled again with the new weights before the next dispatch)."""
+    if r.version == self._version:
+      return
+    r.version = self._version
+    r.sharing.invalidate(self._version)
+    if self.cfg.kv_policy == "recompute":
+      for seq in r.sched.running():
+        r.sched.drop_pages(seq)
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
     r = seq.request

@@ -104,10 +104,11 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
   Raises:
     KeyError: for an unknown preset name.
   """
-  from rlax_pipe import model as model_lib  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.sampler.config import Request, SamplerConfig  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.sampler.engine import SamplerEngine  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel  (the engine imports this module's neighbours)
+  import time
+  from rlax_pipe import model as model_lib
+  from rlax_pipe.sampler.config import Request, SamplerConfig
+  from rlax_pipe.sampler.engine import SamplerEngine
 
   if name not in PRESETS:
     raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")

@@ -58,6 +58,7 @@ class Launched:
   version: int
   lengths: np.ndarray  # sequence length of each slot at launch (0 = empty)
   used_tokens: int  # capacity of the pages in use at launch
+  order: int = 0  # launch counter of the engine (the oldest dispatch is read back first)
 
 
 class EngineReplica:
@@ -89,6 +90,8 @@ class EngineReplica:
     self.counts = dict(prefill_calls=0, prefill_tokens=0, recomputed_tokens=0, preemptions=0,
                        shared_prompt_copies=0)
     self.device_call_s = 0.0  # seconds inside jitted-program calls and uploads (see `_call`)
+    self.inflight: Launched | None = None  # the dispatch launched and not yet read back
+    self.steps_total = 0  # decode steps this replica ran
     self.mark_all_dirty()
 
   def _call(self, fn, *args, **kwargs):
@@ -177,7 +180,7 @@ class EngineReplica:
     if not copied:
       self._run_copies()
 
-  def _updates(self) -> tuple[np.ndarray, tuple | None]:
+  def _updates(self, queued: int = 0) -> tuple[np.ndarray, tuple | None]:
     """Slot-update matrix [UPDATE_ROWS + 1, B] and block-table deltas of the slots whose
     sequence changed (dirty) or whose pages grew since the device last saw them."""
     b, size = self.cfg.num_slots, self.cfg.page_size
@@ -199,7 +202,7 @@ class EngineReplica:
         pages.extend(new)
         seq.table_cols = len(held)
     self.sched.dirty.clear()
-    waiting = len(self.sched.waiting)
+    waiting = len(self.sched.waiting) + queued
     upd[FLAG_ROW, 0] = min(waiting, -(-b // 8))  # refill freed slots in batches
     if not slots:
       return upd, None
@@ -209,12 +212,19 @@ class EngineReplica:
     return upd, tuple(deltas)
 
   # --- device dispatch --------------------------------------------------------------------
-  def launch(self, params, model_sampling) -> Launched | None:
-    """Dispatches up to K decode steps for the running slots (asynchronous)."""
+  def launch(self, params, model_sampling, queued: int = 0) -> Launched | None:
+    """Dispatches up to K decode steps for the running slots (asynchronous).
+
+    Args:
+      params: this replica's weights.
+      model_sampling: the sampling configuration.
+      queued: requests waiting at the engine level (not yet on a replica); with this replica's
+        own waiting ones they decide how many finishes end the dispatch early.
+    """
     slots = list(self.sched.slots)
     if all(s is None for s in slots):
       return None
-    upd, deltas = self._updates()
+    upd, deltas = self._updates(queued)
     if deltas is not None:
       self.tables = self._call(lambda: device_loop.write_tables(
           self.tables, *jax.device_put(deltas, self.replicated), replicated=self.replicated))

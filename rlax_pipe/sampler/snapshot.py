@@ -10,6 +10,7 @@ sampler config and mesh reproduces its future exactly: same tokens, log-probs, v
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -22,6 +23,7 @@ from rlax_pipe.sampler.engine import SamplerEngine
 from rlax_pipe.sampler.page_allocator import _key_from_json, _key_to_json
 from rlax_pipe.sampler.prompt_sharing import PromptEntry
 from rlax_pipe.sampler.scheduler import SequenceState
+from rlax_pipe.types import Rollout
 
 # pylint: disable=protected-access
 
@@ -58,6 +60,19 @@ def _seq_from_dict(d: dict) -> SequenceState:
       admit_order=d["admit_order"], share_key=_key_from_json(d["share_key"]))
 
 
+def _rollout_to_dict(r: Rollout) -> dict:
+  d = dataclasses.asdict(r)
+  return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+
+def _rollout_from_dict(d: dict) -> Rollout:
+  d = dict(d)
+  for k, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
+                   ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
+    d[k] = np.asarray(d[k], dtype)
+  return Rollout(**d)
+
+
 def _flat(tree: Any, prefix: str) -> dict[str, np.ndarray]:
   leaves = jax.tree.leaves(jax.device_get(tree))
   return {f"{prefix}{i}": np.asarray(x) for i, x in enumerate(leaves)}
@@ -79,7 +94,7 @@ def _replica_state(r) -> tuple[dict, dict[str, np.ndarray]]:
       "entries": [[_key_to_json(k), _key_to_json(e.holder), e.num_tokens, list(e.full_pages),
                    e.partial_page, e.version] for k, e in sharing.entries.items()],
       "members": [[_key_to_json(k), n] for k, n in sharing.members.items()],
-      "counts": dict(r.counts),
+      "counts": dict(r.counts), "version": r.version, "steps_total": r.steps_total,
   }
   arrays = {f"pool{i}": np.asarray(jax.device_get(p)) for i, p in enumerate(r.pools)}
   arrays["rng"] = np.asarray(jax.random.key_data(r.state.rng))
@@ -96,6 +111,7 @@ def snapshot(engine: SamplerEngine) -> tuple[dict, dict[str, np.ndarray]]:
     will not be used again).
   """
   e = engine
+  e.settle()  # dispatches in flight are read back; their finished rollouts stay buffered
   with e._lock:
     pending = e._pending
   next_uid = next(e._uids)
@@ -104,6 +120,8 @@ def snapshot(engine: SamplerEngine) -> tuple[dict, dict[str, np.ndarray]]:
            "next_uid": next_uid, "sums": dict(e._sums), "counts": dict(e._counts),
            "host_s": e._host_s,
            "groups": [[_key_to_json(k), v[0], v[1]] for k, v in e._group_replica.items()],
+           "queue": [_seq_to_dict(s) for s in e._queue],
+           "buffer": [_rollout_to_dict(r) for r in e._buffer],
            "replicas": []}
   arrays: dict[str, np.ndarray] = {}
   for i, r in enumerate(e.replicas):
@@ -138,6 +156,8 @@ def _restore_replica(r, state: dict, arrays: dict[str, np.ndarray], prefix: str)
   sharing.members.update({_key_from_json(k): n for k, n in state["members"]})
   sharing.pending_copies = []
   r.counts = {k: int(v) for k, v in state["counts"].items()}
+  r.version, r.steps_total = int(state["version"]), int(state["steps_total"])
+  r.inflight = None
   r.mark_all_dirty()
 
 
@@ -164,9 +184,12 @@ def restore(engine: SamplerEngine, state: dict, arrays: dict[str, np.ndarray]) -
                 (_unflat(running, arrays, "pending"), int(state["pending_version"])))
   for i, (r, rs) in enumerate(zip(e.replicas, state["replicas"])):
     _restore_replica(r, rs, arrays, f"r{i}/")
-    r.version = e._version
   e._uids = itertools.count(int(state["next_uid"]))
   e._sums = {k: float(v) for k, v in state["sums"].items()}
   e._counts = {k: int(v) for k, v in state["counts"].items()}
   e._host_s = float(state["host_s"])
   e._group_replica = {_key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
+  e._queue.clear()
+  e._queue.extend(_seq_from_dict(d) for d in state["queue"])
+  e._buffer = [_rollout_from_dict(d) for d in state["buffer"]]
+  e._launches = 0

@@ -159,7 +159,8 @@ def test_data_replicas_decode_disjoint_sequences(params):
   sequences per decode step, each sample on exactly one replica, parity with the reference."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(2, 1), ("data", "tp"),
                            axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  on_mesh = jax.device_put(params[0], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  on_mesh = jax.device_put(params[0],
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   requests = [Request(prompt_tokens=np.arange(1, 4 + i % 3, dtype=np.int32), sample_id=i,
                       group_id=i, max_new_tokens=8) for i in range(8)]
 

@@ -131,10 +131,11 @@ def test_engine_with_a_kernel_zeroes_fresh_pages_so_stale_nan_cannot_leak():
   """JAX's kernels multiply masked probabilities by values, so a NaN left in a granted page
   would reach the output; the engine zeroes every page it grants when a kernel is in use.
   With every page poisoned by NaN, the kernel engine matches the reference engine."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-  from rlax_pipe import model  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.config import ModelConfig  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  import dataclasses
+  from rlax_pipe import model
+  from rlax_pipe.config import ModelConfig
+  from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
   model_cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                           head_dim=16, d_ff=48, max_seq_len=40)
   params = model.init_params(model_cfg, jax.random.key(0))
