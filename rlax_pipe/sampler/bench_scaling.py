@@ -47,63 +47,85 @@ class DecodePoint:
   pool_bytes: int
 
 
-def decode_point(model_cfg: ModelConfig, *, slots: int, live_tokens: int, num_pages: int,
-                 width_pages: int, page_size: int = 16, steps: int = 8, repeats: int = 24,
-                 seed: int = 0) -> DecodePoint:
-  """Times `decode_dispatch` with every slot at `live_tokens` tokens (reset each dispatch).
+class _DecodeProgram:
+  """A compiled `decode_dispatch` with every slot at `live_tokens` tokens (reset per call)."""
+
+  def __init__(self, model_cfg: ModelConfig, *, slots: int, live_tokens: int, num_pages: int,
+               width_pages: int, page_size: int, steps: int, seed: int):
+    need = -(-(live_tokens + steps) // page_size)
+    if need > width_pages or slots * need > num_pages:
+      raise ValueError(f"decode_point: {slots} slots x {need} pages do not fit W={width_pages}, "
+                       f"P={num_pages}.")
+    mesh = page_pool.default_mesh()
+    rep = page_pool.replicated(mesh)
+    self.layout = page_pool.PoolLayout(model_cfg.n_layers, model_cfg.n_kv_heads, num_pages,
+                                       page_size, model_cfg.head_dim, model_cfg.param_dtype)
+    self.steps = steps
+    self.params = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
+    self.pools = page_pool.init_pool(self.layout, mesh)
+    rng = np.random.default_rng(seed)
+    tables = np.zeros((slots, width_pages), np.int32)
+    # The same live pages (ids below slots * need, shuffled) whatever the pool size or table
+    # width: the pairs differ only in reserved, unused pages / columns.
+    tables[:, :need] = rng.permutation(slots * need).reshape(slots, need)
+    self.tables = jax.device_put(tables, rep)
+    self.state = jax.device_put(device_loop.SlotState.zeros(slots, jax.random.key(seed)), rep)
+    upd = np.zeros((device_loop.UPDATE_ROWS, slots), np.int32)
+    upd[0], upd[1], upd[2], upd[3] = 1, 1, live_tokens - 1, 1
+    upd[4], upd[5] = live_tokens + 10 * steps, need * page_size
+    self.upd, self.flag = jax.device_put((upd, np.int32(0)), rep)
+    self.compiled = device_loop.decode_dispatch.lower(
+        self.params, self.pools, self.tables, self.state, self.upd, self.flag,
+        model_cfg=model_cfg, sampling=SamplingConfig(), layout=self.layout, impl="reference",
+        chunk_pages=max(1, 256 // page_size), mesh=None, interpret=False, stop_ids=(),
+        steps=steps, sharding=self.layout.sharding(mesh), replicated=rep).compile()
+
+  def time_step(self) -> float:
+    """Seconds per decode step of one dispatch (K steps, blocking)."""
+    t0 = time.perf_counter()
+    self.pools, _, ints, _ = self.compiled(self.params, self.pools, self.tables, self.state,
+                                           self.upd, self.flag)
+    jax.block_until_ready(ints)
+    return (time.perf_counter() - t0) / self.steps
+
+  def point(self, times: list[float]) -> DecodePoint:
+    cost = self.compiled.cost_analysis() or {}
+    if isinstance(cost, (list, tuple)):  # older jax returned one dict per computation
+      cost = cost[0] if cost else {}
+    return DecodePoint(float(np.median(times)), float(cost.get("bytes accessed", np.nan)),
+                       int(self.compiled.memory_analysis().temp_size_in_bytes),
+                       self.layout.nbytes)
+
+
+def decode_points(model_cfg: ModelConfig, configs: dict[str, dict], *, slots: int,
+                  live_tokens: int, page_size: int = 16, steps: int = 8, repeats: int = 40,
+                  seed: int = 0) -> dict[str, DecodePoint]:
+  """Times several decode-dispatch configurations, interleaved (one dispatch of each in turn,
+  so that load on a shared machine hits them alike), `repeats` timed rounds after 3 warm ones.
 
   Args:
     model_cfg: the model (random weights).
-    slots: B, all active.
-    live_tokens: tokens each slot holds when a dispatch starts.
-    num_pages: P, pages in the pool (per layer).
-    width_pages: W, block-table width (pages per sequence).
-    page_size: S.
-    steps: K decode steps per dispatch.
-    repeats: timed dispatches (the median is reported; >= 20).
+    configs: name -> {"num_pages": P, "width_pages": W}.
+    slots: B, all active; live_tokens: tokens each slot holds when a dispatch starts.
+    page_size: S; steps: K decode steps per dispatch; repeats: timed rounds (>= 20).
     seed: PRNG seed of weights and page choice.
 
   Returns:
-    A `DecodePoint` (step_s = median dispatch time / K).
+    name -> `DecodePoint` (step_s = median over rounds of dispatch time / K).
 
   Raises:
-    ValueError: if the pool cannot hold the live tokens plus the dispatch's growth.
+    ValueError: if a pool cannot hold the live tokens plus a dispatch's growth.
   """
-  need = -(-(live_tokens + steps) // page_size)
-  if need > width_pages or slots * need > num_pages:
-    raise ValueError(f"decode_point: {slots} slots x {need} pages do not fit W={width_pages}, "
-                     f"P={num_pages}.")
-  mesh = page_pool.default_mesh()
-  rep = page_pool.replicated(mesh)
-  layout = page_pool.PoolLayout(model_cfg.n_layers, model_cfg.n_kv_heads, num_pages, page_size,
-                                model_cfg.head_dim, model_cfg.param_dtype)
-  params = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
-  pools = page_pool.init_pool(layout, mesh)
-  rng = np.random.default_rng(seed)
-  pages = rng.permutation(num_pages)[:slots * need].reshape(slots, need)
-  tables = np.zeros((slots, width_pages), np.int32)
-  tables[:, :need] = pages
-  tables = jax.device_put(tables, rep)
-  state = jax.device_put(device_loop.SlotState.zeros(slots, jax.random.key(seed)), rep)
-  upd = np.zeros((device_loop.UPDATE_ROWS, slots), np.int32)
-  upd[0], upd[1], upd[2], upd[3] = 1, 1, live_tokens - 1, 1
-  upd[4], upd[5] = live_tokens + 10 * steps, need * page_size
-  upd, flag = jax.device_put((upd, np.int32(0)), rep)
-  compiled = device_loop.decode_dispatch.lower(
-      params, pools, tables, state, upd, flag, model_cfg=model_cfg, sampling=SamplingConfig(),
-      layout=layout, impl="reference", chunk_pages=max(1, 256 // page_size), mesh=None,
-      interpret=False, stop_ids=(), steps=steps, sharding=layout.sharding(mesh),
-      replicated=rep).compile()
-  times = []
+  programs = {name: _DecodeProgram(model_cfg, slots=slots, live_tokens=live_tokens,
+                                   page_size=page_size, steps=steps, seed=seed, **c)
+              for name, c in configs.items()}
+  times = {name: [] for name in programs}
   for i in range(repeats + 3):
-    t0 = time.perf_counter()
-    pools, _, ints, _ = compiled(params, pools, tables, state, upd, flag)
-    jax.block_until_ready(ints)
-    if i >= 3:
-      times.append((time.perf_counter() - t0) / steps)
-  cost = compiled.cost_analysis() or {}
-  return DecodePoint(float(np.median(times)), float(cost.get("bytes accessed", np.nan)),
-                     int(compiled.memory_analysis().temp_size_in_bytes), layout.nbytes)
+    for name, prog in programs.items():
+      t = prog.time_step()
+      if i >= 3:
+        times[name].append(t)
+  return {name: prog.point(times[name]) for name, prog in programs.items()}
 
 
 def _requests(n: int, rng, prompt: tuple[int, int], budget: tuple[int, int], vocab: int,
@@ -223,12 +245,12 @@ def run_scaling(model_cfg: ModelConfig = TINY, *, slots: int = 16, live_tokens: 
     num_pages, width_pages: the 1x pool and the 1x block-table width.
     scale: the factor between the pairs (16 in the issue).
   """
-  small = decode_point(model_cfg, slots=slots, live_tokens=live_tokens, num_pages=num_pages,
-                       width_pages=width_pages)
-  big_pool = decode_point(model_cfg, slots=slots, live_tokens=live_tokens,
-                          num_pages=scale * num_pages, width_pages=width_pages)
-  wide = decode_point(model_cfg, slots=slots, live_tokens=live_tokens, num_pages=num_pages,
-                      width_pages=scale * width_pages)
+  points = decode_points(model_cfg, {
+      "small": dict(num_pages=num_pages, width_pages=width_pages),
+      "big_pool": dict(num_pages=scale * num_pages, width_pages=width_pages),
+      "wide": dict(num_pages=num_pages, width_pages=scale * width_pages)},
+                         slots=slots, live_tokens=live_tokens)
+  small, big_pool, wide = points["small"], points["big_pool"], points["wide"]
   out = {
       "pool_scaling_ratio": big_pool.step_s / small.step_s,
       "pool_bytes_ratio": big_pool.bytes_accessed / small.bytes_accessed,
