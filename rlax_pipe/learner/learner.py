@@ -20,14 +20,13 @@ import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import checkpoint as checkpoint_lib
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 
 class NonFiniteError(RuntimeError):
@@ -35,16 +34,16 @@ class NonFiniteError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
+def _compiled_step(model: Model, step_cfg: LearnerConfig,
                    objective_cfg: objectives.ObjectiveConfig,
                    sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
                    shape: tuple[int, int]):
   """The jitted step for one configuration, mesh and batch shape (shared between learners)."""
   tx = optimizer.make_optimizer(step_cfg)
-  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
+  state_sh = train_state_lib.state_shardings(model, tx, mesh)
   b, l = shape
   micro = NamedSharding(mesh, sharding_lib.microbatch_spec(mesh, (b // step_cfg.micro_batches, l)))
-  fn = train_step_lib.make_train_step(model_cfg, step_cfg, objective_cfg, sampling_cfg, tx,
+  fn = train_step_lib.make_train_step(model, step_cfg, objective_cfg, sampling_cfg, tx,
                                       micro, state_sh.params)
   batch_sh = {name: sharding_lib.batch_sharding(mesh, shape)
               for name in train_step_lib.BATCH_FIELDS}
@@ -54,11 +53,10 @@ def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_init(model_cfg: ModelConfig, step_cfg: LearnerConfig, mesh: Mesh,
-                   from_params: bool):
+def _compiled_init(model: Model, step_cfg: LearnerConfig, mesh: Mesh, from_params: bool):
   """Jitted state initializer writing straight into the learner shardings."""
   tx = optimizer.make_optimizer(step_cfg)
-  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
+  state_sh = train_state_lib.state_shardings(model, tx, mesh)
   opts = dict(step_cfg.compiler_options) or None
   rep = sharding_lib.replicated(mesh)
   if from_params:
@@ -66,7 +64,7 @@ def _compiled_init(model_cfg: ModelConfig, step_cfg: LearnerConfig, mesh: Mesh,
                    in_shardings=(state_sh.params, rep), out_shardings=state_sh,
                    compiler_options=opts)
   return jax.jit(lambda seed: train_state_lib.init_state(
-      transformer.init_params(model_cfg, jax.random.key(seed)), tx, seed),
+      model.init_params(jax.random.key(seed)), tx, seed),
                  in_shardings=(rep,), out_shardings=state_sh, compiler_options=opts)
 
 
@@ -93,7 +91,7 @@ class Learner:
     >>> last_metrics = learner.flush()
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig,
+  def __init__(self, model: ModelLike, cfg: LearnerConfig,
                objective_cfg: objectives.ObjectiveConfig,
                sampling_cfg: logprobs_lib.SamplingConfig, *,
                devices: Sequence[Any] | None = None, mesh: Mesh | None = None,
@@ -101,7 +99,7 @@ class Learner:
     """Builds the mesh and the initial state (version 0, or restored from a checkpoint).
 
     Args:
-      model_cfg: model configuration.
+      model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
       cfg: learner configuration.
       objective_cfg: objective configuration.
       sampling_cfg: the sampler's SamplingConfig (log-probs are recomputed with it).
@@ -120,7 +118,7 @@ class Learner:
         `restore` without a checkpoint directory or together with `params`.
       checkpoint.CheckpointError: with `restore`, if no usable checkpoint exists.
     """
-    self.model_cfg, self.cfg = model_cfg, cfg
+    self.model, self.cfg = as_model(model), cfg
     self.objective_cfg, self.sampling_cfg = objective_cfg, sampling_cfg
     if mesh is None:
       devices = list(jax.devices()[:cfg.num_devices] if devices is None else devices)
@@ -131,7 +129,7 @@ class Learner:
     self.mesh = mesh
     self._step_cfg = cfg.step_slice()
     self._tx = optimizer.make_optimizer(self._step_cfg)
-    self.state_shardings = train_state_lib.state_shardings(model_cfg, self._tx, mesh)
+    self.state_shardings = train_state_lib.state_shardings(self.model, self._tx, mesh)
     self._checkpointer = None
     if cfg.checkpoint_dir is not None:
       self._checkpointer = checkpoint_lib.Checkpointer(
@@ -149,10 +147,10 @@ class Learner:
       return
     seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
     if params is None:
-      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, False)(seed)
+      self._state = _compiled_init(self.model, self._step_cfg, mesh, False)(seed)
     else:
       params = jax.device_put(params, self.state_shardings.params)
-      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, True)(params, seed)
+      self._state = _compiled_init(self.model, self._step_cfg, mesh, True)(params, seed)
 
   # ---- state access -------------------------------------------------------------------------
 
@@ -205,7 +203,7 @@ class Learner:
     """
     arrays = batch_arrays(batch)
     shape = tuple(arrays["tokens"].shape)
-    step_fn, batch_sh = _compiled_step(self.model_cfg, self._step_cfg, self.objective_cfg,
+    step_fn, batch_sh = _compiled_step(self.model, self._step_cfg, self.objective_cfg,
                                        self.sampling_cfg, self.mesh, shape)
     self._step_fn = step_fn
     device_batch = jax.device_put(arrays, batch_sh)
@@ -276,7 +274,7 @@ class Learner:
     """
     if self._checkpointer is None:
       raise ValueError("Learner.restore: LearnerConfig.checkpoint_dir is None.")
-    target = train_state_lib.sharded_abstract_state(self.model_cfg, self._tx, self.mesh)
+    target = train_state_lib.sharded_abstract_state(self.model, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
     self._state, self._pending = restored.state, None
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,

@@ -1,24 +1,24 @@
-"""Learner mesh and shardings, all derived from abstract shapes before anything is allocated.
+"""Learner shardings, all derived from abstract shapes before anything is allocated.
 
-Params follow the model's logical axes through `meshes.LEARNER_RULES` (FSDP on embed, tensor
-parallel on heads / mlp / vocab); optimizer moments inherit their parameter's sharding; scalars
-are replicated; batch rows are split over the (data, fsdp) axes.
+Params follow the model's logical axes through `rlax_pipe.sharding.LEARNER_RULES` (FSDP on embed,
+tensor parallel on heads / mlp / vocab); optimizer moments inherit their parameter's sharding
+(`rlax_pipe.sharding.opt_state_shardings`); scalars are replicated; batch rows are split over the
+(data, fsdp) axes.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-import optax
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.model import transformer
-from rlax_pipe.pipeline import meshes
+from rlax_pipe.model import ModelLike, as_model
+# One definition each, in rlax_pipe.sharding; re-exported for the learner's modules.
+from rlax_pipe.sharding import opt_state_shardings, replicated  # pylint: disable=unused-import
 
-BATCH_AXES: tuple[str, str] = ("batch", "length")
+BATCH_AXES: tuple[str, str] = (sharding_lib.BATCH, sharding_lib.LENGTH)
 
 
 def learner_mesh(devices: Sequence[Any], cfg: LearnerConfig) -> Mesh:
@@ -28,57 +28,24 @@ def learner_mesh(devices: Sequence[Any], cfg: LearnerConfig) -> Mesh:
     ValueError: if the device count differs from the product of the axis sizes, or an axis
       name is not one of the learner rules' mesh axes (data, fsdp, tp).
   """
-  return meshes.make_learner_mesh(devices, cfg.mesh_shape)
+  return sharding_lib.make_mesh(devices, cfg.mesh_shape, sharding_lib.LEARNER_RULES)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-  """Sharding of a value kept whole on every device of `mesh`."""
-  return NamedSharding(mesh, PartitionSpec())
-
-
-def param_shardings(model_cfg: ModelConfig, mesh: Mesh,
-                    rules: meshes.Rules = meshes.LEARNER_RULES) -> Any:
-  """NamedSharding per parameter, from `transformer.param_axes` and the abstract shapes."""
-  return meshes.logical_to_sharding(transformer.param_axes(model_cfg), mesh, rules,
-                                    shapes=transformer.abstract_params(model_cfg))
-
-
-def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any,
-                        params_shardings: Any, mesh: Mesh) -> Any:
-  """Shardings of an optax state: per-parameter leaves (moments) copy their parameter's.
-
-  Args:
-    tx: the optimizer whose state this is.
-    abstract_opt_state: `jax.eval_shape(tx.init, abstract_params)`.
-    params_shardings: NamedSharding tree with the params' structure.
-    mesh: learner mesh (non-parameter leaves such as counts are replicated on it).
-
-  Returns:
-    A tree with the optimizer state's structure and a NamedSharding per leaf.
-  """
-  rep = replicated(mesh)
-  # tree_map_params runs tx.init on placeholders, which makes a few host scalars (counts):
-  # harmless, so allowed even under a stricter caller transfer guard.
-  with jax.transfer_guard("allow"):
-    return optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
-        transform_non_params=lambda _: rep,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+def param_shardings(model: ModelLike, mesh: Mesh,
+                    rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> Any:
+  """NamedSharding per parameter, from `model.param_axes()` and its abstract shapes."""
+  model = as_model(model)
+  return sharding_lib.logical_to_sharding(model.param_axes(), mesh, rules,
+                                          shapes=model.abstract_params())
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, int],
-                   rules: meshes.Rules = meshes.LEARNER_RULES) -> NamedSharding:
+                   rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> NamedSharding:
   """Sharding of one [B, L] batch array: rows over (data, fsdp) when they divide B."""
-  return NamedSharding(mesh, meshes.logical_to_spec(BATCH_AXES, shape, mesh, rules))
+  return NamedSharding(mesh, sharding_lib.logical_to_spec(BATCH_AXES, shape, mesh, rules))
 
 
 def microbatch_spec(mesh: Mesh, shape: tuple[int, int],
-                    rules: meshes.Rules = meshes.LEARNER_RULES) -> PartitionSpec:
+                    rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> PartitionSpec:
   """PartitionSpec of a [B / k, L] micro-batch (used as a sharding constraint in the scan)."""
-  return meshes.logical_to_spec(BATCH_AXES, shape, mesh, rules)
-
-
-def describe(shardings: Any) -> dict[str, str]:
-  """{leaf path: PartitionSpec string}, for logs and tests."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(shardings)
-  return {jax.tree_util.keystr(p): str(s.spec) for p, s in flat}
+  return sharding_lib.logical_to_spec(BATCH_AXES, shape, mesh, rules)

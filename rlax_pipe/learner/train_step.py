@@ -28,11 +28,10 @@ import optax
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
 from rlax_pipe import offpolicy
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.train_state import TrainState
-from rlax_pipe.model import transformer
+from rlax_pipe.model import ModelLike, as_model
 
 Batch = dict[str, jax.Array]
 
@@ -147,7 +146,7 @@ def _inputs(batch: Batch, version: jax.Array):
   return mask, lag
 
 
-def make_train_step(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+def make_train_step(model: ModelLike, learner_cfg: LearnerConfig,
                     objective_cfg: objectives.ObjectiveConfig,
                     sampling_cfg: logprobs_lib.SamplingConfig, tx: optax.GradientTransformation,
                     microbatch_sharding: NamedSharding | None = None,
@@ -167,7 +166,8 @@ def make_train_step(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
        and counts the skip.
 
   Args:
-    model_cfg: model configuration.
+    model: the model (`rlax_pipe.model.Model` or a `ModelConfig` of the built-in one; its
+      cache-free forward is used).
     learner_cfg: learner configuration (micro_batches, remat, schedule).
     objective_cfg: objective configuration; `objective_cfg.name` picks the objective.
     sampling_cfg: the sampler's logit processing (temperature, top-k, top-p).
@@ -187,6 +187,7 @@ def make_train_step(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
     step (after the step), nonfinite_consecutive, nonfinite_total.
   """
   objective = objectives.get_objective(objective_cfg.name)
+  model = as_model(model)
   k = learner_cfg.micro_batches
 
   def constrain(x, sharding):
@@ -194,8 +195,8 @@ def make_train_step(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
 
   def microbatch_loss(params, mb, version, total):
     mb = {name: constrain(x, microbatch_sharding) for name, x in mb.items()}
-    logits, _ = transformer.forward(params, mb["tokens"], mb["positions"], model_cfg,
-                                    segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat)
+    logits, _ = model.forward(params, mb["tokens"], mb["positions"],
+                              segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat)
     logp, ent = shifted_token_logprobs(logits, mb["tokens"], sampling_cfg)
     mask, lag = _inputs(mb, version)
     loss, _ = objective(logp, mb["behavior_logprobs"], mb["advantages"], mask, lag,

@@ -27,6 +27,7 @@ import numpy as np
 
 from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
+from rlax_pipe.model import as_model
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.sampler import device_loop, page_pool
 from rlax_pipe.sampler.config import Request, SamplerConfig
@@ -76,7 +77,7 @@ class _DecodeProgram:
     self.upd, self.flag = jax.device_put((upd, np.int32(0)), rep)
     self.compiled = device_loop.decode_dispatch.lower(
         self.params, self.pools, self.tables, self.state, self.upd, self.flag,
-        model_cfg=model_cfg, sampling=SamplingConfig(), layout=self.layout, impl="reference",
+        model=as_model(model_cfg), sampling=SamplingConfig(), layout=self.layout, impl="reference",
         chunk_pages=max(1, 256 // page_size), mesh=None, interpret=False, stop_ids=(),
         steps=steps, sharding=self.layout.sharding(mesh), replicated=rep).compile()
 

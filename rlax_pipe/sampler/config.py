@@ -14,7 +14,6 @@ import numpy as np
 from rlax_pipe.logprobs import SamplingConfig
 
 KV_POLICIES: tuple[str, ...] = ("keep", "recompute")
-OVERLONG_PROMPT_POLICIES: tuple[str, ...] = ("error", "truncate_left")
 # "auto" picks by platform: pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas_gpu", "pallas_tpu",
                                     "pallas_tpu_ragged")
@@ -45,8 +44,6 @@ class SamplerConfig:
     kv_policy: what running sequences do after an in-flight weight update. "keep": continue on
       KV computed by older weights (PipelineRL). "recompute": re-prefill each running
       sequence's prefix under the new weights before the next decode step (AReaL).
-    overlong_prompt: a prompt longer than max_seq_len - 1 tokens is rejected ("error") or keeps
-      only its last max_seq_len - 1 tokens ("truncate_left").
     cache_dtype: dtype of the KV pages ("float32" on CPU tests, "bfloat16" on accelerators).
     attention_impl: "reference" (pure jnp, every backend), "pallas_gpu" (JAX's Pallas GPU paged
       decode kernel), "pallas_tpu" (JAX's Pallas TPU paged decode kernel), "pallas_tpu_ragged"
@@ -76,7 +73,6 @@ class SamplerConfig:
   prefill_rows: int = 4
   eos_id: int | Sequence[int] | None = None
   kv_policy: str = "keep"
-  overlong_prompt: str = "error"
   cache_dtype: str = "float32"
   attention_impl: str = "auto"
   decode_steps_per_dispatch: int = 8
@@ -94,8 +90,8 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.max_seq_len={self.max_seq_len} must be >= 2 "
                        "(one prompt token and one completion token).")
     object.__setattr__(self, "eos_id", normalize_stop_ids(self.eos_id))
-    for name, choices in (("kv_policy", KV_POLICIES), ("overlong_prompt", OVERLONG_PROMPT_POLICIES),
-                          ("attention_impl", ATTENTION_IMPLS), ("cache_dtype", CACHE_DTYPES)):
+    for name, choices in (("kv_policy", KV_POLICIES), ("attention_impl", ATTENTION_IMPLS),
+                          ("cache_dtype", CACHE_DTYPES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r}; choose one of {choices}.")
 

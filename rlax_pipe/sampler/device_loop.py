@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import Model
 from rlax_pipe.sampler.page_pool import PoolLayout
 from rlax_pipe.sampler.paged_cache import PagedKVCache
 
@@ -110,10 +109,10 @@ def _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "model_cfg", "layout", "impl", "chunk_pages", "mesh", "interpret", "sharding"),
+    "model", "layout", "impl", "chunk_pages", "mesh", "interpret", "sharding"),
                    donate_argnums=(1,))
 def prefill_step(params, pools, tables_RW, tokens_RT, starts_R, lengths_R, *,
-                 model_cfg: ModelConfig, layout: PoolLayout, impl: str, chunk_pages: int, mesh,
+                 model: Model, layout: PoolLayout, impl: str, chunk_pages: int, mesh,
                  interpret: bool, sharding):
   """Writes the KV of positions [starts[r], starts[r] + lengths[r]) of each row into its pages.
 
@@ -126,7 +125,7 @@ def prefill_step(params, pools, tables_RW, tokens_RT, starts_R, lengths_R, *,
     tables_RW: int32 [R, W] pages of each row.
     tokens_RT: int32 [R, T] tokens at positions starts[r] + t (padding beyond lengths[r]).
     starts_R, lengths_R: int32 [R] first position and number of real tokens (0 = padding row).
-    model_cfg, layout, impl, chunk_pages, mesh, interpret, sharding: static.
+    model, layout, impl, chunk_pages, mesh, interpret, sharding: static.
 
   Returns:
     The updated pools. The logits are not computed (dead code).
@@ -136,17 +135,16 @@ def prefill_step(params, pools, tables_RW, tokens_RT, starts_R, lengths_R, *,
   positions = starts_R[:, None] + offsets
   valid = offsets < lengths_R[:, None]
   cache = _cache(pools, tables_RW, layout, impl, chunk_pages, mesh, interpret)
-  _, cache = transformer.forward(params, tokens_RT, positions, model_cfg, cache=cache,
-                                 valid_BT=valid)
+  _, cache = model.forward(params, tokens_RT, positions, cache=cache, valid_BT=valid)
   return _constrain(cache.pools, sharding)
 
 
-def _decode_one(params, pools, tables, state: SlotState, *, model_cfg, sampling, layout, impl,
+def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, layout, impl,
                 chunk_pages, mesh, interpret, stop_ids):
   """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B])."""
   cache = _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret)
-  logits, cache = transformer.forward(params, state.token[:, None], state.pos[:, None], model_cfg,
-                                      cache=cache, valid_BT=state.active[:, None])
+  logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
+                                valid_BT=state.active[:, None])
   rng, draw = jax.random.split(state.rng)
   tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
   live = state.active
@@ -161,10 +159,10 @@ def _decode_one(params, pools, tables, state: SlotState, *, model_cfg, sampling,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "model_cfg", "sampling", "layout", "impl", "chunk_pages", "mesh", "interpret", "stop_ids",
+    "model", "sampling", "layout", "impl", "chunk_pages", "mesh", "interpret", "stop_ids",
     "steps", "sharding", "replicated"), donate_argnums=(1,))
 def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refill_at, *,
-                    model_cfg: ModelConfig, sampling: logprobs_lib.SamplingConfig,
+                    model: Model, sampling: logprobs_lib.SamplingConfig,
                     layout: PoolLayout, impl: str, chunk_pages: int, mesh, interpret: bool,
                     stop_ids: tuple[int, ...], steps: int, sharding, replicated):
   """Up to `steps` decode steps of every active slot, on the device (a `lax.while_loop`).
@@ -176,7 +174,7 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
     state: `SlotState`.
     updates_XB: int32 [UPDATE_ROWS, B] host changes applied first (`apply_slot_updates`).
     refill_at: int32 scalar; end the dispatch once this many slots finished in it (0 = never).
-    model_cfg, sampling, layout, impl, chunk_pages, mesh, interpret, stop_ids, steps,
+    model, sampling, layout, impl, chunk_pages, mesh, interpret, stop_ids, steps,
       sharding (pool), replicated: static.
 
   Returns:
@@ -187,7 +185,7 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
   """
   state = apply_slot_updates(state, updates_XB)
   b = state.token.shape[0]
-  one = functools.partial(_decode_one, model_cfg=model_cfg, sampling=sampling, layout=layout,
+  one = functools.partial(_decode_one, model=model, sampling=sampling, layout=layout,
                           impl=impl, chunk_pages=chunk_pages, mesh=mesh, interpret=interpret,
                           stop_ids=stop_ids)
 

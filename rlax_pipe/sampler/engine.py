@@ -42,10 +42,10 @@ import time
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe import sharding as sharding_lib
+from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.sampler import page_pool
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
@@ -126,44 +126,11 @@ def _check_same_layout(old, new):
                        "recompile the decode step.")
 
 
-def replica_meshes(mesh: Mesh) -> list[Mesh]:
-  """One mesh per index of `mesh`'s "data" axis, over the remaining axes (or a 1-device "tp")."""
-  names = list(mesh.axis_names)
-  if "data" not in names:
-    return [mesh]
-  axis = names.index("data")
-  rest = tuple(n for n in names if n != "data")
-  out = []
-  for i in range(mesh.shape["data"]):
-    sub = np.take(np.asarray(mesh.devices), i, axis=axis)
-    if not rest:
-      out.append(Mesh(sub.reshape(1), ("tp",), axis_types=(AxisType.Auto,)))
-    else:
-      out.append(Mesh(sub, rest, axis_types=(AxisType.Auto,) * len(rest)))
-  return out
-
-
-def _replica_view(leaf: jax.Array, sub: Mesh) -> jax.Array:
-  """`leaf` (on the full sampler mesh, replicated over data) as an array on `sub`, sharing its
-  device buffers (no copy); a leaf laid out otherwise is copied onto `sub`."""
-  sharding = leaf.sharding
-  sub_devices = set(sub.devices.flat)
-  if isinstance(sharding, NamedSharding) and "data" not in jax.tree.leaves(tuple(sharding.spec)):
-    spec = sharding.spec
-    target = NamedSharding(sub, spec)
-    shards = [s.data for s in leaf.addressable_shards if s.device in sub_devices]
-    try:
-      return jax.make_array_from_single_device_arrays(leaf.shape, target, shards)
-    except ValueError:
-      pass
-  return jax.device_put(leaf, NamedSharding(sub, PartitionSpec()))
-
-
 class SamplerEngine:
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
-    model_cfg: the model.
+    model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
     cfg: sampler configuration (slots and pages per data replica).
     params: initial weights, already placed on `mesh` (jax arrays).
     version: policy version of `params`.
@@ -183,31 +150,32 @@ class SamplerEngine:
       a Pallas kernel is requested on a platform that cannot run it.
 
   Example:
-    engine = SamplerEngine(model_cfg, SamplerConfig(eos_id=2), params)
+    engine = SamplerEngine(model, SamplerConfig(eos_id=2), params)
     engine.submit(Request(prompt_tokens=np.array([1, 5, 7]), sample_id=0))
     rollouts = engine.run_to_completion()
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, params: Any, *, version: int = 0,
+  def __init__(self, model: ModelLike, cfg: SamplerConfig, params: Any, *, version: int = 0,
                mesh=None, clock: Callable[[], float] = time.perf_counter,
                on_span: SpanHook | None = None,
                admit_filter: Callable[[Request], bool] | None = None,
                interpret_kernels: bool = False):
-    if cfg.max_seq_len > model_cfg.max_seq_len:
+    model = as_model(model)
+    if cfg.max_seq_len > model.max_seq_len:
       raise ValueError(f"SamplerConfig.max_seq_len={cfg.max_seq_len} exceeds the model's "
-                       f"max_seq_len={model_cfg.max_seq_len}.")
-    bad = [i for i in cfg.stop_ids if i >= model_cfg.vocab_size]
+                       f"max_seq_len={model.max_seq_len}.")
+    bad = [i for i in cfg.stop_ids if i >= model.vocab_size]
     if bad:
       raise ValueError(f"SamplerConfig.eos_id: stop ids {bad} are outside the vocabulary "
-                       f"[0, {model_cfg.vocab_size}).")
-    self.model_cfg, self.cfg = model_cfg, cfg
+                       f"[0, {model.vocab_size}).")
+    self.model, self.cfg = model, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter
     self.impl = cfg.attention_impl if interpret_kernels and cfg.attention_impl != "auto" else (
         resolve_impl(cfg.attention_impl, self.mesh))
-    self.meshes = replica_meshes(self.mesh)
+    self.meshes = sharding_lib.replica_meshes(self.mesh)
     keys = jax.random.split(jax.random.key(cfg.seed), len(self.meshes))
-    self.replicas = [EngineReplica(model_cfg, cfg, m, self.impl, interpret_kernels, keys[i])
+    self.replicas = [EngineReplica(model, cfg, m, self.impl, interpret_kernels, keys[i])
                      for i, m in enumerate(self.meshes)]
     _check_same_layout(params, params)
     self._params, self._version = params, int(version)
@@ -269,22 +237,23 @@ class SamplerEngine:
     """Queues a request (on the replica of its group, else the least loaded one).
 
     Raises:
-      ValueError: prompt longer than max_seq_len - 1 (with overlong_prompt="error"), token ids
+      ValueError: prompt longer than max_seq_len - 1 (over-long prompts are filtered or
+        truncated, keeping BOS and the head, before sampling: `rlax_pipe.grading`), token ids
         outside the vocabulary, or a request whose longest sequence needs more pages than the
         pool has (the message names both numbers and the fix).
     """
     cfg, prompt = self.cfg, request.prompt_tokens
     limit = cfg.max_seq_len - 1
     if len(prompt) > limit:
-      if cfg.overlong_prompt == "error":
-        raise ValueError(
-            f"request {request.sample_id}: prompt has {len(prompt)} tokens but max_seq_len="
-            f"{cfg.max_seq_len} allows at most {limit} (one position is kept for the "
-            "completion); shorten it, raise max_seq_len, or set overlong_prompt='truncate_left'.")
-      prompt = prompt[-limit:]
-    if prompt.min() < 0 or prompt.max() >= self.model_cfg.vocab_size:
+      raise ValueError(
+          f"request {request.sample_id}: prompt has {len(prompt)} tokens but max_seq_len="
+          f"{cfg.max_seq_len} allows at most {limit} (one position is kept for the "
+          "completion); shorten it, raise max_seq_len, or filter / truncate it before "
+          "sampling (GradingConfig.prompt_policy 'filter' or 'truncate', which keeps BOS and "
+          "the head and reserves a completion budget).")
+    if prompt.min() < 0 or prompt.max() >= self.model.vocab_size:
       raise ValueError(f"request {request.sample_id}: token ids must be in [0, "
-                       f"{self.model_cfg.vocab_size}), got [{prompt.min()}, {prompt.max()}].")
+                       f"{self.model.vocab_size}), got [{prompt.min()}, {prompt.max()}].")
     budget = cfg.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     max_new = min(budget, cfg.max_seq_len - len(prompt))
     longest = len(prompt) + max_new - 1  # the last token is never fed back
@@ -506,7 +475,8 @@ class SamplerEngine:
   def _replica_params(self, params) -> list[Any]:
     if len(self.replicas) == 1:
       return [params]
-    return [jax.tree.map(lambda x, m=m: _replica_view(x, m), params) for m in self.meshes]
+    return [jax.tree.map(lambda x, m=m: sharding_lib.replica_view(x, m), params)
+            for m in self.meshes]
 
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))

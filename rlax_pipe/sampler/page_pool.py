@@ -16,10 +16,10 @@ carried through the layer and decode loops, XLA updates it in place, so a step's
 temporary memory do not depend on the pool size (checked on the compiled program in tests and in
 `experiments/bench_sampler.py --suite=scaling`).
 
-Sharding: only kv heads are split (over "tp", when divisible): a block table indexes pages of
-the whole pool, so splitting pages over devices would turn every read into a cross-device
-gather. The sampler mesh's "data" axis means independent replicas, each with its own pool
-(`rlax_pipe.sampler.replica`).
+Sharding: the pool names logical axes only; `rlax_pipe.sharding.CACHE_RULES` maps them to mesh
+axes: only kv heads are split (over "tp", when divisible), because a block table indexes pages
+of the whole pool. The sampler mesh's "data" axis means independent replicas, each with its own
+pool on its own "tp" sub-mesh (`rlax_pipe.sharding.replica_meshes`).
 
 Letters: L layers, K kv heads, P pages per layer, S page size, D head dim, B rows, T tokens per
 row, C pages per chunk.
@@ -29,60 +29,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 import numpy as np
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe import sharding as sharding_lib
+from rlax_pipe.model import Model
 from rlax_pipe.sampler.config import SamplerConfig
+from rlax_pipe.sharding import replicated  # pylint: disable=unused-import (re-exported)
 
-# Logical axes of each layout's arrays.
-SPLIT_AXES: tuple[str, ...] = ("kv_heads", "pages", "page_size", "head_dim")
-COMBINED_AXES: tuple[str, ...] = ("pages", "page_size", "kv_heads", "head_dim")
-
-# Logical axis -> mesh axes it may be split over; axes not listed are replicated. Same format as
-# the shared rules tables of rlax_pipe.pipeline.meshes.
-CACHE_RULES: Mapping[str, tuple[str, ...]] = {"kv_heads": ("tp",)}
+# Logical axes of each layout's arrays (layers are folded into the page axis).
+SPLIT_AXES: tuple[str, ...] = (sharding_lib.KV_HEADS, sharding_lib.PAGES, sharding_lib.PAGE_SIZE,
+                               sharding_lib.HEAD_DIM)
+COMBINED_AXES: tuple[str, ...] = (sharding_lib.PAGES, sharding_lib.PAGE_SIZE,
+                                  sharding_lib.KV_HEADS, sharding_lib.HEAD_DIM)
 
 
 def default_mesh() -> Mesh:
   """A one-device sampler mesh (first default device) with a single "tp" axis of size 1."""
-  return Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
-
-
-def logical_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh,
-                 rules: Mapping[str, tuple[str, ...]] = CACHE_RULES) -> PartitionSpec:
-  """PartitionSpec for one array: dim i is split over the mesh axes of `rules[axes[i]]`.
-
-  A mesh axis is used when it exists in `mesh`, is not used by an earlier dim, and its size
-  (times the axes already chosen for this dim) divides the dim; otherwise the dim stays whole.
-
-  Raises:
-    ValueError: on a rank mismatch.
-  """
-  if len(axes) != len(shape):
-    raise ValueError(f"logical axes {axes} do not match shape {shape}.")
-  used: set[str] = set()
-  entries = []
-  for name, size in zip(axes, shape):
-    chosen, prod = [], 1
-    for a in rules.get(name, ()):
-      if a in mesh.shape and a not in used and size % (prod * mesh.shape[a]) == 0:
-        chosen.append(a)
-        prod *= mesh.shape[a]
-    used.update(chosen)
-    entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
-  while entries and entries[-1] is None:  # canonical form, as jit reports output shardings
-    entries.pop()
-  return PartitionSpec(*entries)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  """Fully replicated sharding on `mesh` (block tables, slot state, sampled tokens)."""
-  return NamedSharding(mesh, PartitionSpec())
+  return sharding_lib.make_mesh(jax.devices()[:1], {sharding_lib.TP: 1})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +72,10 @@ class PoolLayout:
   combined: bool = False
 
   @classmethod
-  def of(cls, model_cfg: ModelConfig, cfg: SamplerConfig, combined: bool = False) -> PoolLayout:
-    """The layout of `cfg`'s pool for `model_cfg`."""
-    return cls(model_cfg.n_layers, model_cfg.n_kv_heads, cfg.num_pages, cfg.page_size,
-               model_cfg.head_dim, cfg.cache_dtype, combined)
+  def of(cls, model: Model, cfg: SamplerConfig, combined: bool = False) -> PoolLayout:
+    """The layout of `cfg`'s pool for `model` (its KV geometry: layers, kv heads, head dim)."""
+    return cls(model.n_layers, model.n_kv_heads, cfg.num_pages, cfg.page_size, model.head_dim,
+               cfg.cache_dtype, combined)
 
   @property
   def total_pages(self) -> int:
@@ -141,8 +108,9 @@ class PoolLayout:
     """NamedSharding of each pool array on `mesh` (kv heads over tp when K divides evenly; in
     the combined layout a shard then holds whole key/value head pairs)."""
     shape = list(self.shapes[0])
-    shape[self.axes.index("kv_heads")] = self.num_kv_heads
-    return NamedSharding(mesh, logical_spec(self.axes, tuple(shape), mesh))
+    shape[self.axes.index(sharding_lib.KV_HEADS)] = self.num_kv_heads
+    return NamedSharding(mesh, sharding_lib.logical_to_spec(
+        self.axes, tuple(shape), mesh, sharding_lib.CACHE_RULES, canonical=True))
 
   # --- device ops (jit-traceable; `pools` is the tuple of pool arrays) ------------------------
   def write(self, pools, layer, k_BTKD, v_BTKD, pages_BT, offsets_BT, valid_BT):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 import numpy as np
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe.model import Model
 from rlax_pipe.sampler import device_loop
 from rlax_pipe.sampler import page_pool
 from rlax_pipe.sampler.config import SamplerConfig
@@ -65,18 +65,18 @@ class EngineReplica:
   """Slots, pool and device state of one data replica (see module docstring).
 
   Args:
-    model_cfg, cfg: model and sampler configuration.
+    model: the model; cfg: sampler configuration.
     mesh: this replica's mesh (a "tp" axis).
     impl: resolved attention implementation.
     interpret: run Pallas kernels in interpret mode (CPU tests).
     rng: this replica's sampling PRNG key.
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl: str,
+  def __init__(self, model: Model, cfg: SamplerConfig, mesh: Mesh, impl: str,
                interpret: bool, rng: jax.Array):
-    self.model_cfg, self.cfg, self.mesh, self.impl, self.interpret = (
-        model_cfg, cfg, mesh, impl, interpret)
-    self.layout = page_pool.PoolLayout.of(model_cfg, cfg, combined=uses_combined_layout(impl))
+    self.model, self.cfg, self.mesh, self.impl, self.interpret = (
+        model, cfg, mesh, impl, interpret)
+    self.layout = page_pool.PoolLayout.of(model, cfg, combined=uses_combined_layout(impl))
     self.pool_sharding = self.layout.sharding(mesh)
     self.replicated = page_pool.replicated(mesh)
     self.pools = page_pool.init_pool(self.layout, mesh)
@@ -175,7 +175,7 @@ class EngineReplica:
         seq.num_cached = seq.prefill_len
       self.pools = self._call(lambda: device_loop.prefill_step(
           params, self.pools, *jax.device_put((tables, tokens, starts, lengths), self.replicated),
-          model_cfg=self.model_cfg, sharding=self.pool_sharding, **self.static))
+          model=self.model, sharding=self.pool_sharding, **self.static))
       self.counts["prefill_calls"] += 1
     if not copied:
       self._run_copies()
@@ -231,7 +231,7 @@ class EngineReplica:
     self.pools, self.state, ints, logps = self._call(lambda: device_loop.decode_dispatch(
         params, self.pools, self.tables, self.state,
         *jax.device_put((upd[:FLAG_ROW], upd[FLAG_ROW, 0]), self.replicated),
-        model_cfg=self.model_cfg, sampling=model_sampling, stop_ids=self.cfg.stop_ids,
+        model=self.model, sampling=model_sampling, stop_ids=self.cfg.stop_ids,
         steps=self.cfg.decode_steps_per_dispatch, sharding=self.pool_sharding,
         replicated=self.replicated, **self.static))
     lengths = np.array([0 if s is None else len(s.tokens) for s in slots], np.int64)

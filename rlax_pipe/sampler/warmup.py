@@ -40,7 +40,7 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
     rows = cfg.prefill_rows
     args = jax.device_put((np.zeros((rows, w), np.int32), np.zeros((rows, bucket), np.int32),
                            np.zeros(rows, np.int32), np.zeros(rows, np.int32)), rep)
-    r.pools = device_loop.prefill_step(params, r.pools, *args, model_cfg=r.model_cfg,
+    r.pools = device_loop.prefill_step(params, r.pools, *args, model=r.model,
                                        sharding=r.pool_sharding, **r.static)
   for n in _powers(64, b * w):
     deltas = np.full((3, n), b, np.int32)
@@ -57,7 +57,7 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
   upd = np.zeros((FLAG_ROW, b), np.int32)  # nothing changed: every slot stays idle, 0 steps
   r.pools, r.state, ints, _ = device_loop.decode_dispatch(
       params, r.pools, r.tables, r.state, jax.device_put(upd, rep),
-      jax.device_put(np.int32(0), rep), model_cfg=r.model_cfg, sampling=cfg.sampling,
+      jax.device_put(np.int32(0), rep), model=r.model, sampling=cfg.sampling,
       stop_ids=cfg.stop_ids, steps=cfg.decode_steps_per_dispatch, sharding=r.pool_sharding,
       replicated=rep, **r.static)
   jax.block_until_ready(ints)

@@ -1,5 +1,5 @@
-"""experiments/bench_sampler.py runs where only jax, flax, numpy and absl are installed (the
-accelerator machine): it must not import optional libraries."""
+"""experiments/bench_sampler.py runs where only jax, flax, optax, numpy and absl are installed
+(the accelerator machine): it must not import optional libraries."""
 
 import pathlib
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCKED = ("ml_collections", "tokenizers", "sentencepiece", "safetensors", "transformers",
-           "torch", "orbax", "optax", "hypothesis", "pytest")
+           "torch", "orbax", "hypothesis", "pytest")
 
 _SCRIPT = f"""
 import runpy, sys

@@ -11,6 +11,7 @@ import numpy as np
 from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.model import as_model
 from rlax_pipe.sampler import device_loop, page_pool
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -24,7 +25,7 @@ def _compiled(num_pages, program):
   mesh = page_pool.default_mesh()
   pools = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in layout.shapes)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  static = dict(model_cfg=MODEL, layout=layout, impl="reference", chunk_pages=2, mesh=None,
+  static = dict(model=as_model(MODEL), layout=layout, impl="reference", chunk_pages=2, mesh=None,
                 interpret=False, sharding=layout.sharding(mesh))
   if program == "decode":
     state = jax.eval_shape(lambda: device_loop.SlotState.zeros(B, jax.random.key(0)))

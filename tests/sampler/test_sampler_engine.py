@@ -236,13 +236,10 @@ def test_bad_inputs_fail_early_with_the_numbers(params):
     SamplerEngine(MODEL, dataclasses.replace(CFG, eos_id=64), params[0])
   with pytest.raises(ValueError, match="exceeds the model"):
     SamplerEngine(MODEL, dataclasses.replace(CFG, max_seq_len=41), params[0])
-  trunc = SamplerEngine(MODEL, dataclasses.replace(CFG, overlong_prompt="truncate_left"),
-                        params[0])
-  long_prompt = np.arange(50, dtype=np.int32) % 64
-  trunc.submit(Request(prompt_tokens=long_prompt, sample_id=4))
-  (r,) = trunc.run_to_completion()
-  np.testing.assert_array_equal(r.prompt_tokens, long_prompt[-39:])
-  assert r.num_completion_tokens == 1 and r.finish_reason == "capacity"
+  capped = SamplerEngine(MODEL, CFG, params[0])  # a 39-token prompt leaves one position
+  capped.submit(Request(prompt_tokens=np.arange(39, dtype=np.int32) % 64, sample_id=4))
+  (r,) = capped.run_to_completion()
+  assert r.num_completion_tokens == 1 and r.finish_reason == "capacity" and r.truncated
 
 
 def test_abort_admission_filter_spans_and_virtual_clock(params):
