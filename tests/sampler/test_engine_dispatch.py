@@ -192,3 +192,12 @@ def test_one_read_back_per_dispatch(params):
   stats = engine.stats()
   assert len(rollouts) == 3 and stats.host_syncs == stats.dispatches
   assert stats.decode_steps >= 4 * (stats.dispatches - 1)  # K = 4 steps per dispatch
+
+
+def test_run_config_samples_stop_on_the_shipped_tokenizers_stop_ids():
+  """#14 item 1: with the library defaults a completion ends at the shipped tokenizer's EOS."""
+  from rlax_pipe.pipeline.run import RunConfig  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.tokenizer import default_tokenizer  # pylint: disable=import-outside-toplevel
+  tok = default_tokenizer()
+  assert tok.eos_id in RunConfig().sampler.stop_ids
+  assert set(tok.stop_ids) <= set(RunConfig().sampler.stop_ids)
