@@ -21,7 +21,9 @@ platform_setup.request_cpu_devices(8)  # data replicas need >= 2 devices on CPU
 from absl import app
 from absl import flags
 
-from rlax_pipe.sampler import bench_scaling, benchmark, presets
+from lib import sampler_presets as presets
+from lib import sampler_scaling
+from rlax_pipe.sampler import benchmark
 
 _SUITE = flags.DEFINE_enum("suite", "workload", ["workload", "scaling", "kernels"],
                            "workload: paged vs static; scaling: point-7 ratios; kernels: Pallas "
@@ -53,11 +55,11 @@ def main(argv):
     out = [presets.run_preset(n, hbm_gbps=_HBM.value, full=_FULL.value) for n in names]
     print(json.dumps(out[0] if len(out) == 1 else {"presets": out}))
   elif _SUITE.value == "scaling":
-    out = bench_scaling.run_scaling()
+    out = sampler_scaling.run_scaling()
     out["paged_vs_static"] = _workload(min(_N.value, 256))
     print(json.dumps(out))
   elif _SUITE.value == "kernels":
-    print(json.dumps(bench_scaling.kernel_checks()))
+    print(json.dumps(sampler_scaling.kernel_checks()))
   else:
     print(json.dumps(_workload(_N.value)))
 

@@ -171,7 +171,7 @@ def make_train_step(model: ModelLike, learner_cfg: LearnerConfig,
     learner_cfg: learner configuration (micro_batches, remat, schedule).
     objective_cfg: objective configuration; `objective_cfg.name` picks the objective.
     sampling_cfg: the sampler's logit processing (temperature, top-k, top-p).
-    tx: optimizer from `optimizer.make_optimizer(learner_cfg)`.
+    tx: optimizer from `optimizer.make_optimizer(learner_cfg.optimizer)`.
     microbatch_sharding: optional sharding constraint for [B/k, L] micro-batch arrays.
     params_sharding: optional sharding tree of the params (constrains the gradient sum).
 
@@ -262,7 +262,7 @@ def make_train_step(model: ModelLike, learner_cfg: LearnerConfig,
         grad_norm=grad_norm,
         update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
         param_norm=optax.tree.norm(new_state.params),
-        learning_rate=optimizer.learning_rate(learner_cfg, version),
+        learning_rate=optimizer.learning_rate(learner_cfg.optimizer, version),
         tokens_processed=jnp.sum(batch["segment_ids"] > 0).astype(jnp.int32),
         negative_lag_tokens=jnp.sum(completion & (lag < 0)).astype(jnp.int32),
         is_finite=ok,

@@ -13,6 +13,9 @@ Masked positions are *selected out* (`jnp.where`), never multiplied by zero: a N
 position that a query may not see (a stale page, padding) cannot reach a real token, because
 0 * NaN = NaN.
 
+The contract as a model sees it (and `api.attend_with_cache` for models that loop over layers
+in Python) is in `rlax_pipe.model.api`.
+
 Letters: B batch, T new tokens, S cache length, H query heads, K kv heads, D head dim.
 """
 

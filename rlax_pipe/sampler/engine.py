@@ -27,8 +27,14 @@ kept as the completion's last token, nothing after it is sampled), "length" at t
 completion budget, "capacity" when prompt + completion reaches max_seq_len first, "aborted" by
 `abort` / `abort_all`.
 
+Weights arrive as `WeightUpdate` messages and the engine owns them from then on (`weights`): a
+donated version's arrays are deleted once a newer version replaced it and no dispatch still
+uses it. An update is applied at the next step boundary, i.e. at once when the engine is between
+steps (replicas switch at their next dispatch).
+
 Timings come from an injectable `clock` (seconds), so a pipeline can drive a virtual clock.
-Threading: `update_weights` may be called from any thread; everything else from one thread.
+Threading: `update_weights` may be called from any thread (it never waits for a running step);
+everything else (`submit`, `step`, `state_dict`, ...) from one thread, the engine's.
 """
 
 from __future__ import annotations
@@ -46,12 +52,13 @@ import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import page_pool
+from rlax_pipe.sampler import engine_state, page_pool
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
 from rlax_pipe.sampler.scheduler import SequenceState
-from rlax_pipe.types import Rollout
+from rlax_pipe.sampler.weights import EngineWeights
+from rlax_pipe.types import Rollout, WeightUpdate
 
 # on_span(component, kind, start_s, end_s, slots_active, slots_total)
 SpanHook = Callable[[str, str, float, float, int, int], None]
@@ -109,31 +116,15 @@ _REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "pree
                    "shared_prompt_copies")
 
 
-def _check_same_layout(old, new):
-  old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
-  new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
-  if old_def != new_def:
-    raise ValueError(f"update_weights: parameter tree differs from the current one:\n{new_def}\n"
-                     f"vs\n{old_def}")
-  for (path, a), (_, b) in zip(old_leaves, new_leaves):
-    name = jax.tree_util.keystr(path)
-    if not isinstance(b, jax.Array):
-      raise ValueError(f"update_weights: {name} is a {type(b).__name__}, not a jax.Array; place "
-                       "the weights on the sampler mesh first (weight channel).")
-    if a.shape != b.shape or a.dtype != b.dtype or a.sharding != b.sharding:
-      raise ValueError(f"update_weights: {name} is {b.shape} {b.dtype} {b.sharding}, the running "
-                       f"weights are {a.shape} {a.dtype} {a.sharding}; a different layout would "
-                       "recompile the decode step.")
-
-
 class SamplerEngine:
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
     model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
     cfg: sampler configuration (slots and pages per data replica).
-    params: initial weights, already placed on `mesh` (jax arrays).
-    version: policy version of `params`.
+    params: initial weights, already placed on `mesh` (jax arrays), or a `WeightUpdate` (its
+      version is used and its ownership passes to the engine).
+    version: policy version of `params` (ignored for a `WeightUpdate`).
     mesh: sampler mesh; None = one device. Axes "data" (replicas) and "tp" (the pool's kv
       heads; kernels run under shard_map over it).
     clock: seconds; defaults to `time.perf_counter` (pass a virtual clock to replay runs).
@@ -177,13 +168,12 @@ class SamplerEngine:
     keys = jax.random.split(jax.random.key(cfg.seed), len(self.meshes))
     self.replicas = [EngineReplica(model, cfg, m, self.impl, interpret_kernels, keys[i])
                      for i, m in enumerate(self.meshes)]
-    _check_same_layout(params, params)
-    self._params, self._version = params, int(version)
-    self._views = self._replica_params(params)
+    if not isinstance(params, WeightUpdate):
+      params = WeightUpdate(int(version), params)
+    self.weights = EngineWeights(params, self.meshes)
     for r in self.replicas:
-      r.version = self._version
-    self._pending: tuple[Any, int] | None = None
-    self._lock = threading.Lock()
+      r.version = params.version
+    self._step_lock = threading.Lock()  # held while a step (or a state read) runs
     self._uids = itertools.count()
     self._group_replica: dict[Any, list[int]] = {}  # share key -> [replica, live members]
     self._queue: collections.deque[SequenceState] = collections.deque()  # not yet on a replica
@@ -197,8 +187,13 @@ class SamplerEngine:
   # --- public state -------------------------------------------------------------------------
   @property
   def version(self) -> int:
-    """Version of the weights the next dispatch runs with (pending swaps not yet applied)."""
-    return self._version
+    """Version of the weights the engine runs (a pending update not yet applied excluded)."""
+    return self.weights.version
+
+  @property
+  def latest_version(self) -> int:
+    """Newest version handed to the engine: the pending update's, else the running one's."""
+    return self.weights.latest_version
 
   @property
   def num_active(self) -> int:
@@ -294,30 +289,36 @@ class SamplerEngine:
       if entry[1] <= 0:
         del self._group_replica[seq.share_key]
 
-  def update_weights(self, params: Any, version: int) -> None:
-    """Hands over newer weights; they are used from the next dispatch boundary on.
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Takes ownership of newer weights; they run from the next dispatch boundary on.
 
-    Thread-safe and non-blocking. If several arrive between two dispatches, the newest wins (an
-    equal version replaces the pending one). Running sequences continue (kv_policy "keep": on
-    their existing KV; "recompute": after re-prefilling their prefix).
+    Thread-safe and non-blocking. Between steps the swap happens at once (a donated older
+    version is deleted once no dispatch in flight uses it); during a step (another thread) it
+    stays pending until the next step starts. If several arrive before a swap, the newest wins
+    (an equal version replaces the pending one; a superseded donated update is deleted). Running
+    sequences continue (kv_policy "keep": on their existing KV; "recompute": after re-prefilling
+    their prefix with the new weights).
 
     Raises:
-      ValueError: if `version` is not newer than the running one or older than the pending one,
-        or the weights differ in tree, shape, dtype or sharding from the running ones (that would
-        recompile).
+      ValueError: if the version is not newer than the running one or older than the pending
+        one, or the weights differ in tree, shape, dtype or sharding from the running ones (that
+        would recompile).
     """
-    _check_same_layout(self._params, params)
-    with self._lock:
-      pending = None if self._pending is None else self._pending[1]
-      if version <= self._version or (pending is not None and version < pending):
-        raise ValueError(f"update_weights: version {version} is not newer than the running "
-                         f"version {self._version} (pending: {pending}).")
-      self._pending = (params, int(version))
+    self.weights.offer(update)
+    if self._step_lock.acquire(blocking=False):  # between steps: swap now
+      try:
+        self._apply_pending_weights()
+      finally:
+        self._step_lock.release()
 
   def abort(self, sample_id: int) -> Rollout | None:
     """Stops one request (running or waiting) and returns its Rollout with finish_reason
     "aborted" (tokens so far), or None if no unfinished request has that sample_id."""
-    self.settle()
+    with self._step_lock:
+      return self._abort(sample_id)
+
+  def _abort(self, sample_id: int) -> Rollout | None:
+    self._settle()
     for seq in self._queue:
       if seq.request.sample_id == sample_id:
         self._queue.remove(seq)
@@ -336,7 +337,11 @@ class SamplerEngine:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
     request (running ones with their tokens so far, waiting ones possibly empty), after any
     rollouts that finished in dispatches still in flight (with their own finish reasons)."""
-    self.settle()
+    with self._step_lock:
+      return self._abort_all()
+
+  def _abort_all(self) -> list[Rollout]:
+    self._settle()
     now = self.clock()
     out, self._buffer = self._buffer, []
     for r in self.replicas:
@@ -361,13 +366,17 @@ class SamplerEngine:
     Returns:
       Rollouts that finished in this step (plus any collected by `settle`).
     """
+    with self._step_lock:
+      return self._step()
+
+  def _step(self) -> list[Rollout]:
     t_start, waited = time.perf_counter(), 0.0
     calls_before = sum(r.device_call_s for r in self.replicas)
     self._apply_pending_weights()
     start = self.clock()
     calls = sum(r.counts["prefill_calls"] for r in self.replicas)
     self._distribute()
-    idle = [(r, p) for r, p in zip(self.replicas, self._views) if r.inflight is None]
+    idle = [(r, p) for r, p in zip(self.replicas, self.weights.views) if r.inflight is None]
     for r, params in idle:
       self._adopt_version(r)
       r.prepare(self._may_admit, start, params)
@@ -392,6 +401,10 @@ class SamplerEngine:
   def settle(self) -> None:
     """Reads back every dispatch in flight (their finished rollouts are returned by the next
     `step`), so that the host state is complete: before a snapshot, an abort or a warm-up."""
+    with self._step_lock:
+      self._settle()
+
+  def _settle(self) -> None:
     flying = sorted((r for r in self.replicas if r.inflight is not None),
                     key=lambda r: r.inflight.order)
     if flying:
@@ -428,6 +441,7 @@ class SamplerEngine:
     c["host_syncs"] += 1
     c["generated_tokens"] += tokens
     c["finished"] += n_done
+    self._release_retired()
     return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
@@ -464,40 +478,61 @@ class SamplerEngine:
         (e.g. the longest prompt); None = every bucket, so nothing (not even the long re-prefill
         of a preempted sequence) compiles later.
     """
+    with self._step_lock:
+      self._warmup(max_prefill_len)
+
+  def _warmup(self, max_prefill_len: int | None) -> None:
     from rlax_pipe.sampler import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
     if self.num_active or any(r.inflight is not None for r in self.replicas):
       raise RuntimeError("warmup: call it before sequences are running (it dispatches idle "
                          "decode steps).")
-    for r, params in zip(self.replicas, self._views):
+    for r, params in zip(self.replicas, self.weights.views):
       warmup_lib.compile_replica(r, params, self.cfg, max_prefill_len)
 
-  # --- internals ----------------------------------------------------------------------------
-  def _replica_params(self, params) -> list[Any]:
-    if len(self.replicas) == 1:
-      return [params]
-    return [jax.tree.map(lambda x, m=m: sharding_lib.replica_view(x, m), params)
-            for m in self.meshes]
+  # --- state ---------------------------------------------------------------------------------
+  def state_dict(self) -> dict:
+    """The engine's whole state, for an exact resume: JSON-able values and numpy arrays
+    (`engine_state`). Dispatches in flight are read back first; rollouts they finished stay
+    buffered (in the state too) and are returned by the next `step`."""
+    with self._step_lock:
+      self._settle()
+      return engine_state.state_dict(self)
 
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` (same model, sampler config and mesh); weights are copied onto
+    this engine's shardings and owned by it.
+
+    Raises:
+      ValueError: if the replica count, a pool shape, the slot count or the parameter count
+        differ.
+    """
+    with self._step_lock:
+      self._settle()
+      engine_state.load_state_dict(self, state)
+
+  # --- internals ----------------------------------------------------------------------------
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
-    with self._lock:
-      pending, self._pending = self._pending, None
-    if pending is None:
-      return
-    self._params, self._version = pending
-    self._views = self._replica_params(self._params)
-    self._counts["weight_updates"] += 1
+    """Swaps in the pending update (caller holds the step lock)."""
+    if self.weights.swap():
+      self._counts["weight_updates"] += 1
+    self._release_retired()
+
+  def _release_retired(self) -> None:
+    self.weights.release_retired(r.inflight.version for r in self.replicas
+                                 if r.inflight is not None)
 
   def _adopt_version(self, r: EngineReplica) -> None:
     """A replica between dispatches switches to the engine's version: prompt entries of older
     weights are dropped, and under kv_policy="recompute" running sequences lose their pages
     (their prefix is prefilled again with the new weights before the next dispatch)."""
-    if r.version == self._version:
+    version = self.weights.version
+    if r.version == version:
       return
-    r.version = self._version
-    r.sharing.invalidate(self._version)
+    r.version = version
+    r.sharing.invalidate(version)
     if self.cfg.kv_policy == "recompute":
       for seq in r.sched.running():
         r.sched.drop_pages(seq)

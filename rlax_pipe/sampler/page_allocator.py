@@ -210,12 +210,12 @@ class PageAllocator:
   def state_dict(self) -> dict:
     """JSON-able state (holders must be ints or strings, or tuples of them)."""
     return {"free": list(map(int, self._free)),
-            "holders": [[_key_to_json(k), list(map(int, v))] for k, v in self._pages.items()]}
+            "holders": [[key_to_json(k), list(map(int, v))] for k, v in self._pages.items()]}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores `state_dict()` output and checks the invariants."""
     self._free = [int(p) for p in state["free"]]
-    self._pages = {_key_from_json(k): [int(p) for p in v] for k, v in state["holders"]}
+    self._pages = {key_from_json(k): [int(p) for p in v] for k, v in state["holders"]}
     self._refs[:] = 0
     for pages in self._pages.values():
       np.add.at(self._refs, pages, 1)
@@ -238,9 +238,11 @@ class PageAllocator:
         f"pages {np.nonzero(free != (counts == 0))[0].tolist()} are leaked or both free and held")
 
 
-def _key_to_json(key):
-  return list(map(_key_to_json, key)) if isinstance(key, tuple) else key
+def key_to_json(key):
+  """A holder key (int, str or nested tuples of them) as JSON (tuples become lists)."""
+  return list(map(key_to_json, key)) if isinstance(key, tuple) else key
 
 
-def _key_from_json(key):
-  return tuple(map(_key_from_json, key)) if isinstance(key, list) else key
+def key_from_json(key):
+  """Inverse of `key_to_json` (lists become tuples)."""
+  return tuple(map(key_from_json, key)) if isinstance(key, list) else key

@@ -26,7 +26,7 @@ import collections
 import dataclasses
 from typing import Hashable
 
-from rlax_pipe.sampler.page_allocator import PageAllocator
+from rlax_pipe.sampler.page_allocator import PageAllocator, key_from_json, key_to_json
 
 
 @dataclasses.dataclass
@@ -135,6 +135,21 @@ class PromptSharing:
       self.entries[key] = PromptEntry(holder, prompt_kv, pages[:n_full],
                                       pages[n_full] if prompt_kv % size else None, version)
     return 0
+
+  def state_dict(self) -> dict:
+    """JSON-able entries and member counts (pending copies must have been run)."""
+    return {"entries": [[key_to_json(k), key_to_json(e.holder), e.num_tokens,
+                         list(e.full_pages), e.partial_page, e.version]
+                        for k, e in self.entries.items()],
+            "members": [[key_to_json(k), n] for k, n in self.members.items()]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` (the allocator holds the entries' references)."""
+    self.entries = {key_from_json(k): PromptEntry(key_from_json(h), n, tuple(f), p, v)
+                    for k, h, n, f, p, v in state["entries"]}
+    self.members.clear()
+    self.members.update({key_from_json(k): n for k, n in state["members"]})
+    self.pending_copies = []
 
   def take_copies(self) -> list[tuple[int, int]]:
     """The page copies asked for since the last call (and forgets them)."""

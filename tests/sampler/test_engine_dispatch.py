@@ -11,6 +11,7 @@ import pytest
 
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
 from rlax_pipe.sampler.config import normalize_stop_ids
+from rlax_pipe.types import WeightUpdate
 
 from test_sampler_engine import (  # pylint: disable=wrong-import-order
     CFG, MODEL, _keep_reference, _reference, params)  # noqa: F401  (pytest fixture)
@@ -33,7 +34,7 @@ def test_swap_arriving_mid_dispatch_lands_at_the_next_boundary(params, monkeypat
     out = launch(*args, **kwargs)
     if len(arrivals) < 2:
       t0 = time.perf_counter()
-      engine.update_weights(params[len(arrivals) + 1], len(arrivals) + 1)
+      engine.update_weights(WeightUpdate(len(arrivals) + 1, params[len(arrivals) + 1]))
       arrivals.append(time.perf_counter() - t0)
     return out
 
@@ -62,7 +63,7 @@ def test_swaps_from_another_thread_keep_every_tag_exact(params):
   def learner():
     for v in (1, 2):
       time.sleep(0.05)
-      engine.update_weights(params[v], v)
+      engine.update_weights(WeightUpdate(v, params[v]))
     stop.set()
 
   thread = threading.Thread(target=learner)

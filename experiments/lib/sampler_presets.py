@@ -15,11 +15,15 @@ Bandwidths are the vendors' datasheet numbers (below, with sources); `--hbm_gbps
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
 
+from rlax_pipe import model as model_lib
 from rlax_pipe.config import ModelConfig
+from rlax_pipe.sampler.config import Request, SamplerConfig
+from rlax_pipe.sampler.engine import SamplerEngine
 
 # Qwen/Qwen3-0.6B config.json: hidden_size 1024, intermediate_size 3072, 28 layers, 16 heads,
 # 8 kv heads, head_dim 128, vocab 151936, tied embeddings, rope_theta 1e6, q/k RMSNorm.
@@ -104,12 +108,6 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
   Raises:
     KeyError: for an unknown preset name.
   """
-  # pylint: disable=import-outside-toplevel  (the engine imports this module's neighbours)
-  import time
-  from rlax_pipe import model as model_lib
-  from rlax_pipe.sampler.config import Request, SamplerConfig
-  from rlax_pipe.sampler.engine import SamplerEngine
-
   if name not in PRESETS:
     raise KeyError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
   device = jax.devices()[0]
@@ -154,6 +152,6 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
       "decode_tokens_per_s": tokens / elapsed, "decode_step_ms": 1e3 * step_s,
       "weight_bytes": weight_bytes(params), "bytes_per_step": bytes_per_step,
       "hbm_gbps": gbps, "hbm_gbps_source": "--hbm_gbps" if hbm_gbps else (
-          "presets.CHIPS" if table_gbps else None),
+          "sampler_presets.CHIPS" if table_gbps else None),
       "roofline_fraction": roofline_fraction(bytes_per_step, step_s, gbps),
   }

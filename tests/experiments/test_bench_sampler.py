@@ -16,8 +16,10 @@ class Block:
     if name.split('.')[0] in {BLOCKED!r}:
       raise ImportError('blocked ' + name)
 sys.meta_path.insert(0, Block())
+sys.path.insert(0, {str(ROOT / 'experiments')!r})
 runpy.run_path({str(ROOT / 'experiments' / 'bench_sampler.py')!r}, run_name='bench')
-from rlax_pipe.sampler import bench_scaling, kernels, presets  # everything the suites call
+from lib import sampler_presets, sampler_scaling  # everything the suites call
+from rlax_pipe.sampler import kernels
 print('IMPORTS-OK')
 """
 
