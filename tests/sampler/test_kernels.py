@@ -67,11 +67,11 @@ def test_pallas_tpu_decode_matches_reference_in_interpret_mode():
   np.testing.assert_allclose(got, _reference(q16, pools16, layout, *rest), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("t", [1, 5])
-def test_ragged_wrapper_packs_queries_like_jax_reference_kernel(t):
+def test_ragged_wrapper_packs_queries_like_jax_reference_kernel(t=5):
   """Token packing, kv lengths and the K/V-combined layout of the ragged TPU path, with JAX's
   own pure-jnp `ref_ragged_paged_attention` in place of the kernel (the Pallas TPU interpreter
-  of jax 0.10.2 fails on this kernel; the real kernel is `test_ragged_kernel_on_tpu`)."""
+  of jax 0.10.2 fails on this kernel; the real kernel is `test_ragged_kernel_on_tpu`). Rows
+  hold 1 (decode-like) and 5 (prefill) valid queries."""
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
   layout = PoolLayout(L, K, P, S, D, combined=True)
   case = _case(2 + t, np.array([1, 6, 17, 32]), layout, t=t)
