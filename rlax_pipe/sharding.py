@@ -83,10 +83,13 @@ SAMPLER_RULES: Rules = types.MappingProxyType({
     LAYERS: (),
 })
 
-# The paged KV pool [layers, K, P, S, D]: only kv heads are split (over tp, like the k / v
-# projections in `SAMPLER_RULES`, so attention needs no reshard). Pages stay whole: a block table
-# indexes pages of the whole pool, so splitting pages over devices would turn every gather into a
-# cross-device gather; the pool is replicated over any data axis.
+# The paged KV pool (`rlax_pipe.sampler.page_pool`: layers folded into pages, [K, L*P, S, D] k
+# and v, or one [L*P, S, 2K, D] for the TPU ragged kernel): only kv heads are split (over tp,
+# like the k / v projections in `SAMPLER_RULES`, so attention needs no reshard; Pallas kernels
+# run per tp shard under shard_map). Pages stay whole: a block table indexes pages of the whole
+# pool, so splitting pages over devices would turn every gather into a cross-device gather. A
+# "data" axis means independent replicas, each with its own pool on its own sub-mesh
+# (`replica_meshes`), so the pool never spans data.
 CACHE_RULES: Rules = types.MappingProxyType({
     LAYERS: (),
     KV_HEADS: (TP,),
@@ -213,6 +216,44 @@ def make_mesh(devices: Sequence[Any], axes: Mapping[str, int], rules: Rules | No
 def replicated(mesh: Mesh) -> NamedSharding:
   """Sharding of a value kept whole on every device of `mesh` (scalars, block tables, seeds)."""
   return NamedSharding(mesh, PartitionSpec())
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+  """The sampler's data replicas: one mesh per index of `mesh`'s "data" axis, over the remaining
+  axes (a one-device "tp" mesh when "data" is the only axis); `[mesh]` without a data axis.
+
+  Each replica runs its own engine slots and KV pool on its sub-mesh, so two replicas decode
+  disjoint sequences.
+  """
+  names = list(mesh.axis_names)
+  if DATA not in names:
+    return [mesh]
+  axis = names.index(DATA)
+  rest = tuple(n for n in names if n != DATA)
+  out = []
+  for i in range(mesh.shape[DATA]):
+    sub = np.take(np.asarray(mesh.devices), i, axis=axis)
+    if rest:
+      out.append(Mesh(sub, rest, axis_types=(AxisType.Auto,) * len(rest)))
+    else:
+      out.append(Mesh(sub.reshape(1), (TP,), axis_types=(AxisType.Auto,)))
+  return out
+
+
+def replica_view(x: jax.Array, sub: Mesh) -> jax.Array:
+  """`x` (on a sampler mesh, replicated over "data") as an array on replica mesh `sub`, built
+  from its shards on `sub`'s devices (no copy, same per-device layout). An array laid out
+  otherwise (e.g. split over data, or on other devices) is copied onto `sub`, replicated."""
+  sharding = x.sharding
+  if isinstance(sharding, NamedSharding) and DATA not in jax.tree.leaves(tuple(sharding.spec)):
+    devices = set(sub.devices.flat)
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    try:
+      return jax.make_array_from_single_device_arrays(
+          x.shape, NamedSharding(sub, sharding.spec), shards)
+    except ValueError:
+      pass
+  return jax.device_put(x, NamedSharding(sub, PartitionSpec()))
 
 
 # ---- logical axes -> shardings -----------------------------------------------------------------

@@ -37,7 +37,6 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import numpy as st_numpy
 
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import transformer
@@ -587,6 +586,7 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
       hf_name, arr, kind = entries[j]
       tensors[hf_name] = _to_hf(arr, kind)
       weight_map[hf_name] = file_name
+    from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
     st_numpy.save_file(tensors, str(path / file_name), metadata={"format": "pt"})
     written.append(path / file_name)
   if n > 1:

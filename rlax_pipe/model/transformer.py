@@ -181,6 +181,27 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend):
   return h_BTE, cache_out
 
 
+def _cached_layers(params: Params, h_BTE, positions_BT, cfg: ModelConfig, cache, valid_BT):
+  """The cache path: layers in a scan that CARRIES the cache, so XLA updates it in place.
+
+  Each layer calls `cache.update_attend(layer_index, q, k, v, positions, valid)`, which writes
+  the new tokens' K/V into the carried cache and attends over it. (Passing the cache as a scan
+  input and collecting it as a scan output would copy the whole cache every call.)
+  """
+  valid = jnp.ones(positions_BT.shape, bool) if valid_BT is None else valid_BT
+
+  def body(carry, xs):
+    h, c = carry
+    lp, layer = xs
+    attend = lambda q, k, v: c.update_attend(layer, q, k, v, positions_BT, valid)
+    h, c = _block(cfg, h, lp, positions_BT, attend)
+    return (h, c), None
+
+  layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+  (h_BTE, cache), _ = jax.lax.scan(body, (h_BTE, cache), (params["layers"], layers))
+  return h_BTE, cache
+
+
 def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, *,
             segment_ids_BT: jax.Array | None = None, cache=None, valid_BT: jax.Array | None = None,
             remat: bool = False, return_hidden: bool = False):
@@ -197,7 +218,8 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     positions_BT: int32 [B, T] positions (restart at 0 for every packed sample).
     cfg: model configuration (static).
     segment_ids_BT: int32 [B, T] packing ids (no-cache mode only); None = one sample per row.
-    cache: a `kv_cache.KVCache` pytree or None.
+    cache: a `kv_cache.KVCache` pytree or None; carried through the layer loop and updated in
+      place (donate it to the jitted caller).
     valid_BT: bool [B, T] (cache mode) which tokens are real; None = all.
     remat: rematerialise each block in the backward pass (saves memory when training).
     return_hidden: also return the final normalised hidden states [B, T, E].
@@ -229,20 +251,7 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     h, _ = jax.lax.scan(body, h, params["layers"])
     new_cache = None
   else:
-    valid = jnp.ones(tokens_BT.shape, bool) if valid_BT is None else valid_BT
-
-    def body(h, xs):
-      lp, layer_k, layer_v = xs
-
-      def attend(q, k, v):
-        out, lk, lv = cache.update_attend(layer_k, layer_v, q, k, v, positions_BT, valid)
-        return out, (lk, lv)
-
-      h, (lk, lv) = _block(cfg, h, lp, positions_BT, attend)
-      return h, (lk, lv)
-
-    h, (new_k, new_v) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
-    new_cache = cache.replace(k=new_k, v=new_v)
+    h, new_cache = _cached_layers(params, h, positions_BT, cfg, cache, valid_BT)
 
   h = rms_norm(h, params["final_norm"], cfg.rms_eps)
   head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
