@@ -134,8 +134,9 @@ def run_config_from_flags(**overrides) -> run_lib.RunConfig:
             sampler_mesh_axes=sampler_axes, learner=learner,
             objective=objectives.ObjectiveConfig(
                 name=OBJECTIVE.value, truncation=TRUNC.value, aggregation=AGGREGATION.value,
-                constant_normalizer=(float(MAX_SEQ.value) if AGGREGATION.value == "constant"
-                                     else None)),
+                # Dr. GRPO constant: the sampler's completion budget (max_new_tokens above).
+                max_completion_len=(MAX_SEQ.value if AGGREGATION.value == "constant"
+                                    else None)),
             sampler=sampler, pipeline=pipe, resume=RESUME.value,
             sampler_compute_dtype=sampler_dtype)
   kw.update(overrides)

@@ -2,21 +2,23 @@
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
-from rlax_pipe.learner.config import SCHEDULES, LearnerConfig
-from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays
+from rlax_pipe.learner.config import REMAT_POLICIES, SCHEDULES, LearnerConfig
+from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays, plan_micro_batches
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import (
-    batch_sharding, learner_mesh, opt_state_shardings, param_shardings, replicated)
+    COMPUTE_RULES, batch_sharding, compute_constraint, learner_mesh, opt_state_shardings,
+    param_shardings, replicated)
 from rlax_pipe.learner.train_state import (
     TrainState, abstract_state, init_state, sharded_abstract_state, state_shardings)
 from rlax_pipe.learner.train_step import (
-    BATCH_FIELDS, completion_mask, make_train_step, normalizer_count, shifted_token_logprobs)
+    BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "CheckpointError", "Checkpointer", "Learner", "LearnerConfig",
-    "NonFiniteError", "Restored", "SCHEDULES", "TrainState", "abstract_state", "batch_arrays",
-    "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
-    "learning_rate", "make_optimizer", "make_train_step", "normalizer_count",
-    "opt_state_shardings", "param_shardings", "replicated", "run_benchmark",
-    "sharded_abstract_state", "shifted_token_logprobs", "state_shardings", "synthetic_batch",
+    "BATCH_FIELDS", "BatchStats", "COMPUTE_RULES", "CheckpointError", "Checkpointer",
+    "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "REMAT_POLICIES", "Restored",
+    "SCHEDULES", "StepFns", "TrainState", "abstract_state", "batch_arrays", "batch_sharding",
+    "completion_mask", "compute_constraint", "decay_mask", "init_state", "learner_mesh",
+    "learning_rate", "make_optimizer", "make_step_fns", "opt_state_shardings",
+    "param_shardings", "plan_micro_batches", "replicated", "run_benchmark",
+    "sharded_abstract_state", "state_shardings", "synthetic_batch",
 ]

@@ -3,11 +3,20 @@
 Params follow the model's logical axes through `meshes.LEARNER_RULES` (FSDP on embed, tensor
 parallel on heads / mlp / vocab); optimizer moments inherit their parameter's sharding; scalars
 are replicated; batch rows are split over the (data, fsdp) axes.
+
+Compute follows `COMPUTE_RULES` (`compute_constraint`): inside the forward pass each layer's
+weights are constrained to their layout *without* the fsdp split (an all-gather of that layer's
+shards, one layer at a time inside the layer scan; its transpose in the backward pass is the
+gradient's reduce-scatter), while activations stay split over the batch axes (data, fsdp) and,
+Megatron-style, over tp on heads / mlp / vocab. This is FSDP (ZeRO-3) + data parallelism + tensor
+parallelism: no activation ever needs a collective over fsdp.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import types
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -19,6 +28,47 @@ from rlax_pipe.model import transformer
 from rlax_pipe.pipeline import meshes
 
 BATCH_AXES: tuple[str, str] = ("batch", "length")
+
+# How the forward pass computes: weights gathered over fsdp (the embed dim unsplit), tensor
+# parallel on heads / mlp / vocab, activations split over the batch axes.
+COMPUTE_RULES: meshes.Rules = types.MappingProxyType({
+    **meshes.LEARNER_RULES, "embed": (), "batch": ("data", "fsdp")})
+
+
+def compute_constraint(mesh: Mesh, rules: meshes.Rules = COMPUTE_RULES,
+                       stored_rules: meshes.Rules = meshes.LEARNER_RULES):
+  """`constrain(x, logical_axes, weight=False)` for `transformer.hidden_states` on `mesh`.
+
+  Activations are constrained to `rules` (split over the batch axes, tp on heads / mlp /
+  vocab). A weight (`weight=True`) is gathered to its `rules` layout in the forward pass, and
+  its cotangent is constrained to the weight's *stored* layout (`stored_rules`, fsdp-split) in
+  the backward pass (a custom VJP): the partial per-device gradient then goes straight to a
+  reduce-scatter into the shard each device stores, instead of an all-reduce of the whole
+  gradient first. A dimension whose size the rule's mesh axes do not divide stays whole (as in
+  `meshes.logical_to_spec`).
+  """
+  def sharding(x, axes, table):
+    return NamedSharding(mesh, meshes.logical_to_spec(axes, x.shape, mesh, table))
+
+  def gather(x, axes):
+    @jax.custom_vjp
+    def f(w):
+      return jax.lax.with_sharding_constraint(w, sharding(w, axes, rules))
+
+    def fwd(w):
+      return f(w), None
+
+    def bwd(_, ct):
+      return (jax.lax.with_sharding_constraint(ct, sharding(ct, axes, stored_rules)),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
+
+  def constrain(x: jax.Array, logical_axes: tuple[str | None, ...], weight: bool = False):
+    if weight:
+      return gather(x, tuple(logical_axes))
+    return jax.lax.with_sharding_constraint(x, sharding(x, logical_axes, rules))
+  return constrain
 
 
 def learner_mesh(devices: Sequence[Any], cfg: LearnerConfig) -> Mesh:
@@ -70,12 +120,6 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, int],
                    rules: meshes.Rules = meshes.LEARNER_RULES) -> NamedSharding:
   """Sharding of one [B, L] batch array: rows over (data, fsdp) when they divide B."""
   return NamedSharding(mesh, meshes.logical_to_spec(BATCH_AXES, shape, mesh, rules))
-
-
-def microbatch_spec(mesh: Mesh, shape: tuple[int, int],
-                    rules: meshes.Rules = meshes.LEARNER_RULES) -> PartitionSpec:
-  """PartitionSpec of a [B / k, L] micro-batch (used as a sharding constraint in the scan)."""
-  return meshes.logical_to_spec(BATCH_AXES, shape, mesh, rules)
 
 
 def describe(shardings: Any) -> dict[str, str]:

@@ -14,7 +14,7 @@ Letters: B batch, T tokens, E embed, H heads, K kv heads, D head dim, F mlp, V v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -199,7 +199,8 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     segment_ids_BT: int32 [B, T] packing ids (no-cache mode only); None = one sample per row.
     cache: a `kv_cache.KVCache` pytree or None.
     valid_BT: bool [B, T] (cache mode) which tokens are real; None = all.
-    remat: rematerialise each block in the backward pass (saves memory when training).
+    remat: rematerialise each block in the backward pass (no-cache mode; the learner calls
+      `hidden_states` directly with a named remat policy).
     return_hidden: also return the final normalised hidden states [B, T, E].
 
   Returns:
@@ -212,41 +213,127 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     raise ValueError(f"tokens {tokens_BT.shape} and positions {positions_BT.shape} must be [B, T].")
   if cache is not None and segment_ids_BT is not None:
     raise ValueError("segment_ids_BT (packing) is for cache-free forwards; pass valid_BT instead.")
+  if cache is None:  # the training path (packed full sequences), shared with the learner
+    h = hidden_states(params, tokens_BT, positions_BT, cfg, segment_ids_BT=segment_ids_BT,
+                      remat="full" if remat else "none")
+    logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32),
+                        output_head(params, cfg).astype(jnp.float32))
+    return (logits, None, h) if return_hidden else (logits, None)
   cdt = jnp.dtype(cfg.compute_dtype)
   h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
+  valid = jnp.ones(tokens_BT.shape, bool) if valid_BT is None else valid_BT
 
-  if cache is None:
-    seg = jnp.zeros_like(tokens_BT) if segment_ids_BT is None else segment_ids_BT
-    mask = _packed_mask(seg)
+  def body(h, xs):
+    lp, layer_k, layer_v = xs
 
-    def body(h, lp):
-      attend = lambda q, k, v: (kv_cache_lib.gqa_attention(q, k, v, mask), None)
-      h, _ = _block(cfg, h, lp, positions_BT, attend)
-      return h, None
+    def attend(q, k, v):
+      out, lk, lv = cache.update_attend(layer_k, layer_v, q, k, v, positions_BT, valid)
+      return out, (lk, lv)
 
-    if remat:
-      body = jax.checkpoint(body)
-    h, _ = jax.lax.scan(body, h, params["layers"])
-    new_cache = None
-  else:
-    valid = jnp.ones(tokens_BT.shape, bool) if valid_BT is None else valid_BT
+    h, (lk, lv) = _block(cfg, h, lp, positions_BT, attend)
+    return h, (lk, lv)
 
-    def body(h, xs):
-      lp, layer_k, layer_v = xs
-
-      def attend(q, k, v):
-        out, lk, lv = cache.update_attend(layer_k, layer_v, q, k, v, positions_BT, valid)
-        return out, (lk, lv)
-
-      h, (lk, lv) = _block(cfg, h, lp, positions_BT, attend)
-      return h, (lk, lv)
-
-    h, (new_k, new_v) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
-    new_cache = cache.replace(k=new_k, v=new_v)
+  h, (new_k, new_v) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
+  new_cache = cache.replace(k=new_k, v=new_v)
 
   h = rms_norm(h, params["final_norm"], cfg.rms_eps)
-  head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-  logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32), head.astype(jnp.float32))
+  logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32),
+                      output_head(params, cfg).astype(jnp.float32))
   if return_hidden:
     return logits, new_cache, h
   return logits, new_cache
+
+
+# ---- the training path (no cache): packed sequences, sharding hooks, remat policies ----------
+
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+
+# constrain(x, logical_axes, weight=False) -> x: a sharding hook; `weight=True` marks a parameter
+# (the learner gathers it for compute and reduce-scatters its gradient).
+Constrain = Callable[..., jax.Array]
+
+
+def _no_constraint(x, _, weight=False):
+  del weight
+  return x
+
+
+def output_head(params: Params, cfg: ModelConfig) -> jax.Array:
+  """The [E, V] output projection: the transposed embedding when tied, else `lm_head`."""
+  return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
+def remat_block(fn: Callable, policy: str) -> Callable:
+  """Wraps a scanned block with `jax.checkpoint` per remat policy.
+
+  "none": keep every activation for the backward pass; "full": keep only the block's input and
+  recompute the rest (FSDP then re-gathers each layer's weights in the backward pass);
+  "dots_saveable": keep the outputs of matmuls and recompute the cheap elementwise ops
+  (`jax.checkpoint_policies.dots_saveable`).
+
+  Raises:
+    ValueError: on an unknown policy (the message lists REMAT_POLICIES).
+  """
+  if policy == "none":
+    return fn
+  if policy == "full":
+    return jax.checkpoint(fn)
+  if policy == "dots_saveable":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+  raise ValueError(f"remat policy {policy!r}; choose one of {REMAT_POLICIES}.")
+
+
+def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
+                  cfg: ModelConfig, *, segment_ids_BT: jax.Array | None = None,
+                  remat: str = "none", constrain: Constrain | None = None) -> jax.Array:
+  """Final normalised hidden states of packed full sequences (the training path, no cache).
+
+  Causal attention within equal `segment_ids_BT`; padding (segment 0) gets a zero embedding
+  selected with `jnp.where` (whatever the padding token's embedding holds, NaN included, it never
+  reaches a real token or a gradient), and attends only to padding.
+
+  Sharding: `constrain(x, logical_axes, weight=True)` is called on each layer's weights (inside
+  the layer scan, so the learner's hook all-gathers one layer's FSDP shards at a time and
+  reduce-scatters that layer's gradient) and on the embedding table; `constrain(x, axes)` on the
+  residual stream ("batch", "length", "embed") after every block, which keeps activations split
+  over the batch axes only.
+
+  Args:
+    params: tree from `init_params` (or an HF import).
+    tokens_BT: int32 [B, T] token ids (< vocab_size).
+    positions_BT: int32 [B, T] positions (restart at 0 for every packed sample).
+    cfg: model configuration (static).
+    segment_ids_BT: int32 [B, T] packing ids; None = one sample per row, no padding.
+    remat: one of REMAT_POLICIES (see `remat_block`).
+    constrain: optional sharding hook `constrain(x, logical_axes, weight=False) -> x`;
+      None = none.
+
+  Returns:
+    [B, T, E] in cfg.compute_dtype.
+
+  Raises:
+    ValueError: on rank/shape mismatches or an unknown remat policy.
+  """
+  if tokens_BT.ndim != 2 or positions_BT.shape != tokens_BT.shape:
+    raise ValueError(f"tokens {tokens_BT.shape} and positions {positions_BT.shape} must be [B, T].")
+  c = constrain or _no_constraint
+  cdt = jnp.dtype(cfg.compute_dtype)
+  axes = param_axes(cfg)
+  h = jnp.take(c(params["embed"], axes["embed"], weight=True), tokens_BT, axis=0).astype(cdt)
+  if segment_ids_BT is None:
+    seg = jnp.zeros_like(tokens_BT)
+  else:
+    seg = segment_ids_BT
+    h = jnp.where((seg > 0)[:, :, None], h, jnp.zeros((), cdt))
+  h = c(h, ("batch", "length", "embed"))
+  mask = _packed_mask(seg)
+  layer_axes = {k: v[1:] for k, v in axes["layers"].items()}  # without the stacked L axis
+
+  def body(h, lp):
+    lp = {k: c(v, layer_axes[k], weight=True) for k, v in lp.items()}
+    attend = lambda q, k, v: (kv_cache_lib.gqa_attention(q, k, v, mask), None)
+    h, _ = _block(cfg, h, lp, positions_BT, attend)
+    return c(h, ("batch", "length", "embed")), None
+
+  h, _ = jax.lax.scan(remat_block(body, remat), h, params["layers"])
+  return rms_norm(h, params["final_norm"], cfg.rms_eps)
