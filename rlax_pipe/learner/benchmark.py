@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -15,6 +16,30 @@ from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.learner import Learner
 from rlax_pipe.types import TrainBatch
+
+
+# The event JAX records once per XLA backend compilation (jax/_src/dispatch.py).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[float]]:
+  """Counts XLA backend compilations in the block (any program, any function).
+
+  Yields a list that receives the duration (seconds) of every backend compile that happens
+  while the block runs; `len()` of it is the number of compiles.
+  """
+  seen: list[float] = []
+
+  def listener(event: str, duration: float, **_):
+    if event == BACKEND_COMPILE_EVENT:
+      seen.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def synthetic_batch(rng: np.random.Generator, batch_size: int, seq_len: int, vocab_size: int, *,

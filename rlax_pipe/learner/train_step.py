@@ -298,7 +298,8 @@ def _close_batch(state: TrainState, stats: BatchStats,
                           jnp.where(applied, 0, state.nonfinite_consecutive))
   new_state = state._replace(
       version=state.version + applied.astype(jnp.int32),
-      rng=jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0]),
+      rng=jnp.where(applied, jax.random.key_data(
+          jax.random.split(jax.random.wrap_key_data(state.rng))[0]), state.rng),
       step=state.step + 1, nonfinite_consecutive=consecutive,
       nonfinite_total=state.nonfinite_total + bad)
   nan = jnp.float32(jnp.nan)
