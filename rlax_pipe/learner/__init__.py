@@ -6,15 +6,15 @@ from rlax_pipe.learner.config import REMAT_POLICIES, SCHEDULES, LearnerConfig
 from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays, plan_micro_batches
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import (
-    COMPUTE_RULES, batch_sharding, compute_constraint, learner_mesh, opt_state_shardings,
-    param_shardings, replicated)
+    batch_sharding, compute_constraint, learner_mesh, opt_state_shardings, param_shardings,
+    replicated)
 from rlax_pipe.learner.train_state import (
     TrainState, abstract_state, init_state, sharded_abstract_state, state_shardings)
 from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "BatchStats", "COMPUTE_RULES", "CheckpointError", "Checkpointer",
+    "BATCH_FIELDS", "BatchStats", "CheckpointError", "Checkpointer",
     "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "REMAT_POLICIES", "Restored",
     "SCHEDULES", "StepFns", "TrainState", "abstract_state", "batch_arrays", "batch_sharding",
     "completion_mask", "compute_constraint", "decay_mask", "init_state", "learner_mesh",

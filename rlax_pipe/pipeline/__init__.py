@@ -1,4 +1,4 @@
-"""Pipeline building blocks: meshes, weight channel, staleness policies, rollout queue, packing.
+"""Pipeline building blocks: weight channel, staleness policies, rollout queue, packing.
 
 The drivers (sync / async-batch / pipeline) are built from these pieces.
 """
@@ -9,15 +9,6 @@ from rlax_pipe.pipeline.batching import pad_rows_to_multiple
 from rlax_pipe.pipeline.batching import split_rows
 from rlax_pipe.pipeline.batching import unpack_batch
 from rlax_pipe.pipeline.batching import UnpackedSample
-from rlax_pipe.pipeline.meshes import DeviceSplit
-from rlax_pipe.pipeline.meshes import LEARNER_RULES
-from rlax_pipe.pipeline.meshes import logical_to_sharding
-from rlax_pipe.pipeline.meshes import logical_to_spec
-from rlax_pipe.pipeline.meshes import make_learner_mesh
-from rlax_pipe.pipeline.meshes import make_mesh
-from rlax_pipe.pipeline.meshes import make_sampler_mesh
-from rlax_pipe.pipeline.meshes import SAMPLER_RULES
-from rlax_pipe.pipeline.meshes import split_devices
 from rlax_pipe.pipeline.rollout_queue import QueueClosed
 from rlax_pipe.pipeline.rollout_queue import QueueStats
 from rlax_pipe.pipeline.rollout_queue import QueueTimeout
@@ -53,15 +44,13 @@ from rlax_pipe.pipeline.weight_channel import WeightChannel
 from rlax_pipe.pipeline.weight_channel import Weights
 
 __all__ = (
-    "AdmissionState", "ChannelStats", "DeviceSplit", "LEARNER_RULES", "LeafSpec",
-    "ManifestError", "POLICIES", "QueueClosed", "QueueStats", "QueueTimeout", "RolloutQueue",
-    "SAMPLER_RULES", "StalenessConfig", "UnpackedSample", "WASTE_REASONS", "WasteCounters",
-    "WeightChannel", "Weights", "admission_admit", "admission_from_dict", "admission_headroom",
-    "admission_init", "admission_retire", "admission_to_dict",
-    "areal_admission_allowed", "assert_congruent", "can_admit", "check_manifest", "count_waste",
-    "due_groups", "is_too_stale", "logical_to_sharding", "logical_to_spec", "make_learner_mesh",
-    "make_mesh",
-    "make_sampler_mesh", "pack_rollouts", "packing_plan", "pad_rows_to_multiple",
-    "params_manifest", "partition_by_staleness", "queue_overflow", "rollout_from_dict",
-    "rollout_to_dict", "split_devices", "split_rows", "token_lag", "unpack_batch",
+    "AdmissionState", "ChannelStats", "LeafSpec", "ManifestError", "POLICIES", "QueueClosed",
+    "QueueStats", "QueueTimeout", "RolloutQueue", "StalenessConfig", "UnpackedSample",
+    "WASTE_REASONS", "WasteCounters", "WeightChannel", "Weights", "admission_admit",
+    "admission_from_dict", "admission_headroom", "admission_init", "admission_retire",
+    "admission_to_dict", "areal_admission_allowed", "assert_congruent", "can_admit",
+    "check_manifest", "count_waste", "due_groups", "is_too_stale", "pack_rollouts",
+    "packing_plan", "pad_rows_to_multiple", "params_manifest", "partition_by_staleness",
+    "queue_overflow", "rollout_from_dict", "rollout_to_dict", "split_rows", "token_lag",
+    "unpack_batch",
 )

@@ -25,6 +25,7 @@ from rlax_pipe import config as model_config
 from rlax_pipe import evaluation
 from rlax_pipe import objectives
 from rlax_pipe import plots
+from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
@@ -32,7 +33,6 @@ from rlax_pipe.learner import Learner, LearnerConfig
 from rlax_pipe.learner.checkpoint import CheckpointError
 from rlax_pipe.model import hf_io, transformer
 from rlax_pipe.pipeline import driver as driver_lib
-from rlax_pipe.pipeline import meshes
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker, WorkerCounters
@@ -125,9 +125,9 @@ def load_initial_params(init: str, param_dtype: str = "float32"):
 
 
 def _sampler_target(model_cfg, mesh) -> Any:
-  shardings = meshes.logical_to_sharding(transformer.param_axes(model_cfg), mesh,
-                                         meshes.SAMPLER_RULES,
-                                         shapes=transformer.abstract_params(model_cfg))
+  shardings = sharding_lib.logical_to_sharding(transformer.param_axes(model_cfg), mesh,
+                                               sharding_lib.SAMPLER_RULES,
+                                               shapes=transformer.abstract_params(model_cfg))
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       transformer.abstract_params(model_cfg), shardings)
 
@@ -159,9 +159,12 @@ class _Job:
     if task_cfg is None and cfg.task == "jsonl":
       task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
     self.task = tasks.make_task(cfg.task, task_cfg)
-    split = meshes.split_devices(jax.devices(), cfg.num_sampler_devices, cfg.num_learner_devices)
-    learner_mesh = meshes.make_learner_mesh(split.learner, dict(cfg.learner.mesh_axes))
-    sampler_mesh = meshes.make_sampler_mesh(split.sampler, dict(cfg.sampler_mesh_axes))
+    split = sharding_lib.split_devices(jax.devices(), cfg.num_sampler_devices,
+                                       cfg.num_learner_devices)
+    learner_mesh = sharding_lib.make_mesh(split.learner, dict(cfg.learner.mesh_axes),
+                                          sharding_lib.LEARNER_RULES)
+    sampler_mesh = sharding_lib.make_mesh(split.sampler, dict(cfg.sampler_mesh_axes),
+                                          sharding_lib.SAMPLER_RULES)
     self.model_cfg, params0 = load_initial_params(cfg.init)
     learner_cfg = dataclasses.replace(cfg.learner, checkpoint_dir=self.rd.checkpoint_dir)
     objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)

@@ -32,8 +32,10 @@ import time
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
+
+from rlax_pipe import sharding as sharding_lib
 
 _REPLICA_AXIS = "_rlax_pipe_replica"
 
@@ -187,8 +189,7 @@ def _coarsen(spec: PartitionSpec, mesh: Mesh, num_devices: int
 
 
 def _auto_mesh(devices: tuple[Any, ...], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
-  return Mesh(np.asarray(devices, dtype=object).reshape(shape), names,
-              axis_types=(AxisType.Auto,) * len(names))
+  return sharding_lib.make_mesh(devices, dict(zip(names, shape)), keep_device_order=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from rlax_pipe.learner import checkpoint
-from rlax_pipe.pipeline import meshes
+from rlax_pipe import sharding as sh_lib
 
 
 @pytest.fixture(scope="module")
 def mesh():
-  return meshes.make_learner_mesh(jax.devices()[:4], {"fsdp": 2, "tp": 2})
+  return sh_lib.make_mesh(jax.devices()[:4], {"fsdp": 2, "tp": 2}, sh_lib.LEARNER_RULES)
 
 
 def toy_state(mesh, value):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_pipe.pipeline import meshes
+from rlax_pipe import sharding as sh_lib
 from rlax_pipe.pipeline import weight_channel as wc
 
 AXES = {
@@ -38,11 +38,11 @@ def _values(seed):
 
 
 def _setup(learner_devs, learner_axes, sampler_devs, sampler_axes):
-  lmesh = meshes.make_learner_mesh(learner_devs, learner_axes)
-  smesh = meshes.make_sampler_mesh(sampler_devs, sampler_axes)
+  lmesh = sh_lib.make_mesh(learner_devs, learner_axes, sh_lib.LEARNER_RULES)
+  smesh = sh_lib.make_mesh(sampler_devs, sampler_axes, sh_lib.SAMPLER_RULES)
   abstract = _abstract()
-  lsh = meshes.logical_to_sharding(AXES, lmesh, meshes.LEARNER_RULES, abstract)
-  ssh = meshes.logical_to_sharding(AXES, smesh, meshes.SAMPLER_RULES, abstract)
+  lsh = sh_lib.logical_to_sharding(AXES, lmesh, sh_lib.LEARNER_RULES, abstract)
+  ssh = sh_lib.logical_to_sharding(AXES, smesh, sh_lib.SAMPLER_RULES, abstract)
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract, ssh)
   return lsh, ssh, target
@@ -119,8 +119,8 @@ def test_same_device_shared_copy_is_independent(host_reads):
 
 
 def test_congruence_check_rejects_mismatch():
-  a = meshes.make_learner_mesh(jax.devices()[:4], {"fsdp": 2, "tp": 2})
-  b = meshes.make_sampler_mesh(jax.devices()[4:], {"tp": 4})
+  a = sh_lib.make_mesh(jax.devices()[:4], {"fsdp": 2, "tp": 2}, sh_lib.LEARNER_RULES)
+  b = sh_lib.make_mesh(jax.devices()[4:], {"tp": 4}, sh_lib.SAMPLER_RULES)
   src = jax.sharding.NamedSharding(a, jax.P("fsdp", "tp"))
   dst = jax.sharding.NamedSharding(b, jax.P(None, "tp"))
   with pytest.raises(RuntimeError, match="not congruent"):
