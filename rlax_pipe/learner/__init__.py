@@ -2,7 +2,7 @@
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
-from rlax_pipe.learner.config import REMAT_POLICIES, SCHEDULES, LearnerConfig
+from rlax_pipe.learner.config import BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, LearnerConfig
 from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays, plan_micro_batches
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import (
@@ -14,7 +14,7 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "BatchStats", "CheckpointError", "Checkpointer",
+    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointError", "Checkpointer",
     "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "REMAT_POLICIES", "Restored",
     "SCHEDULES", "StepFns", "TrainState", "abstract_state", "batch_arrays", "batch_sharding",
     "completion_mask", "compute_constraint", "decay_mask", "init_state", "learner_mesh",

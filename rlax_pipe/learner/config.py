@@ -47,6 +47,9 @@ class LearnerConfig:
     logits_chunk_len: positions per chunk of the LM head and log-prob computation, processed
       with rematerialisation so no [R, L, V] fp32 logits are held (>= 1); None = full logits
       at once (the naive computation, for comparison).
+    attention_block_len: queries per attention block in the training forward (the fp32
+      scores of one block, [rows, heads, block, L], are the largest attention temporary instead
+      of [rows, heads, L, L]; `transformer.blockwise_attention`), >= 1; None = dense.
     remat: transformer-block rematerialisation policy, one of REMAT_POLICIES: "none" (keep all
       activations), "full" (recompute each block in the backward pass: least memory, ~1/3 more
       compute), "dots_saveable" (keep matmul outputs, recompute elementwise ops). True / False
@@ -78,6 +81,7 @@ class LearnerConfig:
   micro_batch_rows: int = 16
   num_minibatches: int = 1
   logits_chunk_len: int | None = 256
+  attention_block_len: int | None = 512
   remat: str = "none"
   max_consecutive_nonfinite: int = 3
   checkpoint_dir: str | None = None
@@ -150,6 +154,9 @@ class LearnerConfig:
           f"of {split}.")
     if self.num_minibatches < 1:
       raise ValueError(f"LearnerConfig.num_minibatches={self.num_minibatches} must be >= 1.")
+    if self.attention_block_len is not None and self.attention_block_len < 1:
+      raise ValueError(f"LearnerConfig.attention_block_len={self.attention_block_len} must be "
+                       ">= 1 or None (dense attention).")
     if self.logits_chunk_len is not None and self.logits_chunk_len < 1:
       raise ValueError(f"LearnerConfig.logits_chunk_len={self.logits_chunk_len} must be >= 1 "
                        "or None (full logits).")

@@ -198,7 +198,8 @@ def make_step_fns(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
   def token_logprobs(params, mb):
     h = transformer.hidden_states(params, mb["tokens"], mb["positions"], model_cfg,
                                   segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
-                                  constrain=constrain)
+                                  constrain=constrain,
+                                  attention_block_len=learner_cfg.attention_block_len)
     head = c(transformer.output_head(params, model_cfg), ("embed", "vocab"), weight=True)
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,
                                             chunk_len=learner_cfg.logits_chunk_len,

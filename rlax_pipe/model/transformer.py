@@ -283,9 +283,54 @@ def remat_block(fn: Callable, policy: str) -> Callable:
   raise ValueError(f"remat policy {policy!r}; choose one of {REMAT_POLICIES}.")
 
 
+def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
+                        segment_ids_BT: jax.Array, block_len: int | None) -> jax.Array:
+  """Causal attention within equal segment ids, `block_len` queries at a time.
+
+  Each block of queries attends to all T keys through `kv_cache.gqa_attention` (so every output
+  row is computed exactly as by one dense call), inside a `lax.scan` whose body is
+  rematerialised: the [B, K, G, block, T] fp32 scores of one block are the largest temporary,
+  instead of the dense [B, K, G, T, T], in the forward and the backward pass. Keys and values of
+  padding positions (segment 0) are selected out (zeros via `jnp.where`), so whatever they hold
+  never reaches a real token (padding queries attend only to padding).
+
+  Args:
+    q_BTHD: [B, T, H, D] queries; k_BTKD, v_BTKD: [B, T, K, D] keys and values.
+    segment_ids_BT: int32 [B, T] packing ids (0 = padding).
+    block_len: queries per block (>= 1); None or >= T = one dense call.
+
+  Returns:
+    [B, T, H, D] in q's dtype.
+  """
+  b, t = segment_ids_BT.shape
+  real = (segment_ids_BT > 0)[:, :, None, None]
+  k_BTKD = jnp.where(real, k_BTKD, jnp.zeros((), k_BTKD.dtype))
+  v_BTKD = jnp.where(real, v_BTKD, jnp.zeros((), v_BTKD.dtype))
+  if block_len is None or block_len >= t:
+    return kv_cache_lib.gqa_attention(q_BTHD, k_BTKD, v_BTKD, _packed_mask(segment_ids_BT))
+  n = -(-t // block_len)
+  pad = n * block_len - t
+  h, d = q_BTHD.shape[2:]
+  q = jnp.pad(q_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  q = jnp.swapaxes(q.reshape(b, n, block_len, h, d), 0, 1)  # [n, B, C, H, D]
+  seg_q = jnp.swapaxes(jnp.pad(segment_ids_BT, ((0, 0), (0, pad)), constant_values=-1)
+                       .reshape(b, n, block_len), 0, 1)  # padded queries match nothing
+  start = jnp.arange(n, dtype=jnp.int32) * block_len
+
+  def block(q_blk, seg_blk, first):
+    causal = (first + jnp.arange(block_len))[:, None] >= jnp.arange(t)[None, :]
+    mask = causal[None] & (seg_blk[:, :, None] == segment_ids_BT[:, None, :])
+    return kv_cache_lib.gqa_attention(q_blk, k_BTKD, v_BTKD, mask)
+
+  body = jax.checkpoint(block)
+  _, out = jax.lax.scan(lambda c, x: (c, body(*x)), None, (q, seg_q, start))
+  return jnp.swapaxes(out, 0, 1).reshape(b, n * block_len, h, d)[:, :t]
+
+
 def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                   cfg: ModelConfig, *, segment_ids_BT: jax.Array | None = None,
-                  remat: str = "none", constrain: Constrain | None = None) -> jax.Array:
+                  remat: str = "none", constrain: Constrain | None = None,
+                  attention_block_len: int | None = None) -> jax.Array:
   """Final normalised hidden states of packed full sequences (the training path, no cache).
 
   Causal attention within equal `segment_ids_BT`; padding (segment 0) gets a zero embedding
@@ -307,6 +352,7 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
     remat: one of REMAT_POLICIES (see `remat_block`).
     constrain: optional sharding hook `constrain(x, logical_axes, weight=False) -> x`;
       None = none.
+    attention_block_len: queries per attention block (`blockwise_attention`); None = dense.
 
   Returns:
     [B, T, E] in cfg.compute_dtype.
@@ -321,17 +367,16 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
   axes = param_axes(cfg)
   h = jnp.take(c(params["embed"], axes["embed"], weight=True), tokens_BT, axis=0).astype(cdt)
   if segment_ids_BT is None:
-    seg = jnp.zeros_like(tokens_BT)
+    seg = jnp.ones_like(tokens_BT)  # one real sample per row
   else:
     seg = segment_ids_BT
     h = jnp.where((seg > 0)[:, :, None], h, jnp.zeros((), cdt))
   h = c(h, ("batch", "length", "embed"))
-  mask = _packed_mask(seg)
   layer_axes = {k: v[1:] for k, v in axes["layers"].items()}  # without the stacked L axis
 
   def body(h, lp):
     lp = {k: c(v, layer_axes[k], weight=True) for k, v in lp.items()}
-    attend = lambda q, k, v: (kv_cache_lib.gqa_attention(q, k, v, mask), None)
+    attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
     h, _ = _block(cfg, h, lp, positions_BT, attend)
     return c(h, ("batch", "length", "embed")), None
 
