@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.model import kv_cache as kv_cache_lib
+from rlax_pipe.model import rotary
 
 Params = dict[str, Any]
 
@@ -127,26 +128,21 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return scale * y.astype(x.dtype)
 
 
-def rope(x_BTND: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope(x_BTND: jax.Array, positions_BT: jax.Array, theta: float,
+         scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary position embedding, half-split convention (Su et al. 2021 eq. 34; HF `rotate_half`).
 
   Args:
     x_BTND: [B, T, N, D] queries or keys (D even).
     positions_BT: int32 [B, T] absolute positions.
     theta: rotary base.
+    scaling: optional context-extension scaling (linear / llama3 / yarn, `model.rotary`).
 
   Returns:
     [B, T, N, D] rotated, in x's dtype (angles in fp32).
   """
-  d = x_BTND.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
-  angles = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x = x_BTND.astype(jnp.float32)
-  x1, x2 = x[..., : d // 2], x[..., d // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTND.dtype)
+  inv_freq, attention_factor = rotary.inverse_frequencies(x_BTND.shape[-1], theta, scaling)
+  return rotary.apply(x_BTND, positions_BT, inv_freq, attention_factor)
 
 
 def _packed_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -170,8 +166,8 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend):
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-  q = rope(q, positions_BT, cfg.rope_theta)
-  k = rope(k, positions_BT, cfg.rope_theta)
+  q = rope(q, positions_BT, cfg.rope_theta, cfg.rope_scaling)
+  k = rope(k, positions_BT, cfg.rope_theta, cfg.rope_scaling)
   attn, cache_out = attend(q, k, v)
   h_BTE = h_BTE + jnp.einsum("bthd,hde->bte", attn, lp["wo"])
   x = rms_norm(h_BTE, lp["mlp_norm"], cfg.rms_eps)
