@@ -218,7 +218,9 @@ class Learner:
     self._compiled: _Compiled | None = None
     self._accum = None  # (GradAccum, BatchStats) device buffers, zero between batches
     rep = sharding_lib.replicated(mesh)
+    # Device constants passed to the step programs (explicit transfers, made once).
     self._flags = {v: jax.device_put(np.bool_(v), rep) for v in (False, True)}
+    self._zeros_cache: dict[tuple[int, ...], jax.Array] = {}
     self.restored_extra: dict | None = None
     logging.info("Learner: mesh %s on devices %s; initial state from %s.", dict(mesh.shape),
                  [d.id for d in mesh.devices.flat],
@@ -329,10 +331,9 @@ class Learner:
 
   def _zeros(self, sharding, shape):
     """A cached device array of zeros (the placeholder proximal log-probs)."""
-    key = ("zeros", shape)
-    if key not in self._flags:
-      self._flags[key] = jax.device_put(np.zeros(shape, np.float32), sharding)
-    return self._flags[key]
+    if shape not in self._zeros_cache:
+      self._zeros_cache[shape] = jax.device_put(np.zeros(shape, np.float32), sharding)
+    return self._zeros_cache[shape]
 
   def flush(self) -> dict[str, np.ndarray] | None:
     """Waits for the last dispatched step and returns (and checks) its host metrics."""

@@ -160,9 +160,11 @@ class StepFns(NamedTuple):
 
 
 def _schedule_step(opt_state: Any) -> jax.Array | None:
-  """Index of the last applied update, read from the optimizer's schedule count (or None)."""
-  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-  return None if not counts else counts[-1][1] - 1
+  """Index of the last applied update, read from the optimizer state's last `count` leaf (the
+  learning-rate schedule's, in `optimizer.make_optimizer`), or None if it has none."""
+  counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+            if path and getattr(path[-1], "name", None) == "count"]
+  return None if not counts else counts[-1] - 1
 
 
 def make_step_fns(model_cfg: ModelConfig, learner_cfg: LearnerConfig,

@@ -38,7 +38,6 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import numpy as st_numpy
 
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import transformer
@@ -379,6 +378,8 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
   if existing or (path / _CONFIG_FILE).exists():
     raise FileExistsError(f"{path} already holds a checkpoint ({existing or _CONFIG_FILE}).")
 
+  # Imported here: reading needs no safetensors package, so neither does importing the model.
+  from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(np.asarray, params)
   entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]], kind)
              for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order

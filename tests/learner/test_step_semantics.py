@@ -72,6 +72,7 @@ def test_one_minibatch_decoupled_ppo_is_its_truncated_is_limit():
     tis.train_step(b)
     m_dppo, m_tis = dppo.flush(), tis.flush()
     np.testing.assert_allclose(m_dppo["frac_truncated"], m_tis["frac_truncated"])
+    np.testing.assert_allclose(m_dppo["learning_rate"], 1e-3, rtol=1e-6)  # constant schedule
     np.testing.assert_allclose(m_dppo["grad_norm"], m_tis["grad_norm"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                host(dppo.params), host(tis.params))
