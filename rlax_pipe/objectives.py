@@ -391,14 +391,6 @@ OBJECTIVES: dict[str, Objective] = {
     "untruncated_is": untruncated_is,
 }
 
-# Objectives that read the proximal log-probs (the learner then computes them for minibatches
-# after the first, with the params from before the batch's first update).
-def reads_prox(cfg: "ObjectiveConfig") -> bool:
-  """Whether `cfg`'s objective reads `prox_logp_BT`."""
-  return cfg.name == "decoupled_ppo" or (cfg.name == "is_mask" and
-                                         cfg.is_mask_ratio == "proximal")
-
-
 def get_objective(name: str) -> Objective:
   """Looks up an objective by its registry name.
 

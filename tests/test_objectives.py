@@ -125,7 +125,8 @@ def test_decoupled_ppo_golden_with_prox(behavior_trunc, loss, frac_trunc, jit):
 
 def test_golden_diagnostics():
   entropy = jnp.asarray([[0.5, 1.0, 1.5, 2.0], [_NAN, _INF, 9.0, 9.0]])
-  _, d = token_loss.objective_loss(*_golden_inputs(), _shared_cfg("tis_pg"), entropy_BT=entropy)
+  _, d = token_loss.objective_loss(*_golden_inputs(), _shared_cfg("tis_pg"),
+                                   entropy_BT=entropy)
   # r = [3, .5, 1, 2]: mean 1.625, var 3.5625 - 1.625^2, ESS = 6.5^2 / (4 * 14.25).
   np.testing.assert_allclose(d.ratio_mean, 1.625, rtol=1e-6)
   np.testing.assert_allclose(d.ratio_var, 0.921875, rtol=1e-5)

@@ -25,7 +25,7 @@ def test_on_policy_ess_is_one_and_nothing_is_truncated(name):
   logp, _, adv = _batch()
   mask = jnp.asarray([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
   _, d = token_loss.objective_loss(logp, logp, adv, mask, jnp.zeros((2, 4), jnp.int32),
-                                        ObjectiveConfig(name=name))
+                                   ObjectiveConfig(name=name))
   assert float(d.ess) == 1.0
   assert float(d.ratio_mean) == 1.0 and float(d.ratio_var) == 0.0
   assert float(d.kl_k3) == 0.0 and float(d.logp_mismatch_max) == 0.0
@@ -59,7 +59,8 @@ def test_lag_histogram_bins_and_overflow_bin():
 def test_lag_histogram_through_objective_uses_hist_bins():
   logp, mu, adv = _batch()
   lag = jnp.asarray([[0, 0, 1, 5], [2, 2, 2, 30]], jnp.int32)
-  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)), lag, ObjectiveConfig(hist_bins=3))
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)), lag,
+                                   ObjectiveConfig(hist_bins=3))
   np.testing.assert_array_equal(d.lag_hist, [2, 1, 5])
 
 
@@ -123,8 +124,8 @@ def test_is_mask_band_on_the_proximal_ratio():
 
 def test_k3_is_non_negative_and_entropy_defaults_to_zero():
   logp, mu, adv = _batch(seed=3)
-  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)), jnp.zeros((2, 4), jnp.int32),
-                             ObjectiveConfig(name="ppo_clip"))
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)),
+                                   jnp.zeros((2, 4), jnp.int32), ObjectiveConfig(name="ppo_clip"))
   log_r = np.asarray(logp - mu, np.float64)
   np.testing.assert_allclose(d.kl_k3, np.mean(np.expm1(log_r) - log_r), rtol=1e-5)
   assert float(d.kl_k3) > 0.0
@@ -160,8 +161,8 @@ def test_clamped_log_ratio():
 
 def test_diagnostics_is_a_namedtuple_of_arrays_with_documented_fields():
   logp, mu, adv = _batch()
-  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)), jnp.zeros((2, 4), jnp.int32),
-                           ObjectiveConfig())
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)),
+                                   jnp.zeros((2, 4), jnp.int32), ObjectiveConfig())
   assert d._fields == ("ratio_mean", "ratio_var", "ratio_min", "ratio_max", "ess",
                        "frac_truncated", "frac_masked", "lag_hist", "kl_k3", "entropy", "tokens",
                        "logp_mismatch_mean", "logp_mismatch_max", "mask_tokens", "valid_tokens",

@@ -131,9 +131,9 @@ def test_ratio_and_entropy_diagnostics_match_rlax():
   @jax.jit
   def diagnostics_and_references(pi_logits, mu_logits):
     entropy_BT = -jnp.sum(jax.nn.softmax(pi_logits) * jax.nn.log_softmax(pi_logits), axis=-1)
-    diag = token_loss.objective_loss(_logp(pi_logits, actions), _logp(mu_logits, actions), adv, mask,
-                             jnp.zeros((B, T), jnp.int32), ObjectiveConfig(),
-                             entropy_BT=entropy_BT)[1]
+    diag = token_loss.objective_loss(_logp(pi_logits, actions), _logp(mu_logits, actions), adv,
+                                     mask, jnp.zeros((B, T), jnp.int32), ObjectiveConfig(),
+                                     entropy_BT=entropy_BT)[1]
     rho = rlax.categorical_importance_sampling_ratios(
         pi_logits.reshape(B * T, V), mu_logits.reshape(B * T, V), actions.reshape(-1))
     # rlax.entropy_loss = -mean_t(H_t * w_t).
@@ -167,7 +167,7 @@ def test_k3_is_unbiased_for_rlax_categorical_kl():
     mu_logp = jax.nn.log_softmax(mu_logits)[jnp.arange(positions)[None, :], actions]
     ones, zeros = jnp.ones((n, positions)), jnp.zeros((n, positions), jnp.int32)
     _, diag = token_loss.objective_loss(logp, mu_logp, ones, ones, zeros,
-                                       ObjectiveConfig(name="no_correction"))
+                                        ObjectiveConfig(name="no_correction"))
     exact = jax.vmap(rlax.categorical_kl_divergence)(mu_logits, pi_logits)
     return diag.kl_k3, jnp.mean(exact), logp - mu_logp
 

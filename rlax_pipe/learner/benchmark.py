@@ -130,8 +130,8 @@ def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
     JSON-able dict: tokens_per_s, completion_tokens_per_s, step_s (mean seconds per step),
     compile_s (first step, compile included), compiles_in_step_1, compiles_after_step_1 (XLA
     backend compiles in every later step, probes included; goal 0; None if the counter saw no
-    compile in step 1, i.e. it does not work on this JAX), model_flops_per_token, achieved_tflops (model
-    FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source, mfu (None without a
+    compile in step 1, i.e. it does not work on this JAX), model_flops_per_token,
+    achieved_tflops (model FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source, mfu (None without a
     peak), steps, device info and the configs used.
   """
   learner = Learner(model_cfg, learner_cfg, objective_cfg, sampling_cfg, devices=devices)

@@ -64,5 +64,5 @@ def peak_tflops(device_kind: str) -> tuple[float | None, str]:
   for key, (value, source) in PEAK_TFLOPS_BF16.items():
     if key.lower() in device_kind.lower():
       return value, source
-  return None, (f"device kind {device_kind!r} is not in PEAK_TFLOPS_BF16 ({sorted(PEAK_TFLOPS_BF16)}); "
-                "pass its peak explicitly (--peak_tflops)")
+  return None, (f"device kind {device_kind!r} is not in PEAK_TFLOPS_BF16 "
+                f"({sorted(PEAK_TFLOPS_BF16)}); pass its peak explicitly (--peak_tflops)")

@@ -37,7 +37,8 @@ _INSTR = re.compile(
     r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
     r"(?:-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{} ]*\}\}|\{\}"
+                     r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
                      r"|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})")
 _PAIRS = re.compile(r"source_target_pairs=\{([\d,{} ]*)\}")
 

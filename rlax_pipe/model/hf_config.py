@@ -118,8 +118,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32"
   Raises:
     ValueError: unsupported architecture (the message lists the supported ones), a missing
       required field, or an unsupported feature (the message names the field): a RoPE type
-      other than default / linear / llama3 / yarn, sliding windows, attention_bias / mlp_bias on Llama / Qwen3, an activation other than
-      SiLU, quantization.
+      other than default / linear / llama3 / yarn, sliding windows, attention_bias / mlp_bias
+      on Llama / Qwen3, an activation other than SiLU, quantization.
 
   Example:
     >>> cfg = config_from_hf(json.load(open("ckpt/config.json")))
