@@ -20,7 +20,8 @@ _JSONL_PATH = flags.DEFINE_string("jsonl_path", None, "Problems file for --task=
 _N = flags.DEFINE_integer("n", 20000, "Problems to sample.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling generator.")
 _SPLIT = flags.DEFINE_enum("split", "train", list(tasks.SPLITS), "Split to measure.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model path; default: shipped.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.model / tokenizer.json path or HF "
+                                 "directory; default: shipped.")
 
 
 def main(argv):
@@ -29,8 +30,7 @@ def main(argv):
     raise app.UsageError("--task=jsonl needs --jsonl_path.")
   config = tasks.JsonlConfig(path=_JSONL_PATH.value) if _TASK.value == "jsonl" else None
   task = tasks.make_task(_TASK.value, config)
-  tok = (tokenizer.Tokenizer(_TOKENIZER.value) if _TOKENIZER.value
-         else tokenizer.default_tokenizer())
+  tok = tokenizer.load_tokenizer(_TOKENIZER.value)
   stats = tasks.length_stats(task, np.random.default_rng(_SEED.value), _N.value, tok, _SPLIT.value)
   print(json.dumps({"date": datetime.datetime.now().isoformat(timespec="seconds"),
                     "task": _TASK.value, "split": _SPLIT.value, "seed": _SEED.value,

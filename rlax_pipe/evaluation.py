@@ -1,19 +1,23 @@
 """Held-out evaluation: sample completions for task problems with the paged sampler and grade them.
 
 Used by the SFT warm start (greedy and T=1 accuracy) and by the RL drivers (held-out accuracy).
+Prompts are encoded as in training (`tok.encode_prompt`, the same over-long-prompt policy);
+verifiers run in worker processes (`tasks.VerifierPool`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
 
 from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe import grading as grading_lib
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
-from rlax_pipe.tasks.safe_reward import RewardStats, safe_reward
+from rlax_pipe.tasks.verifier_pool import VerifierPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,16 +25,21 @@ class EvalResult:
   """Accuracy of one evaluation pass.
 
   Attributes:
-    accuracy: mean reward over the problems (rewards are 0/1 for the built-in tasks).
-    num_problems: problems evaluated.
+    accuracy: mean reward over the problems evaluated; a problem whose verifier call failed
+      counts 0.0 (rewards are 0/1 for the built-in tasks).
+    num_problems: problems evaluated (problems given minus `num_filtered`).
     mean_completion_tokens: mean completion length in tokens.
     accuracy_by_difficulty: {difficulty: mean reward} (difficulty as defined by the task).
+    num_filtered: problems skipped because their prompt does not fit (over-long, "filter").
+    num_failed_rewards: verifier calls that failed (error, timeout, invalid).
   """
 
   accuracy: float
   num_problems: int
   mean_completion_tokens: float
   accuracy_by_difficulty: dict
+  num_filtered: int = 0
+  num_failed_rewards: int = 0
 
 
 def eval_problems(task: task_base.Task, n: int, split: str = "eval") -> list[task_base.Problem]:
@@ -39,7 +48,9 @@ def eval_problems(task: task_base.Task, n: int, split: str = "eval") -> list[tas
 
 
 def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tokenizer,
-             problems: Sequence[task_base.Problem], *, timeout_s: float = 5.0) -> EvalResult:
+             problems: Sequence[task_base.Problem], *, timeout_s: float = 5.0,
+             verifier: VerifierPool | None = None,
+             grading: grading_lib.GradingConfig = grading_lib.GradingConfig()) -> EvalResult:
   """Generates one completion per problem with `engine` (its weights and sampling config) and grades it.
 
   The engine must be idle (no running or waiting requests); it is left idle.
@@ -49,7 +60,10 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
     task: the task that grades completions.
     tok: tokenizer used to encode prompts and decode completions.
     problems: problems to evaluate.
-    timeout_s: per-completion limit for the reward function (seconds).
+    timeout_s: per-call limit of the reward function (seconds) when `verifier` is None.
+    verifier: verifier processes to grade with (e.g. the rollout worker's); None = a temporary
+      `VerifierPool(task, timeout_s=timeout_s)`.
+    grading: the over-long-prompt policy (its `prompt_policy` and `min_completion_tokens`).
 
   Returns:
     EvalResult.
@@ -59,21 +73,29 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
   """
   if engine.has_work:
     raise RuntimeError("evaluate() needs an idle engine; it has requests in flight.")
+  kept = []
   for i, p in enumerate(problems):
-    engine.submit(Request(prompt_tokens=np.asarray(tok.encode(p.prompt, add_bos=True), np.int32),
-                          sample_id=i, group_id=i, prompt_index=p.index))
-  rollouts = {r.sample_id: r for r in engine.run_to_completion()}
-  stats = RewardStats()
-  rewards, lengths, by_diff = [], [], {}
-  for i, p in enumerate(problems):
-    r = rollouts[i]
-    text = tok.decode(r.completion_tokens)
-    reward = safe_reward(task, p, text, sample_id=i, timeout_s=timeout_s,
-                                         stats=stats)
-    rewards.append(reward)
-    lengths.append(r.num_completion_tokens)
+    prepared = grading_lib.prepare_prompt(tok, p.prompt, engine.cfg.max_seq_len, grading)
+    if prepared.ids is not None:
+      kept.append(p)
+      engine.submit(Request(prompt_tokens=prepared.ids, sample_id=len(kept) - 1,
+                            group_id=len(kept) - 1, prompt_index=p.index))
+  rollouts = {r.sample_id: r for r in engine.run_to_completion()} if kept else {}
+  items = [(p, tok.decode(rollouts[i].completion_tokens)) for i, p in enumerate(kept)]
+  pool = verifier if verifier is not None else VerifierPool(task, timeout_s=timeout_s)
+  try:
+    verdicts = pool.grade(items, list(range(len(kept))))
+  finally:
+    if verifier is None:
+      pool.close()
+  rewards = [0.0 if math.isnan(v.reward) else v.reward for v in verdicts]
+  by_diff = {}
+  for p, reward in zip(kept, rewards):
     by_diff.setdefault(float(p.difficulty), []).append(reward)
+  lengths = [rollouts[i].num_completion_tokens for i in range(len(kept))]
   return EvalResult(
-      accuracy=float(np.mean(rewards)) if rewards else 0.0, num_problems=len(problems),
+      accuracy=float(np.mean(rewards)) if rewards else 0.0, num_problems=len(kept),
       mean_completion_tokens=float(np.mean(lengths)) if lengths else 0.0,
-      accuracy_by_difficulty={k: float(np.mean(v)) for k, v in sorted(by_diff.items())})
+      accuracy_by_difficulty={k: float(np.mean(v)) for k, v in sorted(by_diff.items())},
+      num_filtered=len(problems) - len(kept),
+      num_failed_rewards=sum(v.failed for v in verdicts))

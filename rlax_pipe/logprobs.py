@@ -212,3 +212,25 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
   zero = jnp.zeros((b, 1), jnp.float32)
   return (jnp.concatenate([zero, logp[:, :-1]], axis=1),
           jnp.concatenate([zero, ent[:, :-1]], axis=1))
+
+
+def next_token_logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
+                                    cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+  """`next_token_logprobs` from full logits [B, T, V] (for models without hidden states).
+
+  Returns:
+    (logp_BT float32, entropy_BT float32 with gradient stopped); position 0 gets 0 in both.
+
+  Raises:
+    ValueError: if logits are not [B, T, V] over the tokens' [B, T].
+  """
+  if logits_BTV.ndim != 3 or tokens_BT.shape != logits_BTV.shape[:2]:
+    raise ValueError(f"logits {logits_BTV.shape} vs tokens {tokens_BT.shape}: need [B, T, V], "
+                     "[B, T].")
+  logp_all = processed_logprobs(logits_BTV[:, :-1], cfg)
+  hit = (jnp.arange(logp_all.shape[-1], dtype=jnp.int32)[None, None, :]
+         == tokens_BT[:, 1:, None])
+  logp = jnp.sum(jnp.where(hit, logp_all, 0.0), axis=-1)
+  ent = entropy(jax.lax.stop_gradient(logp_all))
+  zero = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
+  return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)

@@ -30,7 +30,7 @@ from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import Learner, LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
-from rlax_pipe.model import hf_io
+from rlax_pipe.model import ModelLike, Transformer, as_model, hf_io
 from rlax_pipe.pipeline import batching
 from rlax_pipe.sampler import SamplerConfig, SamplerEngine
 from rlax_pipe.tasks import base as task_base
@@ -119,7 +119,7 @@ def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
 
   `direct=True` demonstrates the bare answer instead of the reference solution.
   """
-  prompt = np.asarray(tok.encode(problem.prompt, add_bos=True), np.int32)
+  prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)  # as the RL sampler sees it
   completion = np.asarray(tok.encode(demonstration(problem, direct)) + [tok.eos_id], np.int32)
   n = completion.shape[0]
   return Rollout(sample_id=sample_id, group_id=sample_id, prompt_tokens=prompt,
@@ -160,7 +160,7 @@ def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, r
   return batching.pack_rollouts(items, advantages, seq_len, num_rows=rows), index
 
 
-def eval_engine(model_cfg: ModelConfig, params: Any, tok: tokenizer_lib.Tokenizer, *,
+def eval_engine(model: ModelLike, params: Any, tok: tokenizer_lib.Tokenizer, *,
                 slots: int, max_seq_len: int, sampling: SamplingConfig, mesh=None,
                 seed: int = 0) -> SamplerEngine:
   """A paged sampler engine for held-out evaluation (prompts + completions <= max_seq_len)."""
@@ -169,17 +169,17 @@ def eval_engine(model_cfg: ModelConfig, params: Any, tok: tokenizer_lib.Tokenize
                       num_pages=slots * (-(-max_seq_len // page_size)), max_seq_len=max_seq_len,
                       max_new_tokens=max_seq_len, eos_id=tok.eos_id, sampling=sampling,
                       seed=seed)
-  return SamplerEngine(model_cfg, cfg, params, mesh=mesh)
+  return SamplerEngine(model, cfg, params, mesh=mesh)
 
 
 def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
-            out_dir: str | pathlib.Path, model_cfg: ModelConfig | None = None) -> dict:
+            out_dir: str | pathlib.Path, model: ModelLike | None = None) -> dict:
   """Trains the warm start, evaluates greedy and T=1 accuracy, writes the checkpoints.
 
   Two checkpoints of the final weights: `out_dir/config.json` + `model.safetensors` (HF format,
   loadable with `rlax_pipe.model.load_hf_checkpoint` or transformers; what the RL job's `--init`
-  takes) and `out_dir/orbax/` (the learner's full orbax state: params, AdamW state, version, RNG;
-  restore with a `Learner` whose checkpoint_dir points there). `out_dir/sft_result.json` holds
+  takes; built-in model only) and `out_dir/orbax/` (the learner's full orbax state: params,
+  AdamW state, version, RNG; restore with a `Learner` whose checkpoint_dir points there). `out_dir/sft_result.json` holds
   the returned summary.
 
   Args:
@@ -187,13 +187,14 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
     tok: tokenizer.
     cfg: SFT configuration.
     out_dir: output directory (created; must not already hold a checkpoint).
-    model_cfg: model to train; default `default_model_config(tok.vocab_size, cfg.seq_len)`.
+    model: model to train (`rlax_pipe.model.Model` or a `ModelConfig`); default the built-in
+      `default_model_config(tok.vocab_size, cfg.seq_len)`, randomly initialised.
 
   Returns:
     Summary dict: steps, seconds, final loss, greedy and T=1 held-out accuracy, etc.
   """
   out_dir = pathlib.Path(out_dir)
-  model_cfg = model_cfg or default_model_config(tok.vocab_size, cfg.seq_len)
+  model = as_model(model or default_model_config(tok.vocab_size, cfg.seq_len))
   learner_cfg = LearnerConfig(mesh_axes=(("fsdp", cfg.learner_devices),),
                               learning_rate=cfg.learning_rate,
                               warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
@@ -202,7 +203,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
                               checkpoint_dir=str(out_dir / "orbax"), keep_checkpoints=1,
                               async_checkpointing=False)
   objective_cfg = objectives.ObjectiveConfig(name="no_correction", aggregation="token_mean")
-  learner = Learner(model_cfg, learner_cfg, objective_cfg, SamplingConfig(),
+  learner = Learner(model, learner_cfg, objective_cfg, SamplingConfig(),
                     devices=jax.devices()[:cfg.learner_devices])
   t0, index, losses = time.perf_counter(), 0, []
   for step in range(cfg.steps):
@@ -225,15 +226,16 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   params = jax.device_get(learner.params)
   learner.close()
 
-  hf_io.save_hf_checkpoint(out_dir, params, model_cfg,
-                           extra_config={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
-                                         "pad_token_id": tok.pad_id})
+  if isinstance(model, Transformer):  # HF format exists for the built-in family only
+    hf_io.save_hf_checkpoint(out_dir, params, model.cfg,
+                             extra_config={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
+                                           "pad_token_id": tok.pad_id})
   problems = evaluation.eval_problems(task, cfg.eval_problems)
   params_dev = jax.device_put(params, jax.devices()[0])  # the eval engine's one-device mesh
   results = {}
   for name, sampling in (("greedy", SamplingConfig(greedy=True)),
                          ("t1", SamplingConfig(temperature=1.0))):
-    engine = eval_engine(model_cfg, params_dev, tok, slots=cfg.eval_slots,
+    engine = eval_engine(model, params_dev, tok, slots=cfg.eval_slots,
                          max_seq_len=cfg.seq_len, sampling=sampling, seed=cfg.seed)
     results[name] = evaluation.evaluate(engine, task, tok, problems)
   summary = {

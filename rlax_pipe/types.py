@@ -28,12 +28,15 @@ class Rollout:
       (after temperature / top-k / top-p processing, renormalised, fp32).
     policy_versions: int32[T] version of the weights that produced token t, stamped at decode time.
     finish_reason: one of "eos", "length", "aborted".
-    reward: scalar reward given by the task's verifier (0.0 until graded).
+    reward: scalar reward given by the task's verifier (0.0 until graded; NaN when the sample has
+      no reward: its verifier call failed or the overlong policy masked it, see
+      `rlax_pipe.grading`).
     t_admit: wall or virtual clock time (seconds) when the request was admitted into a slot.
     t_first_token: time (seconds) when the first completion token was produced.
     t_finish: time (seconds) when the sample finished.
     num_preemptions: how many times the sample lost its KV pages and was re-queued.
     prompt_index: index of the task prompt (for bookkeeping and resume).
+    prompt_truncated: the prompt was cut to fit max_seq_len (`rlax_pipe.grading`, "truncate").
   """
 
   sample_id: int
@@ -49,6 +52,7 @@ class Rollout:
   t_finish: float = 0.0
   num_preemptions: int = 0
   prompt_index: int = -1
+  prompt_truncated: bool = False
 
   def __post_init__(self):
     t = self.completion_tokens.shape

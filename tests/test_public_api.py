@@ -6,7 +6,7 @@ import inspect
 import pytest
 
 PACKAGES = ["rlax_pipe.model", "rlax_pipe.sampler", "rlax_pipe.learner", "rlax_pipe.pipeline",
-            "rlax_pipe.tasks", "rlax_pipe.sim"]
+            "rlax_pipe.tasks", "rlax_pipe.sim", "rlax_pipe.tokenizer"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -36,7 +36,7 @@ def test_run_sft_tiny_learns_and_writes_loadable_checkpoint(tmp_path):
                           n_kv_heads=1, head_dim=16, d_ff=64, max_seq_len=96)
   cfg = sft.SFTConfig(steps=12, rows=2, seq_len=96, learning_rate=1e-2, warmup_steps=2,
                       eval_problems=4, eval_slots=4, log_every=4)
-  summary = sft.run_sft(task, tok, cfg, tmp_path / "out", model_cfg=model_cfg)
+  summary = sft.run_sft(task, tok, cfg, tmp_path / "out", model=model_cfg)
   assert summary["final_loss"] < 2.5  # from ~log(278) = 5.6 at init
   assert 0.0 <= summary["greedy_accuracy"] <= 1.0 and 0.0 <= summary["t1_accuracy"] <= 1.0
   loaded_cfg, params = hf_io.load_hf_checkpoint(tmp_path / "out")

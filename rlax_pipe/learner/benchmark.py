@@ -16,12 +16,11 @@ from jax.sharding import Mesh
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import flops
 from rlax_pipe.learner import hlo_analysis
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.learner import Learner, lower_accumulate
-from rlax_pipe.model import transformer
+from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 
 
@@ -112,7 +111,7 @@ def _probe_sizes(batch_size: int, micro_batch_rows: int) -> list[int]:
                 {batch_size})
 
 
-def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+def run_benchmark(model: ModelLike, learner_cfg: LearnerConfig,
                   objective_cfg: objectives.ObjectiveConfig,
                   sampling_cfg: logprobs_lib.SamplingConfig, *, batch_size: int, seq_len: int,
                   steps: int, warmup: int = 2, samples_per_row: int = 2,
@@ -134,9 +133,11 @@ def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
     achieved_tflops (model FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source, mfu (None without a
     peak), steps, device info and the configs used.
   """
-  learner = Learner(model_cfg, learner_cfg, objective_cfg, sampling_cfg, devices=devices)
+  model = as_model(model)
+  model_cfg = getattr(model, "cfg", None)  # the built-in family: FLOPs by formula
+  learner = Learner(model, learner_cfg, objective_cfg, sampling_cfg, devices=devices)
   rng = np.random.default_rng(seed)
-  make = lambda rows: synthetic_batch(rng, rows, seq_len, model_cfg.vocab_size,
+  make = lambda rows: synthetic_batch(rng, rows, seq_len, model.vocab_size,
                                       samples_per_row=samples_per_row, max_lag=2)
   batches = [make(batch_size) for _ in range(4)]
   probes = [make(rows) for rows in _probe_sizes(batch_size, learner_cfg.micro_batch_rows)]
@@ -163,11 +164,12 @@ def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
       learner.train_step(batch)
     learner.flush()
   tokens_per_s = tokens / elapsed if steps else None
-  per_token = flops.model_flops_per_token(model_cfg, seq_len)
+  per_token = None if model_cfg is None else flops.model_flops_per_token(model_cfg, seq_len)
   chips = learner.mesh.devices.size
   kind = learner.mesh.devices.flat[0].device_kind
   peak, source = ((peak_tflops, "--peak_tflops") if peak_tflops else flops.peak_tflops(kind))
-  achieved = None if tokens_per_s is None else per_token * tokens_per_s / 1e12
+  achieved = (None if tokens_per_s is None or per_token is None
+              else per_token * tokens_per_s / 1e12)
   return {
       "tokens_per_s": tokens_per_s,
       "completion_tokens_per_s": completion / elapsed if steps else None,
@@ -178,7 +180,7 @@ def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
       "compiles_after_step_1": len(later) if first else None,
       "probe_batch_sizes": [int(b.tokens.shape[0]) for b in probes],
       "model_flops_per_token": per_token,
-      "matmul_params": flops.matmul_params(model_cfg),
+      "matmul_params": None if model_cfg is None else flops.matmul_params(model_cfg),
       "achieved_tflops": achieved,
       "peak_tflops_per_chip": peak,
       "peak_source": source,
@@ -190,14 +192,14 @@ def run_benchmark(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
       "batch_size": batch_size,
       "seq_len": seq_len,
       "samples_per_row": samples_per_row,
-      "model": dataclasses.asdict(model_cfg),
+      "model": repr(model) if model_cfg is None else dataclasses.asdict(model_cfg),
       "learner": dataclasses.asdict(learner_cfg),
       "objective": dataclasses.asdict(objective_cfg),
       "sampling": dataclasses.asdict(sampling_cfg),
   }
 
 
-def memory_report(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+def memory_report(model: ModelLike, learner_cfg: LearnerConfig,
                   objective_cfg: objectives.ObjectiveConfig,
                   sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
                   seq_len: int) -> dict[str, Any]:
@@ -211,9 +213,9 @@ def memory_report(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
     temp_bytes, naive_temp_bytes, logits_temp_ratio (= temp_bytes / naive_temp_bytes),
     argument_bytes, output_bytes, logits_chunk_len, attention_block_len, remat.
   """
-  chunked = lower_accumulate(model_cfg, learner_cfg, objective_cfg, sampling_cfg, mesh,
+  chunked = lower_accumulate(model, learner_cfg, objective_cfg, sampling_cfg, mesh,
                              seq_len).compile()
-  naive = lower_accumulate(model_cfg, dataclasses.replace(learner_cfg, logits_chunk_len=None),
+  naive = lower_accumulate(model, dataclasses.replace(learner_cfg, logits_chunk_len=None),
                            objective_cfg, sampling_cfg, mesh, seq_len).compile()
   mem, naive_mem = chunked.memory_analysis(), naive.memory_analysis()
   return {
@@ -230,7 +232,7 @@ def memory_report(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
   }
 
 
-def collective_report(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+def collective_report(model: ModelLike, learner_cfg: LearnerConfig,
                       objective_cfg: objectives.ObjectiveConfig,
                       sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
                       seq_len: int) -> dict[str, Any]:
@@ -244,12 +246,12 @@ def collective_report(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
     weight-shaped array nor a few scalars; goal 0), how many of them run inside a loop (the
     layer or chunk loops, i.e. once per layer), and each one's op, shapes, bytes and pass.
   """
-  hlo = lower_accumulate(model_cfg, learner_cfg, objective_cfg, sampling_cfg, mesh,
+  hlo = lower_accumulate(model, learner_cfg, objective_cfg, sampling_cfg, mesh,
                          seq_len).compile().as_text()
   found = hlo_analysis.collectives(hlo, mesh)
   sizes = dict(mesh.shape)
   weights = hlo_analysis.weight_shapes(
-      [s.shape for s in jax.tree.leaves(transformer.abstract_params(model_cfg))],
+      [s.shape for s in jax.tree.leaves(as_model(model).abstract_params())],
       [sizes.get("tp", 1), sizes.get("fsdp", 1), sizes.get("tp", 1) * sizes.get("fsdp", 1)])
   over = [c for c in found if "fsdp" in c.axes]
   small = lambda shape: int(np.prod(shape)) <= 64

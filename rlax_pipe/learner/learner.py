@@ -20,14 +20,13 @@ import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import checkpoint as checkpoint_lib
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 
 class NonFiniteError(RuntimeError):
@@ -44,7 +43,7 @@ class _Compiled(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
+def _compiled_step(model: Model, step_cfg: LearnerConfig,
                    objective_cfg: objectives.ObjectiveConfig,
                    sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
                    seq_len: int) -> _Compiled:
@@ -52,14 +51,14 @@ def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
   learners). Their inputs have fixed shapes ([micro_batch_rows, seq_len] micro-batches), so a
   batch of any number of rows reuses them."""
   tx = optimizer.make_optimizer(step_cfg)
-  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
-  fns = train_step_lib.make_step_fns(model_cfg, step_cfg, objective_cfg, sampling_cfg, tx,
+  state_sh = train_state_lib.state_shardings(model, tx, mesh)
+  fns = train_step_lib.make_step_fns(model, step_cfg, objective_cfg, sampling_cfg, tx,
                                      sharding_lib.compute_constraint(mesh))
   rows = (step_cfg.micro_batch_rows, seq_len)
   tok_sh = sharding_lib.batch_sharding(mesh, rows)
   micro_sh = {name: tok_sh for name in train_step_lib.BATCH_FIELDS}
   rep = sharding_lib.replicated(mesh)
-  abstract = transformer.abstract_params(model_cfg)
+  abstract = model.abstract_params()
   bins = objective_cfg.hist_bins
   make_acc = lambda: (train_step_lib.init_accum(abstract), train_step_lib.init_stats(bins))
   acc_abstract, stats_abstract = jax.eval_shape(make_acc)
@@ -79,7 +78,7 @@ def _compiled_step(model_cfg: ModelConfig, step_cfg: LearnerConfig,
       micro_sharding=micro_sh)
 
 
-def lower_accumulate(model_cfg: ModelConfig, cfg: LearnerConfig,
+def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
                      objective_cfg: objectives.ObjectiveConfig,
                      sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
                      seq_len: int) -> jax.stages.Lowered:
@@ -87,10 +86,10 @@ def lower_accumulate(model_cfg: ModelConfig, cfg: LearnerConfig,
   [micro_batch_rows, seq_len] micro-batches, lowered from abstract inputs (nothing allocated):
   `.compile()` it and read `memory_analysis()`, `cost_analysis()` or `as_text()` (the HLO).
   """
-  step_cfg = cfg.step_slice()
-  fns = _compiled_step(model_cfg, step_cfg, objective_cfg, sampling_cfg, mesh, seq_len)
+  step_cfg, model = cfg.step_slice(), as_model(model)
+  fns = _compiled_step(model, step_cfg, objective_cfg, sampling_cfg, mesh, seq_len)
   tx = optimizer.make_optimizer(step_cfg)
-  state = train_state_lib.sharded_abstract_state(model_cfg, tx, mesh)
+  state = train_state_lib.sharded_abstract_state(model, tx, mesh)
   acc, stats = jax.eval_shape(fns.init)
   shape = (step_cfg.micro_batch_rows, seq_len)
   mb = {name: jax.ShapeDtypeStruct(shape, train_step_lib.BATCH_DTYPES[name],
@@ -130,11 +129,10 @@ def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_init(model_cfg: ModelConfig, step_cfg: LearnerConfig, mesh: Mesh,
-                   from_params: bool):
+def _compiled_init(model: Model, step_cfg: LearnerConfig, mesh: Mesh, from_params: bool):
   """Jitted state initializer writing straight into the learner shardings."""
   tx = optimizer.make_optimizer(step_cfg)
-  state_sh = train_state_lib.state_shardings(model_cfg, tx, mesh)
+  state_sh = train_state_lib.state_shardings(model, tx, mesh)
   opts = dict(step_cfg.compiler_options) or None
   rep = sharding_lib.replicated(mesh)
   if from_params:
@@ -142,7 +140,7 @@ def _compiled_init(model_cfg: ModelConfig, step_cfg: LearnerConfig, mesh: Mesh,
                    in_shardings=(state_sh.params, rep), out_shardings=state_sh,
                    compiler_options=opts)
   return jax.jit(lambda seed: train_state_lib.init_state(
-      transformer.init_params(model_cfg, jax.random.key(seed)), tx, seed),
+      model.init_params(jax.random.key(seed)), tx, seed),
                  in_shardings=(rep,), out_shardings=state_sh, compiler_options=opts)
 
 
@@ -171,7 +169,7 @@ class Learner:
     >>> last_metrics = learner.flush()
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: LearnerConfig,
+  def __init__(self, model: ModelLike, cfg: LearnerConfig,
                objective_cfg: objectives.ObjectiveConfig,
                sampling_cfg: logprobs_lib.SamplingConfig, *,
                devices: Sequence[Any] | None = None, mesh: Mesh | None = None,
@@ -179,7 +177,7 @@ class Learner:
     """Builds the mesh and the initial state (version 0, or restored from a checkpoint).
 
     Args:
-      model_cfg: model configuration.
+      model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
       cfg: learner configuration.
       objective_cfg: objective configuration.
       sampling_cfg: the sampler's SamplingConfig (log-probs are recomputed with it).
@@ -198,7 +196,7 @@ class Learner:
         `restore` without a checkpoint directory or together with `params`.
       checkpoint.CheckpointError: with `restore`, if no usable checkpoint exists.
     """
-    self.model_cfg, self.cfg = model_cfg, cfg
+    self.model, self.cfg = as_model(model), cfg
     self.objective_cfg, self.sampling_cfg = objective_cfg, sampling_cfg
     if mesh is None:
       devices = list(jax.devices()[:cfg.num_devices] if devices is None else devices)
@@ -209,7 +207,7 @@ class Learner:
     self.mesh = mesh
     self._step_cfg = cfg.step_slice()
     self._tx = optimizer.make_optimizer(self._step_cfg)
-    self.state_shardings = train_state_lib.state_shardings(model_cfg, self._tx, mesh)
+    self.state_shardings = train_state_lib.state_shardings(self.model, self._tx, mesh)
     self._checkpointer = None
     if cfg.checkpoint_dir is not None:
       self._checkpointer = checkpoint_lib.Checkpointer(
@@ -232,10 +230,10 @@ class Learner:
       return
     seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
     if params is None:
-      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, False)(seed)
+      self._state = _compiled_init(self.model, self._step_cfg, mesh, False)(seed)
     else:
       params = jax.device_put(params, self.state_shardings.params)
-      self._state = _compiled_init(model_cfg, self._step_cfg, mesh, True)(params, seed)
+      self._state = _compiled_init(self.model, self._step_cfg, mesh, True)(params, seed)
 
   # ---- state access -------------------------------------------------------------------------
 
@@ -302,7 +300,7 @@ class Learner:
     """
     arrays = batch_arrays(batch)
     num_rows, seq_len = arrays["tokens"].shape
-    fns = _compiled_step(self.model_cfg, self._step_cfg, self.objective_cfg,
+    fns = _compiled_step(self.model, self._step_cfg, self.objective_cfg,
                          self.sampling_cfg, self.mesh, seq_len)
     if fns is not self._compiled:
       self._compiled, self._accum = fns, fns.init()
@@ -405,7 +403,7 @@ class Learner:
     """
     if self._checkpointer is None:
       raise ValueError("Learner.restore: LearnerConfig.checkpoint_dir is None.")
-    target = train_state_lib.sharded_abstract_state(self.model_cfg, self._tx, self.mesh)
+    target = train_state_lib.sharded_abstract_state(self.model, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
     self._state, self._pending = restored.state, None
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,

@@ -15,9 +15,8 @@ from typing import Any, Sequence
 from jax.sharding import Mesh, NamedSharding
 
 from rlax_pipe import sharding as sharding_lib
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import ModelLike, as_model
 # One definition each, in rlax_pipe.sharding; re-exported for the learner's modules.
 from rlax_pipe.sharding import (  # pylint: disable=unused-import
     compute_constraint, opt_state_shardings, replicated)
@@ -35,11 +34,12 @@ def learner_mesh(devices: Sequence[Any], cfg: LearnerConfig) -> Mesh:
   return sharding_lib.make_mesh(devices, cfg.mesh_shape, sharding_lib.LEARNER_RULES)
 
 
-def param_shardings(model_cfg: ModelConfig, mesh: Mesh,
+def param_shardings(model: ModelLike, mesh: Mesh,
                     rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> Any:
-  """NamedSharding per parameter, from `transformer.param_axes` and the abstract shapes."""
-  return sharding_lib.logical_to_sharding(transformer.param_axes(model_cfg), mesh, rules,
-                                          shapes=transformer.abstract_params(model_cfg))
+  """NamedSharding per parameter, from `model.param_axes()` and its abstract shapes."""
+  model = as_model(model)
+  return sharding_lib.logical_to_sharding(model.param_axes(), mesh, rules,
+                                          shapes=model.abstract_params())
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, int],

@@ -9,16 +9,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 import optax
 
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import sharding as sharding_lib
-from rlax_pipe.model import transformer
+from rlax_pipe.model import ModelLike, as_model
 
 
 class TrainState(NamedTuple):
   """Everything the learner carries from one optimizer step to the next.
 
   Attributes:
-    params: model parameter tree (`transformer.init_params` layout), learner-sharded.
+    params: model parameter tree (`Model.abstract_params()` layout), learner-sharded.
     opt_state: optax state of `optimizer.make_optimizer(cfg)`.
     version: int32 scalar policy version of `params`: initial weights are version 0 and every
       learner batch with at least one applied optimizer update makes v + 1, however many
@@ -65,16 +64,15 @@ def init_state(params: Any, tx: optax.GradientTransformation,
   )
 
 
-def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+def abstract_state(model: ModelLike, tx: optax.GradientTransformation) -> TrainState:
   """TrainState of `jax.ShapeDtypeStruct` leaves (no allocation)."""
-  return jax.eval_shape(lambda p: init_state(p, tx, 0), transformer.abstract_params(model_cfg))
+  return jax.eval_shape(lambda p: init_state(p, tx, 0), as_model(model).abstract_params())
 
 
-def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation,
-                    mesh: Mesh) -> TrainState:
+def state_shardings(model: ModelLike, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
   """TrainState of NamedShardings on the learner mesh, derived from the abstract state."""
-  abstract = abstract_state(model_cfg, tx)
-  params = sharding_lib.param_shardings(model_cfg, mesh)
+  abstract = abstract_state(model, tx)
+  params = sharding_lib.param_shardings(model, mesh)
   rep = sharding_lib.replicated(mesh)
   return TrainState(
       params=params,
@@ -82,9 +80,9 @@ def state_shardings(model_cfg: ModelConfig, tx: optax.GradientTransformation,
       version=rep, rng=rep, step=rep, nonfinite_consecutive=rep, nonfinite_total=rep)
 
 
-def sharded_abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
+def sharded_abstract_state(model: ModelLike, tx: optax.GradientTransformation,
                            mesh: Mesh) -> TrainState:
   """Abstract state whose leaves carry their target sharding (an orbax restore target)."""
   return jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract_state(model_cfg, tx), state_shardings(model_cfg, tx, mesh))
+      abstract_state(model, tx), state_shardings(model, tx, mesh))

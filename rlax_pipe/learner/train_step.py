@@ -32,11 +32,10 @@ import optax
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import offpolicy
 from rlax_pipe import token_loss
-from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.train_state import TrainState
-from rlax_pipe.model import transformer
+from rlax_pipe.model import HiddenStatesModel, ModelLike, as_model
 from rlax_pipe.objectives import ObjectiveConfig
 
 Batch = dict[str, jax.Array]
@@ -167,21 +166,24 @@ def _schedule_step(opt_state: Any) -> jax.Array | None:
   return None if not counts else counts[-1] - 1
 
 
-def make_step_fns(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
+def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
                   objective_cfg: ObjectiveConfig, sampling_cfg: logprobs_lib.SamplingConfig,
-                  tx: optax.GradientTransformation,
-                  constrain: transformer.Constrain | None = None) -> StepFns:
+                  tx: optax.GradientTransformation, constrain: Any = None) -> StepFns:
   """Builds the step's pure functions for one configuration.
 
   Args:
-    model_cfg: model configuration (param_dtype = master params and optimizer state,
-      compute_dtype = activations and matmuls).
+    model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one; there
+      param_dtype = master params and optimizer state, compute_dtype = activations and
+      matmuls). A `HiddenStatesModel` gets chunked log-probs, the remat policy, blockwise
+      attention and the sharding hook; any other model is run through `forward` (full
+      logits, remat on unless "none").
     learner_cfg: learner configuration (remat, logits_chunk_len, schedule).
     objective_cfg: objective configuration; `objective_cfg.name` picks the objective.
     sampling_cfg: the sampler's logit processing (temperature, top-k, top-p).
     tx: optimizer from `optimizer.make_optimizer(learner_cfg)`.
-    constrain: sharding hook `constrain(x, logical_axes)` for the forward pass (weights
-      gathered per layer, activations split over the batch axes); None = no constraints.
+    constrain: sharding hook `constrain(x, logical_axes, weight=False)` for the forward pass
+      (`rlax_pipe.sharding.compute_constraint`: weights gathered per layer, activations split
+      over the batch axes); None = no constraints.
 
   Returns:
     StepFns(prox, accumulate, apply):
@@ -195,14 +197,20 @@ def make_step_fns(model_cfg: ModelConfig, learner_cfg: LearnerConfig,
       loss_finite, grad_finite, inputs_finite, logp_finite, version and step (after the step),
       nonfinite_consecutive, nonfinite_total.
   """
+  model = as_model(model)
   c = constrain or (lambda x, *_, **__: x)
 
   def token_logprobs(params, mb):
-    h = transformer.hidden_states(params, mb["tokens"], mb["positions"], model_cfg,
-                                  segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
-                                  constrain=constrain,
-                                  attention_block_len=learner_cfg.attention_block_len)
-    head = c(transformer.output_head(params, model_cfg), ("embed", "vocab"), weight=True)
+    if not isinstance(model, HiddenStatesModel):  # forward only: full logits
+      logits, _ = model.forward(params, mb["tokens"], mb["positions"],
+                                segment_ids_BT=mb["segment_ids"],
+                                remat=learner_cfg.remat != "none")
+      return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"], sampling_cfg)
+    h = model.hidden_states(params, mb["tokens"], mb["positions"],
+                            segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
+                            constrain=constrain,
+                            attention_block_len=learner_cfg.attention_block_len)
+    head = c(model.output_head(params), ("embed", "vocab"), weight=True)
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,
                                             chunk_len=learner_cfg.logits_chunk_len,
                                             batch_groups=learner_cfg.batch_shards,

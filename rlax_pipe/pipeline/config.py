@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlax_pipe.grading import GradingConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
@@ -73,7 +74,10 @@ class PipelineConfig:
     wait_timeout_s: limit of every blocking wait (seconds, > 0); the error says what was awaited.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
       probe sequence (slow; catches a push that silently did not apply).
-    reward_timeout_s: limit of one reward-function call (seconds, > 0).
+    reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
+      is killed with its verifier process and the sample gets no reward.
+    grading: over-long prompts, completions cut by the length limit, failed rewards
+      (`rlax_pipe.grading`).
     cost_model: virtual-clock durations for the reproducible mode.
     seed: seed of prompt order and sampling.
   """
@@ -93,6 +97,7 @@ class PipelineConfig:
   wait_timeout_s: float = 600.0
   debug_verify_push: bool = False
   reward_timeout_s: float = 5.0
+  grading: GradingConfig = GradingConfig()
   cost_model: CostModel = CostModel()
   seed: int = 0
 

@@ -14,6 +14,7 @@ became ready (FIFO).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from typing import Any
@@ -165,7 +166,8 @@ class RolloutQueue:
   def put(self, rollout: Rollout, learner_version: int | None = None) -> None:
     """Adds one finished sample; completes, drops or holds its group.
 
-    A complete group is discarded if any sample was aborted (reason "aborted") or if its oldest
+    A complete group is discarded if any sample was aborted (reason "aborted"), if no sample has a
+    reward (all NaN: failed verifiers or masked samples; reason "unscored"), or if its oldest
     token is already too stale for the newest known learner version (reason "stale"; that can
     only get worse). Under queue-drop, the oldest ready groups beyond capacity are then dropped
     (reason "overflow").
@@ -199,6 +201,8 @@ class RolloutQueue:
       group = tuple(sorted(self._partial.pop(gid), key=lambda r: r.sample_id))
       if any(r.finish_reason == "aborted" for r in group):
         self._discard([group], "aborted")
+      elif all(math.isnan(r.reward) for r in group):
+        self._discard([group], "unscored")  # no baseline and nothing to train
       elif staleness.is_too_stale(_oldest(group), self._learner_version, self._config.max_lag):
         self._discard([group], "stale")
       else:

@@ -31,7 +31,7 @@ from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.learner import Learner, LearnerConfig
 from rlax_pipe.learner.checkpoint import CheckpointError
-from rlax_pipe.model import hf_io, transformer
+from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
@@ -63,7 +63,8 @@ class RunConfig:
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
     jsonl_path: problems file of the JSONL task.
     task_config: the task's own config (e.g. `tasks.ArithmeticConfig`) or None for defaults.
-    tokenizer_path: sentencepiece model; None = the shipped tokenizer.
+    tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
+      shipped tokenizer.
     num_sampler_devices: devices of the sampler mesh (>= 1).
     num_learner_devices: devices of the learner mesh (>= 1). With a single device in total both
       roles share it (set both to 1).
@@ -124,12 +125,12 @@ def load_initial_params(init: str, param_dtype: str = "float32"):
   return hf_io.load_hf_checkpoint(path, param_dtype=param_dtype)
 
 
-def _sampler_target(model_cfg, mesh) -> Any:
-  shardings = sharding_lib.logical_to_sharding(transformer.param_axes(model_cfg), mesh,
-                                               sharding_lib.SAMPLER_RULES,
-                                               shapes=transformer.abstract_params(model_cfg))
+def _sampler_target(model: Model, mesh) -> Any:
+  abstract = model.abstract_params()
+  shardings = sharding_lib.logical_to_sharding(model.param_axes(), mesh,
+                                               sharding_lib.SAMPLER_RULES, shapes=abstract)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      transformer.abstract_params(model_cfg), shardings)
+                      abstract, shardings)
 
 
 def _lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
@@ -144,7 +145,7 @@ def _lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
 class _Job:
   """Holds the live components of one run and the per-step bookkeeping."""
 
-  def __init__(self, cfg: RunConfig):
+  def __init__(self, cfg: RunConfig, model: ModelLike | None = None, params: Any = None):
     self.cfg = cfg
     pcfg = cfg.pipeline
     ckpts = pathlib.Path(cfg.run_dir) / "checkpoints"
@@ -153,8 +154,7 @@ class _Job:
           f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
           "(--resume) to continue it, or choose a new run_dir (--run_dir).")
     self.rd = RunDir(cfg.run_dir)
-    self.tok = (tokenizer_lib.Tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
-                else tokenizer_lib.default_tokenizer())
+    self.tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
     task_cfg = cfg.task_config
     if task_cfg is None and cfg.task == "jsonl":
       task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
@@ -165,16 +165,24 @@ class _Job:
                                           sharding_lib.LEARNER_RULES)
     sampler_mesh = sharding_lib.make_mesh(split.sampler, dict(cfg.sampler_mesh_axes),
                                           sharding_lib.SAMPLER_RULES)
-    self.model_cfg, params0 = load_initial_params(cfg.init)
+    if model is None:
+      model_cfg, params0 = load_initial_params(cfg.init)
+      self.model = Transformer(model_cfg)
+    else:
+      self.model, params0 = as_model(model), params
     learner_cfg = dataclasses.replace(cfg.learner, checkpoint_dir=self.rd.checkpoint_dir)
     objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
-    self.sampler_model_cfg = (
-        self.model_cfg if cfg.sampler_compute_dtype is None else
-        dataclasses.replace(self.model_cfg, compute_dtype=cfg.sampler_compute_dtype))
-    if self.sampler_model_cfg != self.model_cfg:
+    self.sampler_model = self.model
+    if cfg.sampler_compute_dtype is not None:
+      if not hasattr(self.model, "with_compute_dtype"):
+        raise ValueError(f"RunConfig.sampler_compute_dtype={cfg.sampler_compute_dtype!r} needs a "
+                         "model with with_compute_dtype() (the built-in Transformer); this "
+                         f"{type(self.model).__name__} sets its own dtypes.")
+      self.sampler_model = self.model.with_compute_dtype(cfg.sampler_compute_dtype)
+    if self.sampler_model != self.model:
       logging.info("sampler computes in %s, learner in %s (precision mismatch on purpose).",
-                   cfg.sampler_compute_dtype, self.model_cfg.compute_dtype)
-    self.learner = Learner(self.model_cfg, learner_cfg, objective_cfg, cfg.sampler.sampling,
+                   cfg.sampler_compute_dtype, self.model.compute_dtype)
+    self.learner = Learner(self.model, learner_cfg, objective_cfg, cfg.sampler.sampling,
                            mesh=learner_mesh, params=params0)
     extra = self._maybe_restore()
     self.start_step = self.learner.step
@@ -190,20 +198,20 @@ class _Job:
     self.timeline = timeline_lib.Timeline(
         clock=self.sampler_clock if self.reproducible else time.perf_counter)
     verify = self._verify_push if pcfg.debug_verify_push else None
-    target = _sampler_target(self.model_cfg, sampler_mesh)
+    target = _sampler_target(self.model, sampler_mesh)
     self.channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
     on_span = None if self.reproducible else self.timeline.record
     clock = self.sampler_clock or time.perf_counter
     if snap is None:
       self.channel.push(self.learner.params, self.learner.version)
       w = self.channel.take(timeout=pcfg.wait_timeout_s)
-      self.engine = SamplerEngine(self.sampler_model_cfg, cfg.sampler, w.params, version=w.version,
+      self.engine = SamplerEngine(self.sampler_model, cfg.sampler, w.params, version=w.version,
                                   mesh=sampler_mesh, clock=clock, on_span=on_span)
     else:  # exact resume: the sampler exactly as it was at the checkpoint
       leaves, treedef = jax.tree.flatten(target)
       params = jax.tree.unflatten(treedef, [
           jax.device_put(snap["arrays"][f"params{i}"], t.sharding) for i, t in enumerate(leaves)])
-      self.engine = SamplerEngine(self.sampler_model_cfg, cfg.sampler, params,
+      self.engine = SamplerEngine(self.sampler_model, cfg.sampler, params,
                                   version=snap["state"]["version"], mesh=sampler_mesh,
                                   clock=clock, on_span=on_span)
       engine_snapshot.restore(self.engine, snap["state"], snap["arrays"])
@@ -229,8 +237,8 @@ class _Job:
         num_pages=cfg.eval_slots * cfg.sampler.pages_per_seq,
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
-           else {"cache_dtype": self.model_cfg.compute_dtype}))
-    self.eval_engine = SamplerEngine(self.model_cfg, eval_cfg, self.learner.params,
+           else {"cache_dtype": self.model.compute_dtype}))
+    self.eval_engine = SamplerEngine(self.model, eval_cfg, self.learner.params,
                                      version=self.learner.version, mesh=learner_mesh)
     self.eval_set = evaluation.eval_problems(self.task, pcfg.eval_problems)
     self.eval_seconds = 0.0
@@ -314,11 +322,10 @@ class _Job:
   # ---- evaluation / logging -------------------------------------------------------------------
   def _verify_push(self, sampler_params, version: int) -> None:
     """Debug check: sampler-side and learner-side log-probs of a probe sequence agree."""
-    probe = np.asarray(self.tok.encode("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6", add_bos=True),
-                       np.int32)[None]
+    probe = np.asarray(self.tok.encode_prompt("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6"), np.int32)[None]
     pos = np.arange(probe.shape[1], dtype=np.int32)[None]
-    ls, _ = transformer.forward(sampler_params, probe, pos, self.model_cfg)
-    ll, _ = transformer.forward(self.learner.params, probe, pos, self.model_cfg)
+    ls, _ = self.model.forward(sampler_params, probe, pos)
+    ll, _ = self.model.forward(self.learner.params, probe, pos)
     diff = float(np.max(np.abs(np.asarray(ls) - np.asarray(ll))))
     if not diff < 1e-3:
       raise RuntimeError(f"weight push of version {version} did not apply: sampler and learner "
@@ -329,13 +336,15 @@ class _Job:
     if self.learner.version != self.eval_engine.version:
       self.eval_engine.update_weights(self.learner.params, self.learner.version)
     res = evaluation.evaluate(self.eval_engine, self.task, self.tok, self.eval_set,
-                              timeout_s=self.cfg.pipeline.reward_timeout_s)
+                              verifier=self.worker.verifier, grading=self.cfg.pipeline.grading)
     self.eval_seconds += time.perf_counter() - t0
     self.last_eval = res.accuracy
     self.rd.log({"kind": "eval", "step": step, "version": self.learner.version,
                  "time_s": time_s, "heldout_accuracy": res.accuracy,
                  "wall_s": time.perf_counter() - self.t_wall0 - self.eval_seconds,
-                 "mean_completion_tokens": res.mean_completion_tokens}, step)
+                 "mean_completion_tokens": res.mean_completion_tokens,
+                 "eval_filtered_overlong": res.num_filtered,
+                 "eval_failed_rewards": res.num_failed_rewards}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
                  res.num_problems)
     return res.accuracy
@@ -371,6 +380,8 @@ class _Job:
               "logp_mismatch_mean", "logp_mismatch_max", "is_finite"):
       if k in m:
         row[k] = np.asarray(m[k]).item()
+    row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
+    row.update(self.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     self.rd.log(row, step)
@@ -392,6 +403,7 @@ class _Job:
     final_acc = self.evaluate(step, time_s)
     self.save(time_s)
     self.learner.close()
+    self.worker.close()
     rows = self.rd.read_metrics()
     evals = [r for r in rows if r["kind"] == "eval"]
     spans = self.timeline.spans()
@@ -419,14 +431,21 @@ class _Job:
     return out
 
 
-def run(cfg: RunConfig) -> dict:
+def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None) -> dict:
   """Runs (or resumes) one RL job; returns the summary also written to run_dir/summary.json.
+
+  Args:
+    cfg: the run.
+    model: the policy's model (`rlax_pipe.model.Model`, e.g. an `NnxModel`); None = the built-in
+      transformer loaded from `cfg.init`.
+    params: initial params of `model` (any placement); None = a random init from
+      `cfg.learner.seed`. Ignored when `model` is None.
 
   Raises:
     Whatever a component raised; before re-raising, the learner state and the pipeline state are
     checkpointed (so `resume=True` continues from there).
   """
-  job = _Job(cfg)
+  job = _Job(cfg, model, params)
   pcfg = cfg.pipeline
   if job.last_eval is None:
     job.evaluate(job.start_step, job.time_offset)
@@ -447,6 +466,7 @@ def run(cfg: RunConfig) -> dict:
       try:
         job.save(job.vstate.t_l if job.reproducible else job.time_offset)
         job.learner.close()
+        job.worker.close()
       except Exception as e:  # pylint: disable=broad-except
         logging.error("checkpoint after the error failed too: %s", e)
       raise

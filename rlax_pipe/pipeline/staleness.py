@@ -27,7 +27,8 @@ Policies (`StalenessConfig.policy`):
 
 Every policy counts wasted tokens (generated completion tokens that are never trained), split by
 reason: ``stale`` (too old), ``overflow`` (queue-drop), ``aborted`` (a sample in the group was
-aborted).
+aborted), ``unscored`` (no sample of the group has a reward: every verifier call failed, or the
+overlong policy masked every sample).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 POLICIES: tuple[str, ...] = ("block", "learner-wait", "drop", "queue-drop")
-WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted")
+WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +318,8 @@ class WasteCounters:
     stale_groups, stale_samples, stale_tokens: dropped for lag > max_lag.
     overflow_groups, overflow_samples, overflow_tokens: dropped by queue-drop's capacity.
     aborted_groups, aborted_samples, aborted_tokens: groups with an aborted sample.
+    unscored_groups, unscored_samples, unscored_tokens: groups without any reward (NaN rewards
+      only: failed verifiers, or samples masked by the overlong policy).
   """
 
   stale_groups: int = 0
@@ -328,16 +331,20 @@ class WasteCounters:
   aborted_groups: int = 0
   aborted_samples: int = 0
   aborted_tokens: int = 0
+  unscored_groups: int = 0
+  unscored_samples: int = 0
+  unscored_tokens: int = 0
 
   @property
   def dropped_groups(self) -> int:
     """Groups discarded for any reason."""
-    return self.stale_groups + self.overflow_groups + self.aborted_groups
+    return self.stale_groups + self.overflow_groups + self.aborted_groups + self.unscored_groups
 
   @property
   def wasted_tokens(self) -> int:
     """Generated tokens discarded for any reason."""
-    return self.stale_tokens + self.overflow_tokens + self.aborted_tokens
+    return (self.stale_tokens + self.overflow_tokens + self.aborted_tokens
+            + self.unscored_tokens)
 
 
 def count_waste(counters: WasteCounters, reason: str, groups: int, samples: int, tokens: int

@@ -10,6 +10,7 @@ import numpy as np
 from rlax_pipe import advantages as advantages_lib
 from rlax_pipe.learner import Learner
 from rlax_pipe.pipeline import batching
+from rlax_pipe import grading
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import Group, RolloutQueue
 from rlax_pipe.pipeline.weight_channel import WeightChannel
@@ -23,9 +24,11 @@ class StepResult:
   Attributes:
     version: learner version after the step (= the version pushed).
     metrics: the learner's metrics of this step (numpy scalars / arrays).
-    rollouts: the samples trained on.
+    rollouts: the samples of the groups consumed (those without a reward, NaN, are not trained).
     completion_tokens: completion tokens trained on (real tokens, no padding).
-    reward_mean: mean reward of the samples.
+    reward_mean: mean reward of the samples that have one.
+    sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
+      truncated-prompt share).
   """
 
   version: int
@@ -33,6 +36,7 @@ class StepResult:
   rollouts: tuple[Rollout, ...]
   completion_tokens: int
   reward_mean: float
+  sample_metrics: dict = dataclasses.field(default_factory=dict)
 
 
 def _rows_bucket(needed: int) -> int:
@@ -43,17 +47,22 @@ def _rows_bucket(needed: int) -> int:
 def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   """Advantages per group, then sequence packing into [rows, seq_len] with rows a power of two.
 
+  Samples without a reward (NaN: failed verifier, or masked by the overlong policy) are left out
+  of their group's baseline (`advantages`) and out of the batch, so none of their tokens is in
+  the loss or its normaliser.
+
   Returns:
-    (TrainBatch, flat list of rollouts in batch order).
+    (TrainBatch, flat list of the rollouts packed, in batch order).
   """
   rollouts = [r for g in groups for r in g]
   rewards = np.asarray([r.reward for r in rollouts], np.float32)
   group_ids = np.asarray([r.group_id for r in rollouts], np.int64)
   adv = advantages_lib.get_advantage_fn(cfg.advantage)(rewards, group_ids)
+  keep = [i for i, r in enumerate(rollouts) if not np.isnan(r.reward)]
+  rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
   rows = _rows_bucket(len(batching.packing_plan(lengths, cfg.seq_len)))
-  return batching.pack_rollouts(rollouts, np.asarray(adv, np.float32), cfg.seq_len,
-                                num_rows=rows), rollouts
+  return batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows), rollouts
 
 
 class Trainer:
@@ -72,7 +81,8 @@ class Trainer:
 
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
-    batch, rollouts = build_batch(groups, self.cfg)
+    batch, trained = build_batch(groups, self.cfg)
+    rollouts = [r for g in groups for r in g]
     self.learner.train_step(batch)
     metrics = self.learner.flush()
     version = self.learner.version
@@ -81,8 +91,9 @@ class Trainer:
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
-        completion_tokens=int(sum(r.num_completion_tokens for r in rollouts)),
-        reward_mean=float(np.mean([r.reward for r in rollouts])))
+        completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
+        reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
+        sample_metrics=grading.batch_metrics(rollouts))
 
   def try_step(self) -> StepResult | None:
     """Trains if `groups_per_step` ready groups are queued (non-blocking)."""

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from rlax_pipe import model
+from rlax_pipe.model import as_model
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.engine import SamplerEngine
@@ -90,7 +90,7 @@ def run(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, workload: WorkloadCo
     decode steps and their ratio (the speedup scheduling alone would give at equal step cost),
     ms per decode step (paged includes its prefills), preemptions.
   """
-  params = model.init_params(model_cfg, jax.random.key(param_seed))
+  params = as_model(model_cfg).init_params(jax.random.key(param_seed))
   requests = make_workload(workload, model_cfg.vocab_size)
   useful = sum(min(r.max_new_tokens, sampler_cfg.max_seq_len - len(r.prompt_tokens))
                for r in requests)

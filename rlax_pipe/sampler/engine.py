@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.sampler import page_pool
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.page_allocator import PageAllocator
@@ -50,10 +49,10 @@ def _constrain(tree, sharding):
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "pool_sharding"),
+@functools.partial(jax.jit, static_argnames=("model", "pool_sharding"),
                    donate_argnames=("k_pages", "v_pages"))
 def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R, *,
-                 model_cfg: ModelConfig, pool_sharding):
+                 model: Model, pool_sharding):
   """Writes the KV of positions [0, lengths[r]) of each row into its pages.
 
   Args:
@@ -62,7 +61,7 @@ def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R
     block_tables_RW: int32 [R, W] pages of each row.
     tokens_RT: int32 [R, T] prefix tokens from position 0 (T = bucket; padding beyond lengths).
     lengths_R: int32 [R] real tokens per row (0 = padding row, writes nothing).
-    model_cfg: model configuration (static).
+    model: the model (static).
     pool_sharding: sharding of the pools (static; pins the outputs' layout).
 
   Returns:
@@ -74,14 +73,13 @@ def prefill_step(params, k_pages, v_pages, block_tables_RW, tokens_RT, lengths_R
   # A prefill starts at position 0, so only the pages under the bucket are read or written.
   pages = -(-t // k_pages.shape[3])
   cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=block_tables_RW[:, :pages])
-  _, cache = transformer.forward(params, tokens_RT, positions, model_cfg, cache=cache,
-                                 valid_BT=valid)
+  _, cache = model.forward(params, tokens_RT, positions, cache=cache, valid_BT=valid)
   return _constrain((cache.k, cache.v), pool_sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampling", "impl", "pool_sharding"),
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "impl", "pool_sharding"),
                    donate_argnames=("k_pages", "v_pages", "rng"))
-def decode_step(params, k_pages, v_pages, slots_BX, rng, *, model_cfg: ModelConfig,
+def decode_step(params, k_pages, v_pages, slots_BX, rng, *, model: Model,
                 sampling: logprobs_lib.SamplingConfig, impl: str, pool_sharding):
   """One decode step for every slot: feed the pending token, write its KV, draw the next token.
 
@@ -92,15 +90,15 @@ def decode_step(params, k_pages, v_pages, slots_BX, rng, *, model_cfg: ModelConf
       token, its position, active (1) or not (0; writes nothing, outputs ignored), then the
       block-table row [W].
     rng: PRNG key (donated); split once per step.
-    model_cfg, sampling, impl, pool_sharding: static.
+    model, sampling, impl, pool_sharding: static.
 
   Returns:
     (next_tokens int32 [B], behaviour log-probs float32 [B], k_pages, v_pages, rng).
   """
   tokens_B1, positions_B1, active_B1 = slots_BX[:, 0:1], slots_BX[:, 1:2], slots_BX[:, 2:3] > 0
   cache = PagedKVCache(k=k_pages, v=v_pages, block_tables=slots_BX[:, 3:], impl=impl)
-  logits, cache = transformer.forward(params, tokens_B1, positions_B1, model_cfg, cache=cache,
-                                      valid_BT=active_B1)
+  logits, cache = model.forward(params, tokens_B1, positions_B1, cache=cache,
+                                valid_BT=active_B1)
   rng, draw = jax.random.split(rng)
   tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
   k, v = _constrain((cache.k, cache.v), pool_sharding)
@@ -164,7 +162,7 @@ class SamplerEngine:
   """Paged-KV continuous-batching sampler.
 
   Args:
-    model_cfg: the model.
+    model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
     cfg: sampler configuration.
     params: initial weights, already placed on `mesh` (jax arrays).
     version: policy version of `params`.
@@ -182,28 +180,29 @@ class SamplerEngine:
       "pallas_gpu" is requested off a one-device GPU mesh.
 
   Example:
-    engine = SamplerEngine(model_cfg, SamplerConfig(eos_id=2), params)
+    engine = SamplerEngine(model, SamplerConfig(eos_id=2), params)
     engine.submit(Request(prompt_tokens=np.array([1, 5, 7]), sample_id=0))
     rollouts = engine.run_to_completion()
   """
 
-  def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, params: Any, *, version: int = 0,
+  def __init__(self, model: ModelLike, cfg: SamplerConfig, params: Any, *, version: int = 0,
                mesh=None, clock: Callable[[], float] = time.perf_counter,
                on_span: SpanHook | None = None,
                admit_filter: Callable[[Request], bool] | None = None):
-    if cfg.max_seq_len > model_cfg.max_seq_len:
+    model = as_model(model)
+    if cfg.max_seq_len > model.max_seq_len:
       raise ValueError(f"SamplerConfig.max_seq_len={cfg.max_seq_len} exceeds the model's "
-                       f"max_seq_len={model_cfg.max_seq_len}.")
-    if cfg.eos_id is not None and cfg.eos_id >= model_cfg.vocab_size:
+                       f"max_seq_len={model.max_seq_len}.")
+    if cfg.eos_id is not None and cfg.eos_id >= model.vocab_size:
       raise ValueError(f"SamplerConfig.eos_id={cfg.eos_id} is outside the vocabulary "
-                       f"[0, {model_cfg.vocab_size}).")
-    self.model_cfg, self.cfg = model_cfg, cfg
+                       f"[0, {model.vocab_size}).")
+    self.model, self.cfg = model, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.impl = resolve_impl(cfg.attention_impl, self.mesh)
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter
-    self._pool_sharding = page_pool.pool_sharding(model_cfg, cfg, self.mesh)
+    self._pool_sharding = page_pool.pool_sharding(model, cfg, self.mesh)
     self._replicated = page_pool.replicated(self.mesh)
-    self._k, self._v = page_pool.init_pool(model_cfg, cfg, self.mesh)
+    self._k, self._v = page_pool.init_pool(model, cfg, self.mesh)
     self._rng = jax.device_put(jax.random.key(cfg.seed), self._replicated)
     _check_same_layout(params, params)
     self._params, self._version = params, int(version)
@@ -260,9 +259,9 @@ class SamplerEngine:
             f"{cfg.max_seq_len} allows at most {limit} (one position is kept for the "
             "completion); shorten it, raise max_seq_len, or set overlong_prompt='truncate_left'.")
       prompt = prompt[-limit:]
-    if prompt.min() < 0 or prompt.max() >= self.model_cfg.vocab_size:
+    if prompt.min() < 0 or prompt.max() >= self.model.vocab_size:
       raise ValueError(f"request {request.sample_id}: token ids must be in [0, "
-                       f"{self.model_cfg.vocab_size}), got [{prompt.min()}, {prompt.max()}].")
+                       f"{self.model.vocab_size}), got [{prompt.min()}, {prompt.max()}].")
     budget = cfg.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
     max_new = min(budget, cfg.max_seq_len - len(prompt))
     longest = len(prompt) + max_new - 1  # the last token is never fed back
@@ -357,7 +356,7 @@ class SamplerEngine:
       args = jax.device_put((np.zeros((cfg.prefill_rows, w), np.int32), zeros,
                              np.zeros(cfg.prefill_rows, np.int32)), self._replicated)
       self._k, self._v = prefill_step(self._params, self._k, self._v, *args,
-                                      model_cfg=self.model_cfg, pool_sharding=self._pool_sharding)
+                                      model=self.model, pool_sharding=self._pool_sharding)
     slots = jax.device_put(np.zeros((cfg.num_slots, 3 + w), np.int32), self._replicated)
     rng = jax.device_put(jax.random.key(0), self._replicated)
     _, _, self._k, self._v, _ = self._decode_call(slots, rng)
@@ -402,7 +401,7 @@ class SamplerEngine:
         seq.num_cached = n
       args = jax.device_put((tables, tokens, lengths), self._replicated)
       self._k, self._v = prefill_step(self._params, self._k, self._v, *args,
-                                      model_cfg=self.model_cfg, pool_sharding=self._pool_sharding)
+                                      model=self.model, pool_sharding=self._pool_sharding)
       self._counts["prefill_calls"] += 1
     if self.on_span is not None:
       jax.block_until_ready(self._k)
@@ -410,7 +409,7 @@ class SamplerEngine:
 
   def _decode_call(self, slots_BX, rng):
     return decode_step(self._params, self._k, self._v, slots_BX, rng,
-                       model_cfg=self.model_cfg, sampling=self.cfg.sampling, impl=self.impl,
+                       model=self.model, sampling=self.cfg.sampling, impl=self.impl,
                        pool_sharding=self._pool_sharding)
 
   def _decode(self) -> list[Rollout]:

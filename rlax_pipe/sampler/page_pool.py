@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
-from rlax_pipe.config import ModelConfig
+from rlax_pipe.model import Model
 from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.sharding import replicated  # pylint: disable=unused-import (engine uses it)
 
@@ -33,16 +33,16 @@ def default_mesh() -> Mesh:
   return sharding_lib.make_mesh(jax.devices()[:1], {sharding_lib.TP: 1})
 
 
-def pool_shape(model_cfg: ModelConfig, cfg: SamplerConfig) -> tuple[int, int, int, int, int]:
+def pool_shape(model: Model, cfg: SamplerConfig) -> tuple[int, int, int, int, int]:
   """Shape of the key (and of the value) pool: (layers, K, P, S, D)."""
-  return (model_cfg.n_layers, model_cfg.n_kv_heads, cfg.num_pages, cfg.page_size,
-          model_cfg.head_dim)
+  return (model.n_layers, model.n_kv_heads, cfg.num_pages, cfg.page_size,
+          model.head_dim)
 
 
-def pool_sharding(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh) -> NamedSharding:
+def pool_sharding(model: Model, cfg: SamplerConfig, mesh: Mesh) -> NamedSharding:
   """NamedSharding of the key/value pools on `mesh` (kv heads over tp when divisible)."""
   return NamedSharding(mesh, sharding_lib.logical_to_spec(
-      CACHE_AXES, pool_shape(model_cfg, cfg), mesh, sharding_lib.CACHE_RULES, canonical=True))
+      CACHE_AXES, pool_shape(model, cfg), mesh, sharding_lib.CACHE_RULES, canonical=True))
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
@@ -52,17 +52,17 @@ def _zero_pools(shape, dtype, sharding):
           jax.lax.with_sharding_constraint(zeros, sharding))
 
 
-def init_pool(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh):
+def init_pool(model: Model, cfg: SamplerConfig, mesh: Mesh):
   """Allocates zeroed key and value pools directly in their sharding (no reshard).
 
   Returns:
     (k_pages, v_pages), each [layers, K, P, S, D] in `cfg.cache_dtype`, sharded by
     `pool_sharding`.
   """
-  return _zero_pools(pool_shape(model_cfg, cfg), jnp.dtype(cfg.cache_dtype),
-                     pool_sharding(model_cfg, cfg, mesh))
+  return _zero_pools(pool_shape(model, cfg), jnp.dtype(cfg.cache_dtype),
+                     pool_sharding(model, cfg, mesh))
 
 
-def pool_bytes(model_cfg: ModelConfig, cfg: SamplerConfig) -> int:
+def pool_bytes(model: Model, cfg: SamplerConfig) -> int:
   """Bytes reserved by the key + value pools."""
-  return 2 * int(np.prod(pool_shape(model_cfg, cfg))) * jnp.dtype(cfg.cache_dtype).itemsize
+  return 2 * int(np.prod(pool_shape(model, cfg))) * jnp.dtype(cfg.cache_dtype).itemsize

@@ -21,16 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.model.kv_cache import DenseKVCache
 from rlax_pipe.sampler.config import Request
 from rlax_pipe.types import Rollout
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "sampling", "max_seq_len", "eos_id",
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "max_seq_len", "eos_id",
                                              "cache_dtype"))
-def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model_cfg: ModelConfig,
+def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: Model,
                    sampling: logprobs_lib.SamplingConfig, max_seq_len: int, eos_id: int | None,
                    cache_dtype: str):
   """Generates for one static batch until every row is done.
@@ -41,7 +40,7 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model_c
     prompt_lens_B: int32 [B] prompt lengths (>= 1).
     budgets_B: int32 [B] completion budgets (0 = padding row, done from the start).
     rng: PRNG key.
-    model_cfg, sampling, max_seq_len, eos_id, cache_dtype: static.
+    model, sampling, max_seq_len, eos_id, cache_dtype: static.
 
   Returns:
     dict with tokens int32 [B, N], logprobs float32 [B, N] (N = max_seq_len; row b valid up to
@@ -50,11 +49,11 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model_c
   """
   b, t = prompts_BT.shape
   n = max_seq_len
-  cache = DenseKVCache.init(model_cfg.n_layers, b, max_seq_len, model_cfg.n_kv_heads,
-                            model_cfg.head_dim, jnp.dtype(cache_dtype))
+  cache = DenseKVCache.init(model.n_layers, b, max_seq_len, model.n_kv_heads,
+                            model.head_dim, jnp.dtype(cache_dtype))
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-  _, cache = transformer.forward(params, prompts_BT, positions, model_cfg, cache=cache,
-                                 valid_BT=positions < (prompt_lens_B - 1)[:, None])
+  _, cache = model.forward(params, prompts_BT, positions, cache=cache,
+                           valid_BT=positions < (prompt_lens_B - 1)[:, None])
   last = prompt_lens_B - 1
   pending = jnp.take_along_axis(prompts_BT, last[:, None], axis=1)[:, 0]
   rows = jnp.arange(b)
@@ -68,8 +67,8 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model_c
 
   def body(s):
     live = jnp.logical_not(s["done"])
-    logits, cache = transformer.forward(params, s["pending"][:, None], s["pos"][:, None],
-                                        model_cfg, cache=s["cache"], valid_BT=live[:, None])
+    logits, cache = model.forward(params, s["pending"][:, None], s["pos"][:, None],
+                                  cache=s["cache"], valid_BT=live[:, None])
     rng, draw = jax.random.split(s["rng"])
     tok, logp = logprobs_lib.sample(draw, logits[:, 0], sampling)
     col = jnp.where(live, s["count"], n)  # out of bounds -> dropped
@@ -113,7 +112,7 @@ class StaticStats:
   done_times: np.ndarray
 
 
-def static_generate(params, model_cfg: ModelConfig, requests: Sequence[Request], *,
+def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
                     batch_size: int, max_seq_len: int, max_new_tokens: int,
                     sampling: logprobs_lib.SamplingConfig, eos_id: int | None = None,
                     cache_dtype: str = "float32", seed: int = 0, version: int = 0,
@@ -122,7 +121,7 @@ def static_generate(params, model_cfg: ModelConfig, requests: Sequence[Request],
 
   Args:
     params: model parameters.
-    model_cfg: the model.
+    model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
     requests: prompts with optional per-request budgets (capped by max_seq_len).
     batch_size: rows per static batch (the last batch is padded).
     max_seq_len: dense cache length per row (prompt + completion).
@@ -162,7 +161,7 @@ def static_generate(params, model_cfg: ModelConfig, requests: Sequence[Request],
     rng, key = jax.random.split(rng)
     t0 = clock()
     out = jax.device_get(generate_batch(
-        params, prompts, lens, budgets, key, model_cfg=model_cfg, sampling=sampling,
+        params, prompts, lens, budgets, key, model=as_model(model), sampling=sampling,
         max_seq_len=max_seq_len, eos_id=eos_id, cache_dtype=cache_dtype))
     t1 = clock()
     n_steps = int(out["num_steps"])

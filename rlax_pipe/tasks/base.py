@@ -5,8 +5,9 @@ by `(index, split)`: `task.problem(i, split)` is a pure function of the task's c
 stream is restored after a restart from an integer counter alone (`take_problems`).
 
 Answer convention: a completion states its final answer on a line that starts after the marker
-`ANSWER_MARKER` ("A:"); `extract_marked_answer` returns the text after the FIRST marker up to the
-end of that line (later markers are ignored, so writing several answers never helps).
+`ANSWER_MARKER` ("A:"); `extract_marked_answer` returns the text after the FIRST marker that starts
+a word (so "DATA:" or "NASA:" never count) up to the end of that line (later markers are ignored,
+so writing several answers never helps).
 
 Splits: "train" and "eval" are disjoint by content. `split_of(prompt, eval_fraction)` assigns a
 prompt to a split from a stable hash of its text (BLAKE2b, independent of seeds and of Python's
@@ -21,7 +22,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-ANSWER_MARKER = "A:"
+from rlax_pipe.tasks import answers
+
+ANSWER_MARKER = answers.ANSWER_MARKER
 SPLITS: tuple[str, ...] = ("train", "eval")
 
 
@@ -111,15 +114,13 @@ def split_of(prompt: str, eval_fraction: float) -> str:
 
 
 def extract_marked_answer(completion: str, marker: str = ANSWER_MARKER) -> str | None:
-  """Text after the first `marker` up to the end of its line, stripped; None without a marker.
+  """Text after the first `marker` that starts a word, up to the end of its line, stripped; None
+  without such a marker (`answers.extract_marked_answer`).
 
-  Example: extract_marked_answer("1+2=3\\nA: 3\\nA: 4") == "3".
+  Example: extract_marked_answer("1+2=3\\nA: 3\\nA: 4") == "3";
+  extract_marked_answer("Launches by NASA: 7") is None.
   """
-  start = completion.find(marker)
-  if start < 0:
-    return None
-  rest = completion[start + len(marker):]
-  return rest.split("\n", 1)[0].strip()
+  return answers.extract_marked_answer(completion, marker)
 
 
 def take_problems(task: Task, start: int, n: int, split: str = "train") -> list[Problem]:

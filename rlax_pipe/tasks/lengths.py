@@ -40,7 +40,8 @@ def length_stats(task: base.Task, rng: np.random.Generator, n: int,
   """Measures prompt and reference-completion lengths of `n` sampled problems.
 
   Completion lengths count the tokens the sampler would generate for the reference solution:
-  `len(tokenizer.encode(problem.solution, add_eos=True))`. Prompt lengths include BOS.
+  `len(tokenizer.encode(problem.solution, add_eos=True))`. Prompt lengths are those of
+  `tokenizer.encode_prompt` (BOS or chat template included, as the sampler sees them).
 
   Args:
     task: any `base.Task`.
@@ -59,7 +60,7 @@ def length_stats(task: base.Task, rng: np.random.Generator, n: int,
     raise ValueError(f"length_stats needs n >= 1, got {n}.")
   problems = task.sample_prompts(rng, n, split)
   completion = np.array([len(tokenizer.encode(p.solution, add_eos=True)) for p in problems])
-  prompt = np.array([len(tokenizer.encode(p.prompt, add_bos=tokenizer.bos_id >= 0))
+  prompt = np.array([len(tokenizer.encode_prompt(p.prompt))
                      for p in problems])
   p50, p90, p99 = np.percentile(completion, [50, 90, 99]).tolist()
   return LengthStats(n=n, mean=float(completion.mean()), p50=p50, p90=p90, p99=p99,

@@ -1,15 +1,16 @@
-"""Reward evaluation that never kills the run: errors, hangs and invalid values score 0.0.
+"""Reward outcomes: a verifier call either scores, or fails (raises, hangs, returns garbage).
 
-A user's verifier may raise, loop forever, or return garbage (None, NaN, a string). `safe_reward`
-turns each of these into reward 0.0, counts it in a `RewardStats`, and logs it with the sample id
-through absl logging (warning level).
+A failed call has no reward: its `Verdict.reward` is NaN, never 0.0, so it cannot pass for a wrong
+answer. Downstream, NaN rewards are excluded from their group's baseline and from the loss
+(`rlax_pipe.advantages`, `pipeline.trainer`). Outcomes:
 
-Hangs: with `timeout_s` set, the reward function runs in a fresh daemon thread and the caller waits
-at most `timeout_s` seconds. Python cannot kill a thread, so a hung call is ABANDONED: its daemon
-thread keeps running (holding whatever it holds) until it returns or the process exits, and it
-never blocks interpreter shutdown. Every abandoned thread is counted (`RewardStats.timeouts`); if
-they pile up, the verifier itself needs fixing. With `timeout_s=None` the function runs inline
-(no thread, no hang protection, exceptions still caught).
+- "ok": the call returned a finite int / float (numpy scalars included; bool is not a number);
+- "error": the call raised (any exception, in the verifier process);
+- "timeout": the call did not return within the time limit (its process was killed);
+- "invalid": the call returned something else (None, NaN, inf, a string, a list, ...).
+
+`grade_inline` runs a verifier in the calling thread (no time limit); `verifier_pool.VerifierPool`
+runs verifiers in worker processes with a hard time limit, which is what the pipeline uses.
 """
 
 from __future__ import annotations
@@ -18,12 +19,32 @@ import dataclasses
 import math
 import threading
 
-from absl import logging
 import numpy as np
 
 from rlax_pipe.tasks import base
 
 OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "invalid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """The result of one reward call.
+
+  Attributes:
+    reward: the reward (float) when `outcome` is "ok", else NaN.
+    outcome: one of `OUTCOMES`.
+    detail: for failures, what went wrong (the exception's repr, the returned value's repr, or
+      the time limit); "" for "ok".
+  """
+
+  reward: float
+  outcome: str
+  detail: str = ""
+
+  @property
+  def failed(self) -> bool:
+    """True unless the call scored."""
+    return self.outcome != "ok"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +63,7 @@ class RewardCounts:
 
   @property
   def failed(self) -> int:
-    """Calls that scored 0.0 because the reward function failed (error, timeout or invalid)."""
+    """Calls without a reward (error, timeout or invalid)."""
     return self.error + self.timeout + self.invalid
 
 
@@ -67,71 +88,35 @@ class RewardStats:
 
   @property
   def timeouts(self) -> int:
-    """Calls abandoned after exceeding the timeout (their daemon threads may still be running)."""
+    """Calls killed after exceeding the time limit."""
     return self.snapshot().timeout
 
 
-def _valid(value) -> bool:
+def is_valid_reward(value) -> bool:
+  """Whether `value` is a finite int / float (numpy scalars included, bool excluded)."""
   return (isinstance(value, (int, float, np.integer, np.floating))
-          and not isinstance(value, bool) and math.isfinite(value))
+          and not isinstance(value, (bool, np.bool_)) and math.isfinite(value))
 
 
-def safe_reward(task: base.Task, problem: base.Problem, completion: str, *, sample_id: int,
-                timeout_s: float | None = 5.0, stats: RewardStats | None = None) -> float:
-  """`task.reward(problem, completion)`, or 0.0 when it raises, hangs or returns a non-number.
+def call_verifier(task: base.Task, problem: base.Problem, completion: str) -> Verdict:
+  """`task.reward(problem, completion)` classified into a `Verdict` (never raises an Exception)."""
+  try:
+    value = task.reward(problem, completion)
+  except Exception as e:  # pylint: disable=broad-except  (any verifier bug is a failed reward)
+    return Verdict(math.nan, "error", repr(e)[:500])
+  if not is_valid_reward(value):
+    return Verdict(math.nan, "invalid", f"returned {value!r:.200}")
+  return Verdict(float(value), "ok")
 
-  Args:
-    task: any `base.Task`.
-    problem: the problem the completion answers.
-    completion: decoded completion text (no EOS).
-    sample_id: id of the sample, written in the log line of a failure.
-    timeout_s: seconds to wait for the reward (> 0), or None to call inline without a timeout.
-    stats: counters to update (optional).
 
-  Returns:
-    The reward as a float; 0.0 on error (any Exception), timeout, or a value that is not a finite
-    int/float (bool, None, NaN, inf, str, ... are "invalid").
+def grade_inline(task: base.Task, problem: base.Problem, completion: str, *,
+                 stats: RewardStats | None = None) -> Verdict:
+  """`call_verifier` in the calling thread, counted in `stats`; no time limit, no isolation.
 
-  Raises:
-    ValueError: when `timeout_s` is not None and not > 0.
+  Use `verifier_pool.VerifierPool` for verifiers that may hang or need the main thread
+  (`signal.alarm`, e.g. math-verify).
   """
-  if timeout_s is not None and not timeout_s > 0:
-    raise ValueError(f"timeout_s={timeout_s} must be > 0 or None.")
-  name = getattr(task, "name", type(task).__name__)
-  box: dict[str, object] = {}
-
-  def call():
-    try:
-      box["value"] = task.reward(problem, completion)
-    except Exception as e:  # pylint: disable=broad-except  (any verifier bug must not kill the run)
-      box["error"] = e
-
-  if timeout_s is None:
-    call()
-  else:
-    worker = threading.Thread(target=call, name=f"reward-{sample_id}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-      logging.warning("Reward of task %s for sample %d exceeded %.3g s; scored 0.0, thread "
-                      "abandoned.", name, sample_id, timeout_s)
-      _record(stats, "timeout")
-      return 0.0
-  if "error" in box:
-    logging.warning("Reward of task %s for sample %d raised %r; scored 0.0.", name, sample_id,
-                    box["error"])
-    _record(stats, "error")
-    return 0.0
-  value = box.get("value")
-  if not _valid(value):
-    logging.warning("Reward of task %s for sample %d returned %r, not a finite number; scored "
-                    "0.0.", name, sample_id, value)
-    _record(stats, "invalid")
-    return 0.0
-  _record(stats, "ok")
-  return float(value)
-
-
-def _record(stats: RewardStats | None, outcome: str) -> None:
+  verdict = call_verifier(task, problem, completion)
   if stats is not None:
-    stats.record(outcome)
+    stats.record(verdict.outcome)
+  return verdict

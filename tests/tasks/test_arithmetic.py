@@ -86,6 +86,7 @@ def test_reward_reference_is_one_corrupted_is_zero(task):
     ("A: 17", 1.0), ("A:17", 1.0), ("A:  17  ", 1.0), ("junk\nA: 17\nmore junk", 1.0),
     ("A: 17\nA: 18", 1.0), ("A: 18\nA: 17", 0.0), ("A: 017", 0.0), ("A: 17.", 0.0),
     ("A: +17", 0.0), ("A: 1 7", 0.0), ("A: 17 apples", 0.0), ("17", 0.0), ("A:\n17", 0.0),
+    ("The DATA: 5 rows\nA: 17", 1.0), ("Launches by NASA: 17", 0.0), ("xA: 17", 0.0),
 ])
 def test_reward_format_rules(task, completion, expected):
   p = tasks.Problem(index=0, split="train", prompt="Q: 10+7\n", answer="17",

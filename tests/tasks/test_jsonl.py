@@ -24,10 +24,10 @@ def _write(path, rows, blank_lines=False):
 
 def test_read_good_file(tmp_path):
   records = tasks.read_jsonl_problems(_write(tmp_path / "good.jsonl", ROWS, blank_lines=True))
-  assert [r["prompt"] for r in records] == [r["prompt"] for r in ROWS]
-  assert records[1]["answer"] == "4" and records[1]["difficulty"] == 1.0
-  assert records[0]["solution"] == "A: Paris" and records[0]["difficulty"] == 0.0
-  assert records[2]["solution"] == ROWS[2]["solution"]
+  assert [r.prompt for r in records] == [r["prompt"] for r in ROWS]
+  assert records[1].answer == "4" and records[1].difficulty == 1.0
+  assert records[0].solution == "A: Paris" and records[0].difficulty == 0.0
+  assert records[2].solution == ROWS[2]["solution"]
 
 
 @pytest.mark.parametrize("bad_line,what", [

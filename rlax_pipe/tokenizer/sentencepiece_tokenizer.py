@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer: a thin wrapper that loads any `tokenizer.model`, and its trainer.
+"""SentencePiece backend of `Tokenizer`: loads any `tokenizer.model`; trains the shipped one.
 
 The tokenizer shipped in `rlax_pipe/assets/tokenizer.model` (see `default_tokenizer`) was trained by
 `experiments/train_tokenizer.py` on text of the built-in arithmetic task. It is a character-level
@@ -18,7 +18,7 @@ are 33k parameters, negligible next to the tiny model, and every ASCII character
 one token, so a bigger character inventory would not shorten any sequence.
 
 SentencePiece itself maps the space character to the meta symbol "▁" (U+2581), so a literal "▁" in
-the input would decode as a space. `Tokenizer` spells a literal "▁" with its byte pieces instead,
+the input would decode as a space. `SentencePieceTokenizer` spells a literal "▁" with its byte pieces instead,
 which keeps the round trip exact; this needs a model with byte pieces.
 
 Reference: Kudo & Richardson, "SentencePiece: A simple and language independent subword tokenizer
@@ -31,9 +31,12 @@ from collections.abc import Iterable, Sequence
 import importlib.resources
 import os
 import pathlib
+import re
 
-import numpy as np
 import sentencepiece as spm
+
+from rlax_pipe.tokenizer import base
+from rlax_pipe.tokenizer import chat_template as chat_lib
 
 # The meta symbol SentencePiece uses for a space inside its pieces.
 _META_SPACE = "\u2581"
@@ -46,15 +49,16 @@ EOS_ID = 3
 NEWLINE_PIECE = "\n"
 
 
-class Tokenizer:
-  """A SentencePiece model with BOS / EOS / PAD handling and exact round trips.
+class SentencePieceTokenizer(base.Tokenizer):
+  """A SentencePiece model behind the `Tokenizer` interface, with exact round trips.
 
-  Attributes (read-only properties):
-    vocab_size: number of ids; every id produced by `encode` is in [0, vocab_size).
-    bos_id: id of the beginning-of-sequence token, or -1 when the model has none.
-    eos_id: id of the end-of-sequence token (always >= 0; generation stops on it).
-    pad_id: id used to pad batches. The model's own `<pad>` when it has one, else `pad_id` given
-      to the constructor, else the unk id (padding is masked, so any valid id works).
+  `stop_ids` is (eos_id,) plus any further EOS ids given (e.g. from `generation_config.json`).
+  Raw prompts get BOS whenever the model has a BOS piece (`add_bos_default`), unless told otherwise.
+
+  `encode` spells special-token text out ("<s>" is three pieces); only the text of a rendered chat
+  template has its special tokens (the model's control pieces and `special_tokens` given, e.g.
+  bos_token "<s>" of tokenizer_config.json) mapped to their ids, as transformers' SentencePiece
+  tokenizers do.
 
   Example:
     >>> tok = default_tokenizer()
@@ -63,17 +67,28 @@ class Tokenizer:
     'Q: 3+5\\n'
   """
 
-  def __init__(self, model_path: str | os.PathLike[str], *, pad_id: int | None = None):
+  def __init__(self, model_path: str | os.PathLike[str], *, pad_id: int | None = None,
+               extra_stop_ids: Sequence[int] = (), add_bos: bool | None = None,
+               chat_template: chat_lib.ChatTemplate | None = None,
+               special_tokens: Sequence[str] = (),
+               prompt_format: base.PromptFormat = base.PromptFormat()):
     """Loads a SentencePiece model file.
 
     Args:
       model_path: path of a `*.model` file written by SentencePiece (ours or anyone's).
       pad_id: padding id to use when the model defines no `<pad>` piece; ignored otherwise.
+        Without either, the unk id pads (padding is masked, so any valid id works).
+      extra_stop_ids: further ids that end a completion (other EOS / end-of-turn ids).
+      add_bos: whether raw prompts get BOS; None = whenever the model has a BOS piece.
+      chat_template: the model's chat template, if any.
+      special_tokens: special-token texts of rendered chat templates besides the model's
+        control pieces (each must be a piece of the model).
+      prompt_format: default format of `encode_prompt`.
 
     Raises:
       FileNotFoundError: when `model_path` does not exist.
       ValueError: when the file is not a SentencePiece model, the model has no EOS piece, or
-        `pad_id` is out of range.
+        `pad_id` / a stop id / a special token is not in the model.
     """
     path = pathlib.Path(model_path)
     if not path.is_file():
@@ -95,12 +110,31 @@ class Tokenizer:
       self._pad_id = int(pad_id)
     else:
       self._pad_id = int(self._sp.unk_id())
+    self._check_ids(list(extra_stop_ids))
+    self._stop_ids = tuple(dict.fromkeys([int(self._sp.eos_id())] + [int(i) for i in
+                                                                       extra_stop_ids]))
+    self._add_bos = self._sp.bos_id() >= 0 if add_bos is None else bool(add_bos)
     meta_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _META_SPACE.encode("utf-8")]
     has_bytes = all(self._sp.is_byte(i) for i in meta_bytes)
     self._meta_space_ids = meta_bytes if has_bytes else None
+    self._special = {self._sp.id_to_piece(i): i for i in range(self._vocab_size)
+                     if self._sp.is_control(i)}
+    for text in special_tokens:
+      token_id = self._sp.piece_to_id(text)
+      if self._sp.id_to_piece(token_id) != text:
+        raise ValueError(f"special token {text!r} is not a piece of {path}.")
+      self._special[text] = int(token_id)
+    self._special_re = re.compile("(" + "|".join(
+        re.escape(t) for t in sorted(self._special, key=len, reverse=True)) + ")")
+    super().__init__(chat_template=chat_template, prompt_format=prompt_format)
 
   @property
   def path(self) -> pathlib.Path:
+    """The model file this tokenizer was loaded from."""
+    return self._path
+
+  @property
+  def source(self) -> pathlib.Path:
     """The model file this tokenizer was loaded from."""
     return self._path
 
@@ -120,99 +154,50 @@ class Tokenizer:
     return int(self._sp.eos_id())
 
   @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """(eos_id, *extra_stop_ids), without duplicates."""
+    return self._stop_ids
+
+  @property
   def pad_id(self) -> int:
-    """Padding id (int); see the class docstring for the rule when the model has no `<pad>`."""
+    """Padding id (int); see `__init__` for the rule when the model has no `<pad>`."""
     return self._pad_id
 
+  @property
+  def add_bos_default(self) -> bool:
+    """Whether raw prompts get BOS."""
+    return self._add_bos
+
   def id_to_piece(self, token_id: int) -> str:
-    """The SentencePiece piece of one id, e.g. "<0xC3>" or "7"; raises ValueError if out of range."""
+    """The SentencePiece piece of one id, e.g. "<0xC3>" or "7"; ValueError if out of range."""
     self._check_ids([token_id])
     return self._sp.id_to_piece(int(token_id))
 
-  def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-    """Encodes one string.
-
-    Args:
-      text: any Python string (lone surrogates, which are not valid Unicode text, excepted).
-      add_bos: prepend `bos_id`.
-      add_eos: append `eos_id`.
-
-    Returns:
-      list[int] of ids in [0, vocab_size); `decode` of it gives `text` back exactly for models
-      trained by `train_tokenizer`.
-
-    Raises:
-      TypeError: when `text` is not a str.
-      ValueError: when `add_bos` is set and the model has no BOS piece.
-    """
-    if not isinstance(text, str):
-      raise TypeError(f"Tokenizer.encode expects str, got {type(text).__name__}.")
-    ids: list[int] = []
-    if add_bos:
-      if self.bos_id < 0:
-        raise ValueError(f"{self._path} defines no BOS piece; call encode with add_bos=False.")
-      ids.append(self.bos_id)
+  def _encode_text(self, text: str) -> list[int]:
     if self._meta_space_ids is None or _META_SPACE not in text:
-      ids.extend(self._sp.encode(text))
-    else:
-      for k, segment in enumerate(text.split(_META_SPACE)):
-        if k:
-          ids.extend(self._meta_space_ids)
-        ids.extend(self._sp.encode(segment))
-    if add_eos:
-      ids.append(self.eos_id)
+      return list(self._sp.encode(text))
+    ids: list[int] = []
+    for k, segment in enumerate(text.split(_META_SPACE)):
+      if k:
+        ids.extend(self._meta_space_ids)
+      ids.extend(self._sp.encode(segment))
     return ids
 
-  def decode(self, ids: Sequence[int] | np.ndarray, *, stop_at_eos: bool = True) -> str:
-    """Decodes one id sequence.
+  def _decode_ids(self, ids: list[int]) -> str:
+    return self._sp.decode(ids)
 
-    BOS and PAD ids are skipped wherever they occur. With `stop_at_eos`, decoding stops at the first
-    EOS (exclusive), so a padded or over-generated row decodes to its text only. Byte pieces that do
-    not form valid UTF-8 (possible in model samples) decode to U+FFFD.
-
-    Args:
-      ids: int sequence or 1-D integer array [T].
-      stop_at_eos: stop at the first `eos_id`; otherwise EOS ids are skipped like BOS and PAD.
-
-    Returns:
-      The decoded string.
-
-    Raises:
-      ValueError: when an id is outside [0, vocab_size) or `ids` is not 1-D.
-    """
-    ids = self._as_id_list(ids)
-    if stop_at_eos and self.eos_id in ids:
-      ids = ids[:ids.index(self.eos_id)]
-    skip = {self.bos_id, self.pad_id, self.eos_id}
-    return self._sp.decode([i for i in ids if i not in skip])
-
-  def encode_batch(self, texts: Iterable[str], *, add_bos: bool = False,
-                   add_eos: bool = False) -> list[list[int]]:
-    """`encode` applied to each string; returns one list[int] per string (ragged, unpadded)."""
-    return [self.encode(t, add_bos=add_bos, add_eos=add_eos) for t in texts]
-
-  def decode_batch(self, batch: Iterable[Sequence[int]] | np.ndarray, *,
-                   stop_at_eos: bool = True) -> list[str]:
-    """`decode` applied to each row of a ragged list or of an int array [B, T] (e.g. padded)."""
-    return [self.decode(row, stop_at_eos=stop_at_eos) for row in batch]
-
-  def _as_id_list(self, ids: Sequence[int] | np.ndarray) -> list[int]:
-    if isinstance(ids, np.ndarray):
-      if ids.ndim != 1:
-        raise ValueError(f"decode expects a 1-D id array, got shape {ids.shape}.")
-      ids = ids.tolist()
-    ids = [int(i) for i in ids]
-    self._check_ids(ids)
+  def encode_chat_text(self, text: str) -> list[int]:
+    ids: list[int] = []
+    for k, part in enumerate(self._special_re.split(text) if self._special else [text]):
+      if k % 2:
+        ids.append(self._special[part])
+      elif part:
+        ids.extend(self._encode_text(part))
     return ids
-
-  def _check_ids(self, ids: Sequence[int]) -> None:
-    bad = [i for i in ids if not 0 <= i < self._vocab_size]
-    if bad:
-      raise ValueError(f"Token ids {bad[:5]} are outside [0, {self._vocab_size}) for {self._path}.")
 
 
 def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike[str], *,
-                    vocab_size: int = 512, model_type: str = "char") -> Tokenizer:
+                    vocab_size: int = 512, model_type: str = "char") -> SentencePieceTokenizer:
   """Trains a SentencePiece model with exact round trips and loads it.
 
   Options (see the module docstring for why): pad/unk/bos/eos = 0/1/2/3, "\\n" as a user-defined
@@ -228,7 +213,7 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike[str], 
     model_type: "char", "bpe" or "unigram" (SentencePiece model types).
 
   Returns:
-    The trained `Tokenizer`.
+    The trained `SentencePieceTokenizer`.
 
   Raises:
     ValueError: on a bad `vocab_size` or `model_type`, or when `texts` holds no characters.
@@ -258,7 +243,7 @@ def train_tokenizer(texts: Iterable[str], model_prefix: str | os.PathLike[str], 
       num_threads=1,
       minloglevel=2,
   )
-  return Tokenizer(f"{model_prefix}.model")
+  return SentencePieceTokenizer(f"{model_prefix}.model")
 
 
 def default_tokenizer_path() -> pathlib.Path:
@@ -266,6 +251,6 @@ def default_tokenizer_path() -> pathlib.Path:
   return pathlib.Path(str(importlib.resources.files("rlax_pipe") / "assets" / "tokenizer.model"))
 
 
-def default_tokenizer() -> Tokenizer:
+def default_tokenizer() -> SentencePieceTokenizer:
   """Loads the shipped character-level tokenizer (278 ids; pad 0, unk 1, BOS 2, EOS 3, "\\n" 4)."""
-  return Tokenizer(default_tokenizer_path())
+  return SentencePieceTokenizer(default_tokenizer_path())

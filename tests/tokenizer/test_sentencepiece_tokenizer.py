@@ -1,4 +1,4 @@
-"""Tests of rlax_pipe.tokenizer: exact round trips, special ids, batching, loading and training."""
+"""The SentencePiece backend: exact round trips, special ids, batching, loading, training."""
 
 import shutil
 
@@ -103,18 +103,19 @@ def test_load_from_arbitrary_path(tok, tmp_path):
   path = tmp_path / "some" / "where" / "my.model"
   path.parent.mkdir(parents=True)
   shutil.copy(tokenizer_lib.default_tokenizer_path(), path)
-  other = tokenizer_lib.Tokenizer(path)
+  other = tokenizer_lib.SentencePieceTokenizer(path)
+  assert tokenizer_lib.load_tokenizer(path).encode("Q: 9+9\n") == tok.encode("Q: 9+9\n")
   assert other.vocab_size == tok.vocab_size
   assert other.encode("Q: 9+9\n") == tok.encode("Q: 9+9\n")
 
 
 def test_load_errors(tmp_path):
   with pytest.raises(FileNotFoundError):
-    tokenizer_lib.Tokenizer(tmp_path / "missing.model")
+    tokenizer_lib.SentencePieceTokenizer(tmp_path / "missing.model")
   bad = tmp_path / "bad.model"
   bad.write_bytes(b"not a model")
   with pytest.raises(ValueError, match="not a SentencePiece model"):
-    tokenizer_lib.Tokenizer(bad)
+    tokenizer_lib.SentencePieceTokenizer(bad)
 
 
 def test_train_tokenizer(tmp_path):
@@ -139,3 +140,22 @@ def test_public_functions_have_docstrings():
   for name in ("encode", "decode", "encode_batch", "decode_batch", "vocab_size", "bos_id",
                "eos_id", "pad_id", "id_to_piece"):
     assert getattr(tokenizer_lib.Tokenizer, name).__doc__, name
+
+
+def test_stop_ids_and_raw_prompts(tok):
+  assert tok.stop_ids == (tok.eos_id,)
+  assert tok.add_bos_default and tok.encode_prompt("Q: 1\n") == tok.encode("Q: 1\n", add_bos=True)
+  more = tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                              extra_stop_ids=[4, 3])
+  assert more.stop_ids == (3, 4) and more.decode(more.encode("1\n2")) == "1"
+  with pytest.raises(ValueError, match="outside"):
+    tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                         extra_stop_ids=[10_000])
+
+
+def test_special_text_maps_to_ids_only_in_rendered_chat_text(tok):
+  assert tok.encode_chat_text("<s>x</s>") == [tok.bos_id] + tok.encode("x") + [tok.eos_id]
+  assert tok.bos_id not in tok.encode("<s>x</s>")   # plain text is spelled out
+  with pytest.raises(ValueError, match="not a piece"):
+    tokenizer_lib.SentencePieceTokenizer(tokenizer_lib.default_tokenizer_path(),
+                                         special_tokens=["<|im_start|>"])
