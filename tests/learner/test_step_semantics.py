@@ -174,7 +174,7 @@ def _grads(model_cfg, remat="none", seed=4):
   state = train_state.init_state(jax.tree.map(jnp.asarray, _params()), tx, 0)
   b = batch(8, seed)
   mb = {k: jnp.asarray(getattr(b, k)) for k in train_step.BATCH_FIELDS}
-  acc, stats = jax.jit(fns.accumulate)(
+  acc, stats = jax.jit(fns.accumulate, compiler_options=dict(FAST))(
       state, train_step.init_accum(state.params), train_step.init_stats(17), mb,
       jnp.zeros((8, L), jnp.float32), jnp.asarray(False))
   assert jax.tree.leaves(acc.grads)[0].dtype == jnp.float32
