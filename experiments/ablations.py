@@ -1,11 +1,11 @@
 """Paper-ablation reproductions: `--ablation=A1 ... A10` (see rlax_pipe.ablations).
 
-  python experiments/ablations.py --ablation=A1 --out_dir=runs/ablations
-  python experiments/ablations.py --ablation=A2 --steps=30 --out_dir=runs/ablations
-  python experiments/ablations.py --ablation=A1 --tiny          # seconds
+  python3 experiments/ablations.py --ablation=A1 --out_dir=runs/ablations
+  python3 experiments/ablations.py --ablation=A2 --config.pipeline.num_steps=30
+  python3 experiments/ablations.py --ablation=A1 --tiny          # seconds
 
 Writes <out_dir>/<ABLATION>.png and prints the result rows as one JSON line. Learning ablations
-take every rl_flags flag for their base run.
+take their base run from --config (experiments/configs/pipeline_rl.py and overrides).
 """
 
 import json
@@ -19,18 +19,19 @@ platform_setup.request_cpu_devices(8)
 from absl import app
 from absl import flags
 
-import rl_flags
-from rlax_pipe import ablations
+from lib import ablations
+from lib import config_cli
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
 _OUT = flags.DEFINE_string("out_dir", "runs/ablations", "Output directory.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny variant (seconds).")
+_CONFIG = config_cli.define_rl_flags()
 
 
 def main(argv):
   del argv
   pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
-  kw = {} if _NAME.value in ablations.SIMULATED else {"base": rl_flags.run_config_from_flags()}
+  kw = {} if _NAME.value in ablations.SIMULATED else {"base": config_cli.run_config(_CONFIG.value)}
   rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
   print(json.dumps({"ablation": _NAME.value, "rows": rows}))
 

@@ -1,8 +1,10 @@
 """sync vs async-batch vs pipeline on the same task, model, devices and seed; one JSON line last.
 
-  python experiments/bench_pipeline.py --steps=30 --out_dir=runs/bench_pipeline
+  python3 experiments/bench_pipeline.py --config.pipeline.num_steps=30 \
+      --out_dir=runs/bench_pipeline
 
-All rl_flags apply (driver is overridden per run). Reproducible mode (default) gives the device
+The base run is --config (experiments/configs/pipeline_rl.py and overrides); the driver is set
+per run. Reproducible mode (default) gives the device
 time that separate hardware would take (virtual clock) next to this machine's wall clock.
 """
 
@@ -16,18 +18,19 @@ platform_setup.request_cpu_devices(8)
 from absl import app
 from absl import flags
 
-import rl_flags  # pylint: disable=unused-import
-from rlax_pipe.pipeline import bench
+from lib import bench
+from lib import config_cli
 
 _OUT = flags.DEFINE_string("out_dir", "runs/bench_pipeline", "Parent of the three run dirs.")
 _TARGET = flags.DEFINE_float("target_accuracy", -1.0, "Held-out accuracy to reach; < 0 = 90% "
                              "of the lowest best accuracy over the drivers.")
 _DRIVERS = flags.DEFINE_list("drivers", ["sync", "async-batch", "pipeline"], "Drivers to run.")
+_CONFIG = config_cli.define_rl_flags()
 
 
 def main(argv):
   del argv
-  summaries = bench.run_drivers(rl_flags.run_config_from_flags(), tuple(_DRIVERS.value),
+  summaries = bench.run_drivers(config_cli.run_config(_CONFIG.value), tuple(_DRIVERS.value),
                                 _OUT.value)
   target = None if _TARGET.value < 0 else _TARGET.value
   print(json.dumps(bench.compare(summaries, target)))

@@ -17,7 +17,7 @@ platform_setup.request_cpu_devices(8)
 from absl import app
 from absl import flags
 
-from rlax_pipe.sim import validation
+from lib import sim_validation as validation
 
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "Run directory to calibrate from and compare.")
 _VALIDATE = flags.DEFINE_bool("validate", False, "Run the validation cases (real pipelines).")

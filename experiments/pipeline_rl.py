@@ -1,11 +1,12 @@
 """Pipeline RL main job: sampler and learner on separate meshes, in-flight weight updates.
 
-  python experiments/pipeline_rl.py                     # defaults: arithmetic task, shipped SFT
-                                                        # warm start, 8 CPU devices split 4 + 4,
-                                                        # pipeline driver, max_lag=4, tis_pg
-  python experiments/pipeline_rl.py --driver=sync --run_dir=runs/sync
-  python experiments/pipeline_rl.py --resume --run_dir=runs/pipeline_rl
-  python experiments/pipeline_rl.py --helpfull          # every flag, with units
+  python3 experiments/pipeline_rl.py        # the default run: arithmetic task, shipped SFT
+                                            # warm start, 8 CPU devices split 4 + 4, pipeline
+                                            # driver, max_lag=4, tis_pg
+  python3 experiments/pipeline_rl.py --config=experiments/configs/pipeline_rl.py:tiny
+  python3 experiments/pipeline_rl.py --config.pipeline.driver=sync --config.run_dir=runs/sync
+  python3 experiments/pipeline_rl.py --config.resume --config.run_dir=runs/pipeline_rl
+  python3 experiments/pipeline_rl.py --helpfull    # every config field, with units and defaults
 
 Prints the run summary as one JSON object on its last line.
 """
@@ -19,13 +20,15 @@ platform_setup.request_cpu_devices(8)
 # pylint: disable=wrong-import-position
 from absl import app
 
-import rl_flags
+from lib import config_cli
 from rlax_pipe.pipeline import run as run_lib
+
+_CONFIG = config_cli.define_rl_flags()
 
 
 def main(argv):
   del argv
-  print(json.dumps(run_lib.run(rl_flags.run_config_from_flags())))
+  print(json.dumps(run_lib.run(config_cli.run_config(_CONFIG.value))))
 
 
 if __name__ == "__main__":

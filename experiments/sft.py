@@ -1,7 +1,9 @@
 """SFT warm start on the built-in arithmetic task (or a JSONL task).
 
-  python experiments/sft.py                       # default: writes runs/sft_warm_start/
-  python experiments/sft.py --steps=200 --out_dir=/tmp/sft
+  python3 experiments/sft.py                 # the shipped warm start's recipe: runs/sft_warm_start/
+  python3 experiments/sft.py --config.sft.steps=200 --config.out_dir=/tmp/sft
+  python3 experiments/sft.py --config=experiments/configs/sft.py:tiny
+  python3 experiments/sft.py --helpfull      # every config field, with units and defaults
 
 Prints one JSON object (the summary, incl. greedy and T=1 held-out accuracy) as its last line.
 """
@@ -14,38 +16,31 @@ platform_setup.request_cpu_devices(8)
 
 # pylint: disable=wrong-import-position
 from absl import app
-from absl import flags
 
+from lib import config_cli
+from rlax_pipe import config_dict
 from rlax_pipe import sft
 from rlax_pipe import tasks
 from rlax_pipe import tokenizer
 
-_OUT = flags.DEFINE_string("out_dir", "runs/sft_warm_start", "Checkpoint directory (created).")
-_TASK = flags.DEFINE_enum("task", "arithmetic", sorted(tasks.TASKS), "Task to imitate.")
-_JSONL = flags.DEFINE_string("jsonl_path", None, "Problems file for --task=jsonl.")
-_STEPS = flags.DEFINE_integer("steps", sft.SFTConfig.steps, "Optimizer steps.")
-_ROWS = flags.DEFINE_integer("rows", sft.SFTConfig.rows, "Packed rows per step.")
-_SEQ = flags.DEFINE_integer("seq_len", sft.SFTConfig.seq_len, "Tokens per packed row.")
-_LR = flags.DEFINE_float("learning_rate", sft.SFTConfig.learning_rate, "Peak AdamW rate.")
-_WARMUP = flags.DEFINE_integer("warmup_steps", sft.SFTConfig.warmup_steps,
-                               "Linear warmup (optimizer steps; capped at steps - 1).")
-_EVAL = flags.DEFINE_integer("eval_problems", sft.SFTConfig.eval_problems, "Held-out problems.")
-_SEED = flags.DEFINE_integer("seed", sft.SFTConfig.seed, "Init and sampling seed.")
-_DIRECT = flags.DEFINE_float(
-    "direct_answer_fraction", sft.SFTConfig.direct_answer_fraction,
-    "Share of training problems demonstrated by the bare answer ('A: 17') instead of the worked "
-    "trace: a mixture of two demonstrators that RL can choose between (see sft.SFTConfig).")
+_FIELDS = [
+    "config.out_dir: checkpoint directory (created; must not hold a checkpoint).",
+    "config.task: task to imitate, one of " + ", ".join(sorted(tasks.TASKS)) + ".",
+    "config.jsonl_path: problems file (JSONL) of --config.task=jsonl.",
+    "config.sft: the recipe (rlax_pipe.sft.SFTConfig):",
+] + config_dict.describe_fields(sft.SFTConfig(), "config.sft.")
+_CONFIG = config_cli.define_config("sft", "The SFT warm start (ml_collections config file).",
+                                   _FIELDS)
+config_cli.define_removed_flags(config_cli.SFT_RENAMED)
 
 
 def main(argv):
   del argv
-  task = tasks.make_task(_TASK.value,
-                         tasks.JsonlConfig(path=_JSONL.value) if _TASK.value == "jsonl" else None)
-  cfg = sft.SFTConfig(steps=_STEPS.value, rows=_ROWS.value, seq_len=_SEQ.value,
-                      learning_rate=_LR.value, warmup_steps=_WARMUP.value,
-                      eval_problems=_EVAL.value, seed=_SEED.value,
-                      direct_answer_fraction=_DIRECT.value)
-  summary = sft.run_sft(task, tokenizer.default_tokenizer(), cfg, _OUT.value)
+  c = _CONFIG.value
+  task = tasks.make_task(c.task, tasks.JsonlConfig(path=c.jsonl_path) if c.task == "jsonl"
+                         else None)
+  cfg = config_dict.from_config_dict(sft.SFTConfig, c.sft)
+  summary = sft.run_sft(task, tokenizer.default_tokenizer(), cfg, c.out_dir)
   print(json.dumps(summary))
 
 

@@ -7,9 +7,9 @@ Every objective is a pure function with one signature (rlax style),
 and is registered by name in `OBJECTIVES` (the single list of valid names). It returns the
 per-token loss to minimize (its gradient w.r.t. `logp_BT` is the variant's policy-gradient
 estimate per token) and which tokens it truncated or rejected. It does not mask, aggregate or
-compute diagnostics: `token_loss` does that once, for any objective, from values the caller
-already has (the learner's train step does it per micro-batch; `token_loss.objective_loss` is the
-whole-batch composition).
+compute diagnostics: `rlax_pipe.learner.token_loss` does that once, for any objective, from
+values the caller already has (the learner's train step does it per micro-batch;
+`token_loss.objective_loss` is the whole-batch composition).
 
 Inputs must be finite at every position: `token_loss.select_valid` selects masked and too-stale
 positions out with `jnp.where` (never `0 * x`) before any objective sees them. Shared rules:

@@ -7,6 +7,12 @@ Layout:
   timeline.jsonl       spans of every mesh (see rlax_pipe.timeline)
   gantt.png, reward.png, lag_hist.png, idle.png   plots (rlax_pipe.plots)
   checkpoints/         orbax checkpoints of the learner (+ pipeline state)
+  pipeline_state/<step>/  host state of the other components at that checkpoint (state.json +
+                       arrays.npz), for exact resumes of reproducible runs
+
+Component state (`state_dict()` of engine, scheduler, queue, worker, ...) is a tree of dicts and
+lists whose leaves are JSON values or numpy arrays; `save_state` writes it as JSON + one npz
+without pickle, `load_state` reads it back.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import math
 import numbers
 import pathlib
+import shutil
 from typing import Any
 
 import numpy as np
@@ -34,6 +41,61 @@ def to_jsonable(x: Any) -> Any:
   if isinstance(x, np.generic):
     return x.item()
   return x
+
+
+_ARRAY_KEY = "__array__"
+
+
+def split_arrays(state: Any) -> tuple[Any, dict[str, np.ndarray]]:
+  """(JSON-able tree, {name: array}): each numpy array leaf becomes {"__array__": name}."""
+  arrays: dict[str, np.ndarray] = {}
+
+  def walk(x, path):
+    if isinstance(x, np.ndarray):
+      arrays[path] = x
+      return {_ARRAY_KEY: path}
+    if isinstance(x, dict):
+      return {str(k): walk(v, f"{path}/{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [walk(v, f"{path}/{i}") for i, v in enumerate(x)]
+    return to_jsonable(x)
+
+  return walk(state, "state"), arrays
+
+
+def join_arrays(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
+  """Inverse of `split_arrays`."""
+  if isinstance(tree, dict):
+    if set(tree) == {_ARRAY_KEY}:
+      return arrays[tree[_ARRAY_KEY]]
+    return {k: join_arrays(v, arrays) for k, v in tree.items()}
+  if isinstance(tree, list):
+    return [join_arrays(v, arrays) for v in tree]
+  return tree
+
+
+def save_state(directory: str | pathlib.Path, state: Any) -> None:
+  """Writes `state` atomically as directory/state.json + arrays.npz (complete or absent)."""
+  final = pathlib.Path(directory)
+  tmp = final.with_name(final.name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  tree, arrays = split_arrays(state)
+  np.savez(tmp / "arrays.npz", **arrays)
+  (tmp / "state.json").write_text(json.dumps(tree))
+  if final.exists():
+    shutil.rmtree(final)
+  tmp.rename(final)
+
+
+def load_state(directory: str | pathlib.Path) -> Any | None:
+  """The state `save_state` wrote to `directory`, or None if there is none."""
+  d = pathlib.Path(directory)
+  if not (d / "state.json").exists():
+    return None
+  with np.load(d / "arrays.npz") as z:
+    arrays = {k: z[k] for k in z.files}
+  return join_arrays(json.loads((d / "state.json").read_text()), arrays)
 
 
 def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:

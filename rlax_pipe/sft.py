@@ -28,7 +28,7 @@ from rlax_pipe import evaluation
 from rlax_pipe import objectives
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.learner import Learner, LearnerConfig
+from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import ModelLike, Transformer, as_model, hf_io
 from rlax_pipe.pipeline import batching
@@ -179,7 +179,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   Two checkpoints of the final weights: `out_dir/config.json` + `model.safetensors` (HF format,
   loadable with `rlax_pipe.model.load_hf_checkpoint` or transformers; what the RL job's `--init`
   takes; built-in model only) and `out_dir/orbax/` (the learner's full orbax state: params,
-  AdamW state, version, RNG; restore with a `Learner` whose checkpoint_dir points there). `out_dir/sft_result.json` holds
+  AdamW state, version, RNG; restore with a `Learner` whose checkpoint directory is there). `out_dir/sft_result.json` holds
   the returned summary.
 
   Args:
@@ -195,13 +195,13 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   """
   out_dir = pathlib.Path(out_dir)
   model = as_model(model or default_model_config(tok.vocab_size, cfg.seq_len))
-  learner_cfg = LearnerConfig(mesh_axes=(("fsdp", cfg.learner_devices),),
-                              learning_rate=cfg.learning_rate,
-                              warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
-                              schedule="cosine", decay_steps=cfg.steps + 1, min_lr_ratio=0.1,
-                              weight_decay=cfg.weight_decay, seed=cfg.seed,
-                              checkpoint_dir=str(out_dir / "orbax"), keep_checkpoints=1,
-                              async_checkpointing=False)
+  learner_cfg = LearnerConfig(
+      mesh_axes=(("fsdp", cfg.learner_devices),), seed=cfg.seed,
+      optimizer=OptimizerConfig(learning_rate=cfg.learning_rate,
+                                warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
+                                schedule="cosine", decay_steps=cfg.steps + 1, min_lr_ratio=0.1,
+                                weight_decay=cfg.weight_decay),
+      checkpoint=CheckpointConfig(directory=str(out_dir / "orbax"), keep=1, async_save=False))
   objective_cfg = objectives.ObjectiveConfig(name="no_correction", aggregation="token_mean")
   learner = Learner(model, learner_cfg, objective_cfg, SamplingConfig(),
                     devices=jax.devices()[:cfg.learner_devices])

@@ -149,6 +149,16 @@ class Timeline:
              and (kind is None or s.kind == kind)]
     return sorted(out, key=lambda s: (s.start, s.end))
 
+  def state_dict(self) -> dict:
+    """JSON-able spans (the clock is not part of the state)."""
+    return {"spans": [dataclasses.asdict(s) for s in self.spans()]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Replaces the recorded spans by those of a `state_dict`."""
+    spans = [Span(**d) for d in state["spans"]]
+    with self._lock:
+      self._spans = spans
+
   def to_jsonl(self, path: str) -> None:
     """Writes one JSON object per span."""
     with open(path, "w") as f:

@@ -7,7 +7,7 @@ H query heads, K kv heads, D head dim, E embed, F mlp hidden, P pages, S page si
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -104,3 +104,26 @@ class TrainBatch:
   behavior_logprobs: np.ndarray
   policy_versions: np.ndarray
   advantages: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUpdate:
+  """One policy version on its way from the learner to a sampler engine.
+
+  Ownership passes with the message: the weight channel makes the sampler-side copy, hands it out
+  once (`WeightChannel.take` / `try_take`) and forgets it; the engine that receives it
+  (`SamplerEngine.update_weights`) runs it from its next step boundary and, when a newer version
+  replaces it, deletes its arrays if `donated` (a superseded pending one too). Nobody else may
+  use `params` after handing the message over.
+
+  Attributes:
+    version: policy version of `params` (learner optimizer steps applied).
+    params: parameter pytree of `jax.Array`s placed for the receiving engine.
+    donated: True when the receiver owns the arrays and frees them once replaced (the channel's
+      copies); False when the sender keeps using them (e.g. the learner's own params handed to
+      an evaluation engine): the receiver then only drops its references.
+  """
+
+  version: int
+  params: Any
+  donated: bool = False

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe import objectives
-from rlax_pipe import token_loss
+from rlax_pipe.learner import token_loss
 from rlax_pipe import offpolicy
 from rlax_pipe.objectives import ObjectiveConfig
 

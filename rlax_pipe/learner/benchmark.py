@@ -130,8 +130,8 @@ def run_benchmark(model: ModelLike, learner_cfg: LearnerConfig,
     compile_s (first step, compile included), compiles_in_step_1, compiles_after_step_1 (XLA
     backend compiles in every later step, probes included; goal 0; None if the counter saw no
     compile in step 1, i.e. it does not work on this JAX), model_flops_per_token,
-    achieved_tflops (model FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source, mfu (None without a
-    peak), steps, device info and the configs used.
+    achieved_tflops (model FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source,
+    mfu (None without a peak), steps, device info and the configs used.
   """
   model = as_model(model)
   model_cfg = getattr(model, "cfg", None)  # the built-in family: FLOPs by formula

@@ -1,4 +1,5 @@
-"""Learner configuration: mesh layout, optimizer, schedule, accumulation, faults, checkpoints."""
+"""Learner configuration: `LearnerConfig` (mesh, accumulation, faults) with `OptimizerConfig` and
+`CheckpointConfig` sub-configs, each component receiving only its slice."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
-class LearnerConfig:
-  """How the learner trains (static; hashable).
+class OptimizerConfig:
+  """The optimizer: global-norm clipping, then AdamW with a warmup + constant / cosine schedule.
 
   Attributes:
-    mesh_axes: ordered (mesh axis, size) pairs of the learner mesh, major axis first, among
-      "data", "fsdp", "tp"; the product must equal the number of learner devices, e.g.
-      (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device).
-    learning_rate: peak learning rate (per optimizer step, > 0). Default 1e-5.
+    learning_rate: peak learning rate (per optimizer step, > 0).
     warmup_steps: linear warmup length in optimizer steps (>= 0); the learning rate of applied
       step s (0-based) is peak * min(1, (s + 1) / warmup_steps), so the first step is not wasted
       with a zero rate. 0 = no warmup.
@@ -30,10 +28,82 @@ class LearnerConfig:
     min_lr_ratio: cosine floor as a fraction of the peak, in [0, 1].
     adam_b1: AdamW first-moment decay, in [0, 1).
     adam_b2: AdamW second-moment decay, in [0, 1).
-    adam_eps: AdamW epsilon added to sqrt(second moment) (> 0).
+    adam_eps: AdamW epsilon added to sqrt(second moment) (gradient units, > 0).
     weight_decay: decoupled weight decay coefficient (>= 0; applied to matrices and the
       embedding, not to norm scales or biases), scaled by the learning rate as in AdamW.
     max_grad_norm: clip the gradient to this global L2 norm before AdamW (> 0); None = off.
+  """
+
+  learning_rate: float = 3e-5
+  warmup_steps: int = 2
+  schedule: str = "constant"
+  decay_steps: int | None = None
+  min_lr_ratio: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.999
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.0
+  max_grad_norm: float | None = 1.0
+
+  def __post_init__(self):
+    if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+      raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate} must be finite, > 0.")
+    if self.warmup_steps < 0:
+      raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps} must be >= 0.")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"OptimizerConfig.schedule={self.schedule!r}; choose one of {SCHEDULES}.")
+    if self.schedule == "cosine":
+      if self.decay_steps is None or self.decay_steps <= self.warmup_steps:
+        raise ValueError(
+            f"OptimizerConfig.decay_steps={self.decay_steps} must be > warmup_steps="
+            f"{self.warmup_steps} with schedule='cosine'.")
+    elif self.decay_steps is not None:
+      raise ValueError(
+          f"OptimizerConfig.decay_steps={self.decay_steps} is only used with schedule='cosine' "
+          f"(got schedule={self.schedule!r}); set it to None.")
+    if not 0 <= self.min_lr_ratio <= 1:
+      raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+    for name in ("adam_b1", "adam_b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"OptimizerConfig.{name}={getattr(self, name)} must be in [0, 1).")
+    if not self.adam_eps > 0:
+      raise ValueError(f"OptimizerConfig.adam_eps={self.adam_eps} must be > 0.")
+    if not self.weight_decay >= 0:
+      raise ValueError(f"OptimizerConfig.weight_decay={self.weight_decay} must be >= 0.")
+    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+      raise ValueError(f"OptimizerConfig.max_grad_norm={self.max_grad_norm} must be > 0 or None.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints of the learner state.
+
+  Attributes:
+    directory: where checkpoints go; None = no checkpointing (the RL job sets run_dir/checkpoints).
+    keep: keep the newest N checkpoints (>= 1); older ones are deleted.
+    async_save: write checkpoints in a background thread (the device-to-host copy happens before
+      `save` returns, so the state can be donated right after).
+  """
+
+  directory: str | None = None
+  keep: int = 3
+  async_save: bool = True
+
+  def __post_init__(self):
+    if self.keep < 1:
+      raise ValueError(f"CheckpointConfig.keep={self.keep} must be >= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """How the learner trains (static; hashable). Optimizer and checkpoints are sub-configs.
+
+  Attributes:
+    mesh_axes: ordered (mesh axis, size) pairs of the learner mesh, major axis first, among
+      "data", "fsdp", "tp"; the product is the number of learner devices, e.g.
+      (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device).
+    optimizer: clipping, AdamW and the learning-rate schedule (`OptimizerConfig`).
+    checkpoint: where and how the learner state is checkpointed (`CheckpointConfig`).
     micro_batch_rows: R >= 1, rows of every micro-batch (the fixed token budget R x L of one
       compiled forward/backward). A batch of any B rows is split into ceil(B / R) micro-batches
       per minibatch (the last padded with empty rows) whose gradients are accumulated by one
@@ -57,36 +127,22 @@ class LearnerConfig:
     max_consecutive_nonfinite: after this many consecutive optimizer steps with a non-finite
       loss or gradient (each one skipped), the learner saves a checkpoint (if it has a
       checkpoint directory) and raises `NonFiniteError`. >= 1.
-    checkpoint_dir: directory for orbax checkpoints; None = no checkpointing.
-    keep_checkpoints: keep the newest N checkpoints (>= 1); older ones are deleted.
-    async_checkpointing: write checkpoints in a background thread (the device-to-host copy
-      happens before `save` returns, so the state can be donated right after).
-    seed: seed of the learner's PRNG key (carried in the train state and checkpointed).
+    seed: seed of the learner's PRNG key and of a random params init (carried in the train
+      state and checkpointed).
     compiler_options: extra XLA compiler options for the jitted init and train step, as
       (name, value) pairs, e.g. (("xla_backend_optimization_level", 0),) compiles about 3x
       faster on CPU (tests) at some runtime cost. Default () = XLA defaults.
   """
 
   mesh_axes: tuple[tuple[str, int], ...] = (("fsdp", 1), ("tp", 1))
-  learning_rate: float = 1e-5
-  warmup_steps: int = 0
-  schedule: str = "constant"
-  decay_steps: int | None = None
-  min_lr_ratio: float = 0.0
-  adam_b1: float = 0.9
-  adam_b2: float = 0.999
-  adam_eps: float = 1e-8
-  weight_decay: float = 0.0
-  max_grad_norm: float | None = 1.0
+  optimizer: OptimizerConfig = OptimizerConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
   micro_batch_rows: int = 16
   num_minibatches: int = 1
   logits_chunk_len: int | None = 256
   attention_block_len: int | None = 512
   remat: str = "none"
   max_consecutive_nonfinite: int = 3
-  checkpoint_dir: str | None = None
-  keep_checkpoints: int = 3
-  async_checkpointing: bool = True
   seed: int = 0
   compiler_options: tuple[tuple[str, str | int | float | bool], ...] = ()
 
@@ -99,32 +155,6 @@ class LearnerConfig:
           "(axis name, size >= 1) pairs, e.g. (('fsdp', 2), ('tp', 2)).")
     if len({name for name, _ in self.mesh_axes}) != len(self.mesh_axes):
       raise ValueError(f"LearnerConfig.mesh_axes={self.mesh_axes!r} repeats an axis name.")
-    if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-      raise ValueError(f"LearnerConfig.learning_rate={self.learning_rate} must be finite, > 0.")
-    if self.warmup_steps < 0:
-      raise ValueError(f"LearnerConfig.warmup_steps={self.warmup_steps} must be >= 0.")
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"LearnerConfig.schedule={self.schedule!r}; choose one of {SCHEDULES}.")
-    if self.schedule == "cosine":
-      if self.decay_steps is None or self.decay_steps <= self.warmup_steps:
-        raise ValueError(
-            f"LearnerConfig.decay_steps={self.decay_steps} must be > warmup_steps="
-            f"{self.warmup_steps} with schedule='cosine'.")
-    elif self.decay_steps is not None:
-      raise ValueError(
-          f"LearnerConfig.decay_steps={self.decay_steps} is only used with schedule='cosine' "
-          f"(got schedule={self.schedule!r}); set it to None.")
-    if not 0 <= self.min_lr_ratio <= 1:
-      raise ValueError(f"LearnerConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
-    for name in ("adam_b1", "adam_b2"):
-      if not 0 <= getattr(self, name) < 1:
-        raise ValueError(f"LearnerConfig.{name}={getattr(self, name)} must be in [0, 1).")
-    if not self.adam_eps > 0:
-      raise ValueError(f"LearnerConfig.adam_eps={self.adam_eps} must be > 0.")
-    if not self.weight_decay >= 0:
-      raise ValueError(f"LearnerConfig.weight_decay={self.weight_decay} must be >= 0.")
-    if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-      raise ValueError(f"LearnerConfig.max_grad_norm={self.max_grad_norm} must be > 0 or None.")
     self._validate_accumulation()
     if self.max_consecutive_nonfinite < 1:
       raise ValueError(
@@ -134,8 +164,6 @@ class LearnerConfig:
                for p in self.compiler_options):
       raise ValueError(f"LearnerConfig.compiler_options={self.compiler_options!r} must be a "
                        "tuple of (option name, value) pairs.")
-    if self.keep_checkpoints < 1:
-      raise ValueError(f"LearnerConfig.keep_checkpoints={self.keep_checkpoints} must be >= 1.")
 
   def _validate_accumulation(self):
     """Checks micro-batch rows against the batch axes, minibatches, chunking and remat."""
@@ -154,22 +182,20 @@ class LearnerConfig:
           f"of {split}.")
     if self.num_minibatches < 1:
       raise ValueError(f"LearnerConfig.num_minibatches={self.num_minibatches} must be >= 1.")
-    if self.attention_block_len is not None and self.attention_block_len < 1:
-      raise ValueError(f"LearnerConfig.attention_block_len={self.attention_block_len} must be "
-                       ">= 1 or None (dense attention).")
-    if self.logits_chunk_len is not None and self.logits_chunk_len < 1:
-      raise ValueError(f"LearnerConfig.logits_chunk_len={self.logits_chunk_len} must be >= 1 "
-                       "or None (full logits).")
-
-  @property
-  def mesh_shape(self) -> dict[str, int]:
-    """The mesh axes as an ordered dict {name: size}."""
-    return dict(self.mesh_axes)
+    for name in ("logits_chunk_len", "attention_block_len"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"LearnerConfig.{name}={value} must be >= 1 or None (no chunking).")
 
   @property
   def batch_shards(self) -> int:
     """Number of devices batch rows are split over (product of the data and fsdp axes)."""
     return math.prod(size for name, size in self.mesh_axes if name in BATCH_MESH_AXES)
+
+  @property
+  def mesh_shape(self) -> dict[str, int]:
+    """The mesh axes as an ordered dict {name: size}."""
+    return dict(self.mesh_axes)
 
   @property
   def num_devices(self) -> int:
@@ -182,6 +208,5 @@ class LearnerConfig:
     Two learners whose `step_slice()` are equal (and with equal model / objective / sampling
     configs and mesh) run the same compiled program, so it can be shared.
     """
-    return dataclasses.replace(
-        self, max_consecutive_nonfinite=3, checkpoint_dir=None, keep_checkpoints=3,
-        async_checkpointing=True, seed=0)
+    return dataclasses.replace(self, max_consecutive_nonfinite=3,
+                               checkpoint=CheckpointConfig(), seed=0)

@@ -50,7 +50,7 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   """The jitted step programs for one configuration, mesh and row length (shared between
   learners). Their inputs have fixed shapes ([micro_batch_rows, seq_len] micro-batches), so a
   batch of any number of rows reuses them."""
-  tx = optimizer.make_optimizer(step_cfg)
+  tx = optimizer.make_optimizer(step_cfg.optimizer)
   state_sh = train_state_lib.state_shardings(model, tx, mesh)
   fns = train_step_lib.make_step_fns(model, step_cfg, objective_cfg, sampling_cfg, tx,
                                      sharding_lib.compute_constraint(mesh))
@@ -88,7 +88,7 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
   """
   step_cfg, model = cfg.step_slice(), as_model(model)
   fns = _compiled_step(model, step_cfg, objective_cfg, sampling_cfg, mesh, seq_len)
-  tx = optimizer.make_optimizer(step_cfg)
+  tx = optimizer.make_optimizer(step_cfg.optimizer)
   state = train_state_lib.sharded_abstract_state(model, tx, mesh)
   acc, stats = jax.eval_shape(fns.init)
   shape = (step_cfg.micro_batch_rows, seq_len)
@@ -131,7 +131,7 @@ def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.
 @functools.lru_cache(maxsize=8)
 def _compiled_init(model: Model, step_cfg: LearnerConfig, mesh: Mesh, from_params: bool):
   """Jitted state initializer writing straight into the learner shardings."""
-  tx = optimizer.make_optimizer(step_cfg)
+  tx = optimizer.make_optimizer(step_cfg.optimizer)
   state_sh = train_state_lib.state_shardings(model, tx, mesh)
   opts = dict(step_cfg.compiler_options) or None
   rep = sharding_lib.replicated(mesh)
@@ -188,7 +188,7 @@ class Learner:
         onto the learner shardings. None = random init from `cfg.seed`, created directly on
         the shardings by a jitted init with `out_shardings`.
       restore: instead of initializing, restore the newest usable checkpoint of
-        `cfg.checkpoint_dir` onto this mesh (its JSON extra dict is kept in
+        `cfg.checkpoint.directory` onto this mesh (its JSON extra dict is kept in
         `self.restored_extra`); `params` must then be None.
 
     Raises:
@@ -206,12 +206,13 @@ class Learner:
                        f"{cfg.mesh_shape}.")
     self.mesh = mesh
     self._step_cfg = cfg.step_slice()
-    self._tx = optimizer.make_optimizer(self._step_cfg)
+    self._tx = optimizer.make_optimizer(self._step_cfg.optimizer)
     self.state_shardings = train_state_lib.state_shardings(self.model, self._tx, mesh)
     self._checkpointer = None
-    if cfg.checkpoint_dir is not None:
-      self._checkpointer = checkpoint_lib.Checkpointer(
-          cfg.checkpoint_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpointing)
+    ckpt = cfg.checkpoint
+    if ckpt.directory is not None:
+      self._checkpointer = checkpoint_lib.Checkpointer(ckpt.directory, keep=ckpt.keep,
+                                                       async_save=ckpt.async_save)
     self._pending = None  # device metrics of the last dispatched step, not yet checked
     self._compiled: _Compiled | None = None
     self._accum = None  # (GradAccum, BatchStats) device buffers, zero between batches
@@ -358,7 +359,7 @@ class Learner:
         ", ".join(n.replace("_finite", "") for n in bad), m.get("loss"), m.get("grad_norm"),
         consecutive, int(m["nonfinite_total"]))
     if consecutive >= self.cfg.max_consecutive_nonfinite:
-      where = "no checkpoint saved (LearnerConfig.checkpoint_dir is None)"
+      where = "no checkpoint saved (LearnerConfig.checkpoint.directory is None)"
       if self._checkpointer is not None:
         saved = self.save({"stopped_on": "nonfinite", "nonfinite_consecutive": consecutive})
         self._checkpointer.wait()
@@ -376,17 +377,32 @@ class Learner:
 
   # ---- checkpoints ----------------------------------------------------------------------------
 
+  def state_dict(self) -> train_state_lib.TrainState:
+    """The learner's whole state (device arrays, donated by the next `train_step`)."""
+    return self._state
+
+  def load_state_dict(self, state: train_state_lib.TrainState) -> None:
+    """Replaces the state by `state` (any placement: copied onto the learner shardings).
+
+    Raises:
+      ValueError: if its tree differs from this learner's state (the message names both).
+    """
+    want, got = jax.tree.structure(self._state), jax.tree.structure(state)
+    if want != got:
+      raise ValueError(f"Learner.load_state_dict: state tree {got} differs from {want}.")
+    self._state, self._pending = jax.device_put(state, self.state_shardings), None
+
   def save(self, extra: dict | None = None) -> int:
     """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
 
     Raises:
-      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      ValueError: if `LearnerConfig.checkpoint.directory` is None.
       TypeError: if `extra` is not JSON-serializable.
     """
     if self._checkpointer is None:
-      raise ValueError("Learner.save: LearnerConfig.checkpoint_dir is None.")
+      raise ValueError("Learner.save: LearnerConfig.checkpoint.directory is None.")
     step = self.step
-    self._checkpointer.save(step, self._state, extra)
+    self._checkpointer.save(step, self.state_dict(), extra)
     logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
                  self._checkpointer.directory)
     return step
@@ -398,11 +414,11 @@ class Learner:
       The JSON extra dict saved with it.
 
     Raises:
-      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      ValueError: if `LearnerConfig.checkpoint.directory` is None.
       checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable).
     """
     if self._checkpointer is None:
-      raise ValueError("Learner.restore: LearnerConfig.checkpoint_dir is None.")
+      raise ValueError("Learner.restore: LearnerConfig.checkpoint.directory is None.")
     target = train_state_lib.sharded_abstract_state(self.model, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
     self._state, self._pending = restored.state, None

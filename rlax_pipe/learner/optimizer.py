@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rlax_pipe.learner.config import LearnerConfig
+from rlax_pipe.learner.config import OptimizerConfig
 
 _NO_DECAY_NAMES = ("bq", "bk", "bv")
 
 
-def learning_rate(cfg: LearnerConfig, step: jax.Array | int) -> jax.Array:
+def learning_rate(cfg: OptimizerConfig, step: jax.Array | int) -> jax.Array:
   """Learning rate used by applied optimizer step `step` (0-based).
 
   Linear warmup peak * min(1, (step + 1) / warmup_steps), then constant at peak or a
@@ -21,7 +21,7 @@ def learning_rate(cfg: LearnerConfig, step: jax.Array | int) -> jax.Array:
   eq. 5 without restarts), constant afterwards.
 
   Args:
-    cfg: learner configuration.
+    cfg: optimizer configuration.
     step: int scalar, number of optimizer updates applied before this one.
 
   Returns:
@@ -50,7 +50,7 @@ def decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
   """optax chain: clip_by_global_norm(max_grad_norm) (if set), then AdamW with the schedule.
 
   The schedule is indexed by AdamW's own update count, which only advances on applied

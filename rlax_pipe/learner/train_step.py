@@ -31,7 +31,7 @@ import optax
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import offpolicy
-from rlax_pipe import token_loss
+from rlax_pipe.learner import token_loss
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.train_state import TrainState
@@ -180,7 +180,7 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     learner_cfg: learner configuration (remat, logits_chunk_len, schedule).
     objective_cfg: objective configuration; `objective_cfg.name` picks the objective.
     sampling_cfg: the sampler's logit processing (temperature, top-k, top-p).
-    tx: optimizer from `optimizer.make_optimizer(learner_cfg)`.
+    tx: optimizer from `optimizer.make_optimizer(learner_cfg.optimizer)`.
     constrain: sharding hook `constrain(x, logical_axes, weight=False)` for the forward pass
       (`rlax_pipe.sharding.compute_constraint`: weights gathered per layer, activations split
       over the batch axes); None = no constraints.
@@ -323,7 +323,7 @@ def _close_batch(state: TrainState, stats: BatchStats,
       update_norm=mean(stats.update_norm_sum, stats.updates),
       param_norm=optax.tree.norm(state.params),
       learning_rate=(nan if last is None else jnp.where(
-          applied, optimizer.learning_rate(learner_cfg, last), nan)),
+          applied, optimizer.learning_rate(learner_cfg.optimizer, last), nan)),
       tokens_processed=stats.tokens_processed,
       negative_lag_tokens=stats.negative_lag_tokens,
       updates_applied=stats.updates,

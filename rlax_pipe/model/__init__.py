@@ -17,7 +17,8 @@ from rlax_pipe.model.transformer import (
     abstract_params, forward, hidden_states, init_params, param_axes, param_specs, rms_norm, rope)
 
 __all__ = [
-    "HiddenStatesModel", "Model", "ModelLike", "NnxModel", "Transformer", "as_model", "attend_with_cache",
+    "HiddenStatesModel", "Model", "ModelLike", "NnxModel", "Transformer", "as_model",
+    "attend_with_cache",
     "packed_causal_mask",
     "SUPPORTED_ARCHITECTURES", "architecture_for", "config_from_hf", "config_to_hf",
     "eos_token_ids", "load_hf_checkpoint", "save_hf_checkpoint", "hidden_states",

@@ -4,7 +4,8 @@ A cache is a pytree with layer-stacked key/value arrays `k` and `v` (leading axi
 whatever metadata it needs (block tables for the paged cache of `rlax_pipe.sampler`). The forward
 scans over layers and, per layer, calls `cache.update_attend(...)` with that layer's slice of `k`
 and `v`: the cache writes the new keys/values for the valid tokens and returns attention outputs
-over everything cached so far (causal by position).
+over everything cached so far (causal by position). The contract as a model sees it (and
+`api.attend_with_cache` for models that loop over layers in Python) is in `rlax_pipe.model.api`.
 
 Letters: B batch, T new tokens, S cache length, H query heads, K kv heads, D head dim.
 """

@@ -1,11 +1,21 @@
-"""Configuration of an RL run's pipeline: driver, batch shape, staleness, evaluation, timing model."""
+"""Configuration of an RL run: the pipeline (driver, batch shape, staleness, evaluation, timing
+model) and the whole run (`RunConfig`: model source, task, meshes, learner, objective, sampler)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
+from rlax_pipe import config as model_config
+from rlax_pipe import objectives
 from rlax_pipe.grading import GradingConfig
+from rlax_pipe.learner.config import LearnerConfig
+from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
+from rlax_pipe.sampler.config import SamplerConfig
+
+BUILTIN_INIT = "builtin"
 
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
 MODES: tuple[str, ...] = ("reproducible", "threaded")
@@ -62,12 +72,12 @@ class PipelineConfig:
     mode: "reproducible" (one thread, deterministic interleaving on a virtual clock driven by
       `cost_model`: same seed, same run) or "threaded" (sampler in its own thread, real clock).
     num_steps: learner optimizer steps to run (>= 1).
-    groups_per_step: prompt groups per learner batch (>= 1).
     group_size: samples per prompt (>= 1; GRPO needs >= 2 for a baseline).
     seq_len: tokens per packed learner row (>= the sampler's max_seq_len).
     advantage: advantage estimator name (see `rlax_pipe.advantages`).
-    staleness: enforcement of max_lag (policy, bound, queue capacity). Its groups_per_step must
-      equal this config's.
+    staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size
+      in prompt groups, `staleness.groups_per_step` (the unit of the AReaL admission bound; the
+      one place it is set, read as `groups_per_step`).
     eval_every: learner steps between held-out evaluations (>= 1); also at step 0 and the end.
     eval_problems: held-out problems per evaluation (>= 1).
     checkpoint_every: learner steps between checkpoints (>= 1).
@@ -84,8 +94,7 @@ class PipelineConfig:
 
   driver: str = "pipeline"
   mode: str = "reproducible"
-  num_steps: int = 40
-  groups_per_step: int = 8
+  num_steps: int = 30
   group_size: int = 8
   seq_len: int = 384
   advantage: str = "grpo"
@@ -93,7 +102,7 @@ class PipelineConfig:
                                                groups_per_step=8)
   eval_every: int = 10
   eval_problems: int = 128
-  checkpoint_every: int = 10
+  checkpoint_every: int = 5
   wait_timeout_s: float = 600.0
   debug_verify_push: bool = False
   reward_timeout_s: float = 5.0
@@ -106,13 +115,98 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.driver={self.driver!r}; choose one of {DRIVERS}.")
     if self.mode not in MODES:
       raise ValueError(f"PipelineConfig.mode={self.mode!r}; choose one of {MODES}.")
-    for name in ("num_steps", "groups_per_step", "group_size", "seq_len", "eval_every",
-                 "eval_problems", "checkpoint_every"):
+    for name in ("num_steps", "group_size", "seq_len", "eval_every", "eval_problems",
+                 "checkpoint_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= 1.")
-    if self.staleness.groups_per_step != self.groups_per_step:
-      raise ValueError(
-          f"PipelineConfig.staleness.groups_per_step={self.staleness.groups_per_step} must equal "
-          f"groups_per_step={self.groups_per_step}.")
     if not self.wait_timeout_s > 0 or not self.reward_timeout_s > 0:
       raise ValueError("PipelineConfig.wait_timeout_s and reward_timeout_s must be > 0.")
+
+  @property
+  def groups_per_step(self) -> int:
+    """Prompt groups per learner batch (set in `staleness.groups_per_step`)."""
+    return self.staleness.groups_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """One RL run. Its defaults are the default experiment (README command 1).
+
+  Attributes:
+    run_dir: output directory (created; reused with resume=True).
+    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task), or a
+      directory with an HF-format checkpoint (config.json + *.safetensors).
+    task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
+    jsonl_path: problems file of the JSONL task.
+    task_config: the task's own config (e.g. `tasks.ArithmeticConfig`), a dict of its fields, or
+      None for the task's defaults.
+    tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
+      shipped tokenizer.
+    sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh, axes among "data", "tp";
+      the product is the number of sampler devices. With a single device in total, learner and
+      sampler share it (both meshes of size 1).
+    learner: learner config; its mesh_axes give the learner mesh (product = learner devices).
+      Its checkpoint.directory must stay None: the job checkpoints into run_dir/checkpoints.
+    objective: objective config. Its max_lag must stay None: the one staleness bound is
+      pipeline.staleness.max_lag, which the learner's objective also receives (its hard lag
+      mask is a second guard behind the queue).
+    sampler: sampler config (slots, pages, sampling); eos_id should be the tokenizer's (the
+      experiment config files set it).
+    pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
+    eval_slots: decode slots of the held-out evaluation sampler (>= 1).
+    sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
+      ("float32", "bfloat16", "float16"), or None for the model's own `compute_dtype`. The learner
+      and the held-out evaluation keep the model's dtype, so "bfloat16" reproduces the precision
+      mismatch of a bf16 inference engine feeding an fp32 learner (Yao et al. 2025; ablation A9);
+      weights still travel in the learner's param dtype. Set `sampler.cache_dtype` to match.
+    resume: continue from the newest usable checkpoint in run_dir/checkpoints.
+  """
+
+  run_dir: str = "runs/pipeline_rl"
+  init: str = BUILTIN_INIT
+  task: str = "arithmetic"
+  jsonl_path: str | None = None
+  task_config: Any = None
+  tokenizer_path: str | None = None
+  sampler_mesh_axes: tuple[tuple[str, int], ...] = (("tp", 4),)
+  learner: LearnerConfig = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)))
+  objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
+  sampler: SamplerConfig = SamplerConfig(
+      num_slots=64, num_pages=512, max_seq_len=384, max_new_tokens=384,
+      sampling=SamplingConfig(temperature=0.7))
+  pipeline: PipelineConfig = PipelineConfig()
+  eval_slots: int = 32
+  sampler_compute_dtype: str | None = None
+  resume: bool = False
+
+  def __post_init__(self):
+    if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:
+      raise ValueError(f"RunConfig.sampler_compute_dtype={self.sampler_compute_dtype!r}; use "
+                       f"None or one of {model_config.DTYPES}.")
+    if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
+      raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--config.jsonl_path="
+                       'problems.jsonl, one {"prompt": ..., "answer": ...} object per line).')
+    if self.objective.max_lag is not None:
+      raise ValueError(
+          f"RunConfig.objective.max_lag={self.objective.max_lag}: set the staleness bound once, "
+          "in pipeline.staleness.max_lag (the objective receives it); leave objective.max_lag "
+          "None.")
+    if self.learner.checkpoint.directory is not None:
+      raise ValueError(
+          f"RunConfig.learner.checkpoint.directory={self.learner.checkpoint.directory!r}: the "
+          "job checkpoints into run_dir/checkpoints; leave it None and set run_dir.")
+    if not self.sampler_mesh_axes or any(size < 1 for _, size in self.sampler_mesh_axes):
+      raise ValueError(f"RunConfig.sampler_mesh_axes={self.sampler_mesh_axes!r} must be non-empty "
+                       "(axis, size >= 1) pairs, e.g. (('tp', 4),).")
+    if self.eval_slots < 1:
+      raise ValueError(f"RunConfig.eval_slots={self.eval_slots} must be >= 1.")
+
+  @property
+  def num_sampler_devices(self) -> int:
+    """Devices of the sampler mesh (product of `sampler_mesh_axes`)."""
+    return math.prod(size for _, size in self.sampler_mesh_axes)
+
+  @property
+  def num_learner_devices(self) -> int:
+    """Devices of the learner mesh (product of `learner.mesh_axes`)."""
+    return self.learner.num_devices

@@ -30,7 +30,7 @@ from absl import logging
 
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline.config import PipelineConfig
-from rlax_pipe.pipeline.rollout_queue import QueueClosed
+from rlax_pipe.pipeline.rollout_queue import QueueClosed, rollout_from_dict, rollout_to_dict
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import StepResult, Trainer
 from rlax_pipe.pipeline.weight_channel import WeightChannel
@@ -58,6 +58,19 @@ class VirtualState:
   next_seq: int = 0
   pending_arrival: float | None = None
   learner_must_act: bool = False
+
+  def state_dict(self) -> dict:
+    """JSON-able copy (rollouts in transit included)."""
+    return {"t_s": self.t_s, "t_l": self.t_l, "next_seq": self.next_seq,
+            "pending_arrival": self.pending_arrival, "learner_must_act": self.learner_must_act,
+            "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict`."""
+    self.t_s, self.t_l = float(state["t_s"]), float(state["t_l"])
+    self.next_seq, self.pending_arrival = int(state["next_seq"]), state["pending_arrival"]
+    self.learner_must_act = bool(state["learner_must_act"])
+    self.transit = [(t, n, rollout_from_dict(r)) for t, n, r in state["transit"]]
 
 
 class DeadlockError(RuntimeError):
@@ -101,7 +114,7 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
     if st.pending_arrival is not None and st.pending_arrival <= now and (
         worker.may_install_weights()):
       w = channel.take(timeout=cfg.wait_timeout_s)
-      worker.install(w.params, w.version)
+      worker.install(w)
       st.pending_arrival = None
 
   while steps_done < num_steps:
@@ -184,7 +197,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
         if worker.may_install_weights():
           w = channel.try_take()
           if w is not None:
-            worker.install(w.params, w.version)
+            worker.install(w)
         worker.top_up()
         if engine.has_work:
           for r in worker.step():

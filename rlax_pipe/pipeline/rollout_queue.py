@@ -94,6 +94,11 @@ def rollout_from_dict(d: dict[str, Any]) -> Rollout:
   return Rollout(**kw)
 
 
+def _check_format(state: dict[str, Any]) -> None:
+  if state.get("format") != 1:
+    raise ValueError(f"RolloutQueue state: unknown format {state.get('format')!r} (expected 1).")
+
+
 class RolloutQueue:
   """Thread-safe queue of finished rollout groups with a staleness policy.
 
@@ -333,7 +338,7 @@ class RolloutQueue:
   @classmethod
   def from_state_dict(cls, state: dict[str, Any],
                       config: staleness.StalenessConfig | None = None) -> RolloutQueue:
-    """Rebuilds a queue from `state_dict()` output.
+    """A new queue holding `state_dict()` output.
 
     Args:
       state: the dict.
@@ -342,23 +347,37 @@ class RolloutQueue:
     Raises:
       ValueError: on an unknown state format.
     """
-    if state.get("format") != 1:
-      raise ValueError(f"RolloutQueue.from_state_dict: unknown format {state.get('format')!r}.")
+    _check_format(state)
     q = cls(config or staleness.StalenessConfig(**state["config"]), int(state["group_size"]))
-    q._seq = int(state["seq"])
-    q._learner_version = int(state["learner_version"])
-    q._last_batch_version = int(state.get("last_batch_version", -1))
-    q._trained = [int(x) for x in state["trained"]]
-    q._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
-    q._admission = staleness.admission_from_dict(state["admission"])
+    q.load_state_dict(state)
+    return q
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Replaces this queue's contents and counters by `state_dict()` output (this queue keeps
+    its own staleness config and group size).
+
+    Raises:
+      ValueError: on an unknown state format.
+    """
+    _check_format(state)
+    with self._cond:
+      self._load_locked(state)
+
+  def _load_locked(self, state: dict[str, Any]) -> None:
+    self._ready, self._partial = [], {}
+    self._seq = int(state["seq"])
+    self._learner_version = int(state["learner_version"])
+    self._last_batch_version = int(state.get("last_batch_version", -1))
+    self._trained = [int(x) for x in state["trained"]]
+    self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
+    self._admission = staleness.admission_from_dict(state["admission"])
     for g in state["ready"]:
       rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
-      q._ready.append(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
+      self._ready.append(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
     for members in state["partial"]:
       rs = [rollout_from_dict(d) for d in members]
-      q._partial[rs[0].group_id] = rs
-    q._abandoned = {int(g): int(n) for g, n in state["abandoned"]}
-    return q
+      self._partial[rs[0].group_id] = rs
+    self._abandoned = {int(g): int(n) for g, n in state["abandoned"]}
 
   # ------------------------------------------------------------------ internals
 

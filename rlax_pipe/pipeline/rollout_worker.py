@@ -32,7 +32,7 @@ from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
 from rlax_pipe.tasks.safe_reward import OUTCOMES, RewardStats
 from rlax_pipe.tasks.verifier_pool import VerifierPool
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 # Consecutive over-long prompts after which the task is declared unusable with these settings.
 _MAX_FILTERED_IN_A_ROW = 1000
@@ -65,7 +65,6 @@ class RolloutWorker:
                queue: RolloutQueue, cfg: PipelineConfig, counters: WorkerCounters | None = None):
     self.engine, self.task, self.tok, self.queue, self.cfg = engine, task, tok, queue, cfg
     self.counters = counters or WorkerCounters()
-    self.weights_version = engine.version  # newest version handed to the engine
     self._round_open = 0  # groups still to start in the current round
     g = cfg.grading
     if engine.cfg.max_seq_len - g.min_completion_tokens < 1:
@@ -108,11 +107,15 @@ class RolloutWorker:
     failed = calls - counts["reward_ok"]
     return {**counts, "reward_failed_frac": failed / calls if calls else float("nan")}
 
-  def install(self, params, version: int) -> None:
-    """Hands newer weights to the engine; it swaps them in at its next decode-step boundary,
-    before any token of a group started from now on is generated."""
-    self.engine.update_weights(params, version)
-    self.weights_version = int(version)
+  @property
+  def weights_version(self) -> int:
+    """Newest version handed to the engine (the engine owns the number)."""
+    return self.engine.latest_version
+
+  def install(self, update: WeightUpdate) -> None:
+    """Hands newer weights (and their ownership) to the engine; it swaps them in at its next
+    step boundary, before any token of a group started from now on is generated."""
+    self.engine.update_weights(update)
 
   # ---- rules --------------------------------------------------------------------------------
   def may_install_weights(self) -> bool:
@@ -223,4 +226,13 @@ class RolloutWorker:
     return self.grade_batch(self.engine.step())
 
   def state_dict(self) -> dict:
-    return dataclasses.asdict(self.counters)
+    """Task-iterator counters, the open round and the in-flight samples whose prompt was
+    truncated (JSON-able; the engine saves its own state)."""
+    return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open,
+            "truncated": sorted(self._truncated)}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict`."""
+    self.counters = WorkerCounters(**state["counters"])
+    self._round_open = int(state["round_open"])
+    self._truncated = {int(s) for s in state.get("truncated", ())}

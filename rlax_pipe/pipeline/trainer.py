@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -94,17 +94,3 @@ class Trainer:
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         sample_metrics=grading.batch_metrics(rollouts))
-
-  def try_step(self) -> StepResult | None:
-    """Trains if `groups_per_step` ready groups are queued (non-blocking)."""
-    groups = self.queue.try_get_batch(self.cfg.groups_per_step, self.learner.version)
-    return None if groups is None else self.train_on(groups)
-
-  def step(self, timeout_s: float) -> StepResult:
-    """Blocks (up to `timeout_s`) for a batch, then trains. Raises `QueueTimeout` on timeout."""
-    groups = self.queue.get_batch(self.cfg.groups_per_step, self.learner.version,
-                                  timeout=timeout_s)
-    return self.train_on(groups)
-
-  def params(self) -> Any:
-    return self.learner.params

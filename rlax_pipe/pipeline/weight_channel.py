@@ -14,14 +14,20 @@ same slice of the array; otherwise it silently assembles the whole array on the 
      on the sampler mesh that slices the landed coarser shards into the final layout (local
      slicing, no host).
 
-Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built.
+Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built (the per-leaf
+plan and the manifest: `transfer_plan`).
 
-Versioning: `push(params, version)` returns as soon as the copies are dispatched; the sampler
-calls `try_take()` between decode steps, which returns the new version only once all its arrays
-are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. At most two copies live
-on the sampler: the current one and one incoming; an incoming version that is superseded by a
-newer push before being taken is deleted, and the previous current version is deleted when the
-sampler takes the next one.
+Versioning and ownership: `push(params, version)` returns as soon as the copies are dispatched;
+the sampler calls `try_take()` between decode steps, which returns the new version only once all
+its arrays are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. A take hands
+out a `WeightUpdate(version, params, donated=True)` and the channel forgets it: from then on the
+engine owns those arrays and deletes them when a newer version replaces them. The channel owns
+only the one incoming version; one superseded by a newer push before being taken is deleted. So
+at most three copies live on the sampler mesh: the running one, one handed over and pending in
+the engine until its next step boundary, and one in transit.
+
+Threading: one learner thread calls `push`; the sampler thread calls `try_take` / `take` and
+hands the update to its engine. Both sides may run concurrently (the state is lock-protected).
 """
 
 from __future__ import annotations
@@ -32,44 +38,13 @@ import time
 from typing import Any, Callable
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 import numpy as np
 
-from rlax_pipe import sharding as sharding_lib
-
-_REPLICA_AXIS = "_rlax_pipe_replica"
-
-
-class ManifestError(ValueError):
-  """A pushed params tree does not match the channel's manifest (names, shapes, dtypes)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-  """One manifest entry.
-
-  Attributes:
-    name: flattened leaf path, as `jax.tree_util.keystr` writes it (e.g. "['layers']['wq']").
-    shape: array shape.
-    dtype: dtype name, e.g. "float32".
-  """
-
-  name: str
-  shape: tuple[int, ...]
-  dtype: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Weights:
-  """A params version on the sampler mesh.
-
-  Attributes:
-    params: pytree of `jax.Array` in the sampler shardings.
-    version: policy version (learner optimizer steps that produced these weights).
-  """
-
-  params: Any
-  version: int
+from rlax_pipe.pipeline.transfer_plan import (  # pylint: disable=unused-import
+    LeafSpec, ManifestError, _LeafPlan, _plan_leaf, assert_congruent, check_manifest,
+    params_manifest)
+from rlax_pipe.types import WeightUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +53,10 @@ class ChannelStats:
 
   Attributes:
     pushes: versions pushed.
-    takes: versions taken by the sampler.
+    takes: versions taken by the sampler (handed over as `WeightUpdate`s).
     superseded: versions pushed but replaced by a newer push before being taken (deleted).
     bytes_per_version: total bytes of one params version.
-    current_version: version the sampler holds (-1 before the first take).
+    current_version: version of the last take (-1 before the first take).
     pending_version: version in transit or ready to take (-1 if none).
   """
 
@@ -91,137 +66,6 @@ class ChannelStats:
   bytes_per_version: int
   current_version: int
   pending_version: int
-
-
-def params_manifest(tree: Any) -> tuple[LeafSpec, ...]:
-  """Flattened names, shapes and dtypes of a params pytree (arrays or `jax.ShapeDtypeStruct`)."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return tuple(
-      LeafSpec(jax.tree_util.keystr(path), tuple(int(d) for d in leaf.shape),
-               np.dtype(leaf.dtype).name) for path, leaf in leaves)
-
-
-def check_manifest(expected: tuple[LeafSpec, ...], tree: Any, what: str = "params") -> None:
-  """Checks a params tree against a manifest.
-
-  Args:
-    expected: manifest from `params_manifest`.
-    tree: the pytree to check.
-    what: how to name the tree in error messages.
-
-  Raises:
-    ManifestError: naming every missing or unexpected leaf, or the first leaf whose shape or
-      dtype differs.
-  """
-  got = params_manifest(tree)
-  if got == expected:
-    return
-  exp_by_name = {s.name: s for s in expected}
-  got_by_name = {s.name: s for s in got}
-  missing = [n for n in exp_by_name if n not in got_by_name]
-  extra = [n for n in got_by_name if n not in exp_by_name]
-  if missing or extra:
-    raise ManifestError(
-        f"{what} tree does not match the weight-channel manifest: missing leaves {missing}, "
-        f"unexpected leaves {extra}.")
-  for name, e in exp_by_name.items():
-    g = got_by_name[name]
-    if g != e:
-      raise ManifestError(
-          f"{what} leaf {name} has shape {g.shape} dtype {g.dtype}; the manifest expects "
-          f"shape {e.shape} dtype {e.dtype}.")
-  raise ManifestError(f"{what} leaves are in a different order than the manifest.")
-
-
-def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
-  return tuple((s.start, s.stop, s.step) for s in index)
-
-
-def _mesh_devices(sharding: Any) -> tuple[Any, ...]:
-  if isinstance(sharding, NamedSharding):
-    return tuple(sharding.mesh.devices.flat)
-  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
-
-
-def assert_congruent(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...],
-                     name: str = "leaf") -> None:
-  """Checks that `device_put(x with src, dst)` is a pure per-shard device copy.
-
-  With equal device counts the layouts must be congruent (same mesh shape, same axis names, same
-  `PartitionSpec`). In every case each destination shard's slice must be the slice of some
-  source shard, otherwise `jax.device_put` gathers the array on the host (jax-notes §2a).
-
-  Raises:
-    RuntimeError: naming the leaf, both layouts and the first uncovered slice.
-  """
-  if src.num_devices == dst.num_devices and (
-      src.mesh.devices.shape != dst.mesh.devices.shape
-      or src.mesh.axis_names != dst.mesh.axis_names or src.spec != dst.spec):
-    raise RuntimeError(
-        f"weight channel: {name} intermediate layout {dict(src.mesh.shape)} {src.spec} is not "
-        f"congruent with the sampler layout {dict(dst.mesh.shape)} {dst.spec}.")
-  have = {_index_key(i) for i in src.devices_indices_map(shape).values()}
-  for index in dst.devices_indices_map(shape).values():
-    if _index_key(index) not in have:
-      raise RuntimeError(
-          f"weight channel: {name} sampler shard {index} of shape {shape} has no identical "
-          f"source shard in {dict(src.mesh.shape)} {src.spec}; device_put would go through "
-          "the host.")
-
-
-def _coarsen(spec: PartitionSpec, mesh: Mesh, num_devices: int
-             ) -> tuple[PartitionSpec, list[str], list[int]]:
-  """Keeps, per spec entry, the longest prefix of mesh axes whose running size product divides
-  `num_devices`. Returns the coarse spec and its mesh axes / sizes in spec order."""
-  entries, names, sizes, product = [], [], [], 1
-  for entry in spec:
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    kept = []
-    for a in axes:
-      if num_devices % (product * mesh.shape[a]):
-        break
-      kept.append(a)
-      product *= mesh.shape[a]
-    names += kept
-    sizes += [mesh.shape[a] for a in kept]
-    entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-  return PartitionSpec(*entries), names, sizes
-
-
-def _auto_mesh(devices: tuple[Any, ...], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
-  return sharding_lib.make_mesh(devices, dict(zip(names, shape)), keep_device_order=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _LeafPlan:
-  learner_layout: NamedSharding | None  # None: leaf is pushed as is (already in place / host)
-  landing: NamedSharding                # layout on the sampler devices after device_put
-  refine: bool                          # landing != target: a jit on the sampler mesh follows
-
-
-def _plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: str) -> _LeafPlan:
-  """Chooses the intermediate layouts for one leaf (see module docstring)."""
-  if src is None:  # a host array: uploaded straight into the target layout
-    return _LeafPlan(None, target, False)
-  src_devices = _mesh_devices(src)
-  mesh_b, n_a = target.mesh, len(src_devices)
-  if n_a == mesh_b.size:
-    layout = NamedSharding(
-        _auto_mesh(src_devices, mesh_b.devices.shape, mesh_b.axis_names), target.spec)
-    landing, refine = target, False
-  else:
-    coarse, names, sizes = _coarsen(target.spec, mesh_b, n_a)
-    g = int(np.prod(sizes, dtype=np.int64))
-    names_t = tuple(names) + (_REPLICA_AXIS,)
-    layout = NamedSharding(_auto_mesh(src_devices, tuple(sizes) + (n_a // g,), names_t), coarse)
-    refine = coarse != target.spec
-    landing = NamedSharding(
-        _auto_mesh(_mesh_devices(target), tuple(sizes) + (mesh_b.size // g,), names_t),
-        coarse) if refine else target
-  assert_congruent(layout, landing, shape, name)
-  if src.is_equivalent_to(layout, len(shape)):
-    layout = None
-  return _LeafPlan(layout, landing, refine)
 
 
 def _identity(tree):
@@ -249,7 +93,8 @@ def _delete_all(arrays):
 class WeightChannel:
   """Moves params versions from learner shardings to sampler shardings, device to device.
 
-  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`.
+  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`
+  (see the module docstring for who owns which copy).
 
   Example:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -257,8 +102,8 @@ class WeightChannel:
     channel = WeightChannel(target)
     channel.push(learner_params, version=3)        # returns at once
     ...                                            # between two decode steps:
-    new = channel.try_take()                       # None until the copy is complete
-    if new is not None: params, version = new.params, new.version
+    update = channel.try_take()                    # None until the copy is complete
+    if update is not None: engine.update_weights(update)   # the engine now owns the arrays
   """
 
   def __init__(self, target: Any, *,
@@ -290,7 +135,7 @@ class WeightChannel:
     self._verify, self._debug = verify, debug
     self._plans: dict[tuple[Any, ...], tuple[list[_LeafPlan], Callable | None, Callable | None]] = {}
     self._cond = threading.Condition()
-    self._current: Weights | None = None
+    self._taken_version = -1
     self._pending: _InTransit | None = None
     self._last_pushed = -1
     self._pushes = self._takes = self._superseded = 0
@@ -376,14 +221,12 @@ class WeightChannel:
       self._pushes += 1
       self._cond.notify_all()
 
-  def _take_locked(self) -> Weights:
+  def _take_locked(self) -> WeightUpdate:
     record, self._pending = self._pending, None
     _delete_all(record.intermediates)
-    if self._current is not None:
-      _delete_all(jax.tree_util.tree_leaves(self._current.params))
-    self._current = Weights(record.params, record.version)
+    self._taken_version = record.version
     self._takes += 1
-    return self._current
+    return WeightUpdate(record.version, record.params, donated=True)
 
   def poll(self) -> int | None:
     """Version that `try_take` would return now (its copy is complete), else None."""
@@ -392,19 +235,18 @@ class WeightChannel:
         return self._pending.version
       return None
 
-  def try_take(self) -> Weights | None:
+  def try_take(self) -> WeightUpdate | None:
     """Non-blocking: the newest pushed version if its copy is complete, else None.
 
-    Taking makes it the current version and deletes the previous current arrays, so call it at
-    a decode-step boundary and drop references to the old params.
+    The returned update is owned by the caller (`donated=True`): hand it to the engine.
     """
     with self._cond:
       if self._pending is None or not _all_ready(self._pending.leaves):
         return None
       return self._take_locked()
 
-  def take(self, timeout: float | None = None) -> Weights:
-    """Blocking: waits for a push newer than the current version and for its copy to finish.
+  def take(self, timeout: float | None = None) -> WeightUpdate:
+    """Blocking: waits for a push newer than the last taken one and for its copy to finish.
 
     Args:
       timeout: seconds to wait for a push (None = forever).
@@ -417,19 +259,12 @@ class WeightChannel:
       while self._pending is None:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-          held = -1 if self._current is None else self._current.version
           raise TimeoutError(
               f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
-              f"version {held}, last pushed {self._last_pushed}).")
+              f"version {self._taken_version}, last pushed {self._last_pushed}).")
         self._cond.wait(left)
       jax.block_until_ready(self._pending.leaves)
       return self._take_locked()
-
-  @property
-  def current(self) -> Weights | None:
-    """The version the sampler holds (last taken), or None before the first take."""
-    with self._cond:
-      return self._current
 
   def stats(self) -> ChannelStats:
     """Counters and versions, see `ChannelStats`."""
@@ -437,15 +272,12 @@ class WeightChannel:
       return ChannelStats(
           pushes=self._pushes, takes=self._takes, superseded=self._superseded,
           bytes_per_version=self._bytes,
-          current_version=-1 if self._current is None else self._current.version,
+          current_version=self._taken_version,
           pending_version=-1 if self._pending is None else self._pending.version)
 
   def close(self) -> None:
-    """Deletes every array the channel holds (current and pending)."""
+    """Deletes the arrays the channel still owns (the version in transit, if any)."""
     with self._cond:
       if self._pending is not None:
         _delete_all(self._pending.leaves + self._pending.intermediates)
         self._pending = None
-      if self._current is not None:
-        _delete_all(jax.tree_util.tree_leaves(self._current.params))
-        self._current = None

@@ -16,7 +16,13 @@ one-token completion [EOS] with finish_reason "eos", returned like any other), o
 budget, or when prompt + completion reaches max_seq_len ("length").
 
 Timings come from an injectable `clock` (seconds), so a pipeline can drive a virtual clock.
-Threading: `update_weights` may be called from any thread; everything else from one thread.
+
+Weights arrive as `WeightUpdate` messages and the engine owns them from then on: a donated
+version's arrays are deleted when a newer version replaces it. An update is applied at the next
+step boundary, i.e. at once when the engine is between steps.
+
+Threading: `update_weights` may be called from any thread (it never waits for a running step);
+everything else (`submit`, `step`, `state_dict`, ...) from one thread, the engine's.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.page_allocator import PageAllocator
 from rlax_pipe.sampler.paged_cache import PagedKVCache, resolve_impl
 from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 # on_span(component, kind, start_s, end_s, slots_active, slots_total)
 SpanHook = Callable[[str, str, float, float, int, int], None]
@@ -141,6 +147,29 @@ class SamplerStats:
 _AVERAGES = ("slot_occupancy", "kv_utilization", "kv_page_fill")
 
 
+def _release(update: WeightUpdate | None, keep: Any = None) -> None:
+  """Deletes the arrays of a donated update that are not also in `keep`."""
+  if update is None or not update.donated:
+    return
+  kept = {id(x) for x in jax.tree.leaves(keep)}
+  for x in jax.tree.leaves(update.params):
+    if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+      x.delete()
+
+
+def _host_leaves(tree: Any) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def _place_like(like: Any, leaves: list[np.ndarray]) -> Any:
+  flat, treedef = jax.tree.flatten(like)
+  if len(leaves) != len(flat):
+    raise ValueError(f"sampler state holds {len(leaves)} parameter arrays, the running params "
+                     f"{len(flat)}.")
+  return jax.tree.unflatten(treedef, [jax.device_put(np.asarray(a), x.sharding)
+                                      for a, x in zip(leaves, flat)])
+
+
 def _check_same_layout(old, new):
   old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
   new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
@@ -164,8 +193,9 @@ class SamplerEngine:
   Args:
     model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one).
     cfg: sampler configuration.
-    params: initial weights, already placed on `mesh` (jax arrays).
-    version: policy version of `params`.
+    params: initial weights, already placed on `mesh` (jax arrays), or a `WeightUpdate` (its
+      version is used and its ownership passes to the engine).
+    version: policy version of `params` (ignored for a `WeightUpdate`).
     mesh: sampler mesh; None = one device. The page pool is sharded over its "tp" axis by kv head.
     clock: seconds; defaults to `time.perf_counter` (pass a virtual clock to replay runs).
     on_span: optional hook `on_span(component, kind, start, end, slots_active, slots_total)`
@@ -204,10 +234,13 @@ class SamplerEngine:
     self._replicated = page_pool.replicated(self.mesh)
     self._k, self._v = page_pool.init_pool(model, cfg, self.mesh)
     self._rng = jax.device_put(jax.random.key(cfg.seed), self._replicated)
-    _check_same_layout(params, params)
-    self._params, self._version = params, int(version)
-    self._pending: tuple[Any, int] | None = None
-    self._lock = threading.Lock()
+    if not isinstance(params, WeightUpdate):
+      params = WeightUpdate(int(version), params)
+    _check_same_layout(params.params, params.params)
+    self._running: WeightUpdate = params
+    self._pending: WeightUpdate | None = None
+    self._lock = threading.Lock()        # guards _running / _pending
+    self._step_lock = threading.Lock()   # held while a step (or a state read) runs
     self._alloc = PageAllocator(cfg.num_pages, cfg.page_size)
     self._sched = Scheduler(cfg.num_slots, self._alloc)
     self._uids = itertools.count()
@@ -217,9 +250,23 @@ class SamplerEngine:
 
   # --- public state -------------------------------------------------------------------------
   @property
+  def _params(self) -> Any:
+    return self._running.params
+
+  @property
+  def _version(self) -> int:
+    return self._running.version
+
+  @property
   def version(self) -> int:
-    """Version of the weights the next decode step runs with (pending swaps not yet applied)."""
-    return self._version
+    """Version of the weights the engine runs (a pending update not yet applied excluded)."""
+    return self._running.version
+
+  @property
+  def latest_version(self) -> int:
+    """Newest version handed to the engine: the pending update's, else the running one's."""
+    with self._lock:
+      return (self._running if self._pending is None else self._pending).version
 
   @property
   def num_active(self) -> int:
@@ -275,25 +322,34 @@ class SamplerEngine:
                                       max_new=max_new, tokens=prompt.tolist(),
                                       t_submit=self.clock()))
 
-  def update_weights(self, params: Any, version: int) -> None:
-    """Hands over newer weights; they are used from the next decode-step boundary on.
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Takes ownership of newer weights; they run from the next step boundary on.
 
-    Thread-safe. If several arrive between two steps, the newest wins (an equal version replaces
-    the pending one). Running sequences continue (kv_policy "keep": on their existing KV;
-    "recompute": after re-prefilling their prefix).
+    Thread-safe and non-blocking. Between steps the swap happens at once (and a donated older
+    version is deleted); during a step (another thread) it waits for that step to end. If
+    several arrive before a swap, the newest wins (an equal version replaces the pending one;
+    a superseded donated update is deleted). Running sequences continue (kv_policy "keep": on
+    their existing KV; "recompute": after re-prefilling their prefix).
 
     Raises:
-      ValueError: if `version` is not newer than the running one or older than the pending one,
-        or the weights differ in tree, shape, dtype or sharding from the running ones (that would
-        recompile).
+      ValueError: if the version is not newer than the running one or older than the pending
+        one, or the weights differ in tree, shape, dtype or sharding from the running ones (that
+        would recompile).
     """
-    _check_same_layout(self._params, params)
+    _check_same_layout(self._params, update.params)
     with self._lock:
-      pending = None if self._pending is None else self._pending[1]
-      if version <= self._version or (pending is not None and version < pending):
-        raise ValueError(f"update_weights: version {version} is not newer than the running "
-                         f"version {self._version} (pending: {pending}).")
-      self._pending = (params, int(version))
+      pending = None if self._pending is None else self._pending.version
+      if update.version <= self._running.version or (
+          pending is not None and update.version < pending):
+        raise ValueError(f"update_weights: version {update.version} is not newer than the "
+                         f"running version {self._running.version} (pending: {pending}).")
+      superseded, self._pending = self._pending, update
+    _release(superseded, keep=update.params)
+    if self._step_lock.acquire(blocking=False):  # between steps: swap now
+      try:
+        self._apply_pending_weights()
+      finally:
+        self._step_lock.release()
 
   def abort_all(self) -> list[Rollout]:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
@@ -311,6 +367,10 @@ class SamplerEngine:
     Returns:
       Rollouts that finished in this step.
     """
+    with self._step_lock:
+      return self._step()
+
+  def _step(self) -> list[Rollout]:
     self._apply_pending_weights()
     preempted = self._sched.reserve_decode()
     self._counts["preemptions"] += len(preempted)
@@ -349,6 +409,10 @@ class SamplerEngine:
         longest prompt); None = every bucket, so nothing (not even the long re-prefill of a
         preempted sequence) compiles later.
     """
+    with self._step_lock:
+      self._warmup(max_prefill_len)
+
+  def _warmup(self, max_prefill_len: int | None) -> None:
     cfg, w = self.cfg, self.cfg.pages_per_seq
     top = cfg.max_seq_len if max_prefill_len is None else cfg.bucket_for(max_prefill_len)
     for bucket in (b for b in cfg.prefill_buckets if b <= top):
@@ -362,16 +426,71 @@ class SamplerEngine:
     _, _, self._k, self._v, _ = self._decode_call(slots, rng)
     jax.block_until_ready(self._k)
 
+  # --- state ---------------------------------------------------------------------------------
+  def state_dict(self) -> dict:
+    """The engine's whole state, for an exact resume: JSON-able values and numpy arrays.
+
+    Keys: version, params (host arrays of the running weights, in leaf order), pending (None, or
+    the version and params of an update not yet swapped in), k / v (KV pools), rng (PRNG key
+    data), scheduler (`Scheduler.state_dict`), allocator (`PageAllocator.state_dict`), next_uid,
+    sums, counts. Restoring it into an engine built with the same model, sampler config and
+    mesh reproduces its future exactly: same tokens, log-probs, versions and timings.
+    """
+    with self._step_lock:
+      with self._lock:
+        running, pending = self._running, self._pending
+      next_uid = next(self._uids)
+      self._uids = itertools.count(next_uid)
+      return {
+          "version": running.version, "params": _host_leaves(running.params),
+          "pending": None if pending is None else {
+              "version": pending.version, "params": _host_leaves(pending.params)},
+          "k": np.asarray(jax.device_get(self._k)), "v": np.asarray(jax.device_get(self._v)),
+          "rng": np.asarray(jax.random.key_data(self._rng)),
+          "scheduler": self._sched.state_dict(), "allocator": self._alloc.state_dict(),
+          "next_uid": next_uid, "sums": dict(self._sums), "counts": dict(self._counts)}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` (same model, sampler config and mesh); weights are copied onto
+    this engine's shardings and owned by it.
+
+    Raises:
+      ValueError: if the pool shape, the slot count or the parameter count differ.
+    """
+    if tuple(np.shape(state["k"])) != self._k.shape:
+      raise ValueError(f"sampler state does not fit this engine: pool {np.shape(state['k'])} "
+                       f"vs {self._k.shape}.")
+    with self._step_lock:
+      self._sched.load_state_dict(state["scheduler"])
+      self._alloc.load_state_dict(state["allocator"])
+      like = self._running.params
+      running = WeightUpdate(int(state["version"]), _place_like(like, state["params"]), True)
+      pending = state.get("pending")
+      if pending is not None:
+        pending = WeightUpdate(int(pending["version"]), _place_like(like, pending["params"]),
+                               True)
+      with self._lock:
+        old, self._running, self._pending = self._running, running, pending
+      _release(old)
+      self._k = jax.device_put(state["k"], self._k.sharding)
+      self._v = jax.device_put(state["v"], self._v.sharding)
+      self._rng = jax.device_put(jax.random.wrap_key_data(state["rng"]), self._rng.sharding)
+      self._uids = itertools.count(int(state["next_uid"]))
+      self._sums = {k: float(v) for k, v in state["sums"].items()}
+      self._counts = {k: int(v) for k, v in state["counts"].items()}
+
   # --- internals ----------------------------------------------------------------------------
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
+    """Swaps in the pending update (caller holds the step lock); releases the old version."""
     with self._lock:
       pending, self._pending = self._pending, None
-    if pending is None:
-      return
-    self._params, self._version = pending
+      if pending is None:
+        return
+      old, self._running = self._running, pending
+    _release(old, keep=pending.params)
     self._counts["weight_updates"] += 1
     if self.cfg.kv_policy == "recompute":
       for seq in self._sched.running():

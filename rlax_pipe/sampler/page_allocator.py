@@ -62,11 +62,6 @@ class PageAllocator:
     """Every sequence that owns pages -> its pages."""
     return {s: tuple(p) for s, p in self._pages.items()}
 
-  def can_hold(self, seq_id: int, num_tokens: int) -> bool:
-    """Whether `ensure(seq_id, num_tokens)` would succeed now."""
-    extra = self.pages_for(num_tokens) - len(self._pages.get(seq_id, ()))
-    return extra <= len(self._free)
-
   def ensure(self, seq_id: int, num_tokens: int) -> bool:
     """Grows `seq_id` to hold `num_tokens` tokens (positions 0..num_tokens-1).
 
@@ -116,6 +111,24 @@ class PageAllocator:
     row = np.full(width, pad, np.int32)
     row[:len(pages)] = pages
     return row
+
+  def state_dict(self) -> dict:
+    """JSON-able ownership state: the free stack (in order) and each sequence's pages."""
+    return {"free": [int(p) for p in self._free],
+            "pages": {str(s): [int(p) for p in pages] for s, pages in self._pages.items()}}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` of an allocator with the same pool.
+
+    Raises:
+      AssertionError: if the state violates the invariants (leaked or doubly owned pages).
+    """
+    self._free = [int(p) for p in state["free"]]
+    self._pages = {int(s): [int(p) for p in pages] for s, pages in state["pages"].items()}
+    self._owner[:] = -1
+    for seq_id, pages in self._pages.items():
+      self._owner[pages] = seq_id
+    self.check()
 
   def check(self) -> None:
     """Verifies the invariants; raises AssertionError naming the first violation."""

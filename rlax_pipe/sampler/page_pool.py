@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
-import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import Model
@@ -61,8 +60,3 @@ def init_pool(model: Model, cfg: SamplerConfig, mesh: Mesh):
   """
   return _zero_pools(pool_shape(model, cfg), jnp.dtype(cfg.cache_dtype),
                      pool_sharding(model, cfg, mesh))
-
-
-def pool_bytes(model: Model, cfg: SamplerConfig) -> int:
-  """Bytes reserved by the key + value pools."""
-  return 2 * int(np.prod(pool_shape(model, cfg))) * jnp.dtype(cfg.cache_dtype).itemsize

@@ -83,6 +83,35 @@ class SequenceState:
     """Whether some of the prefix's KV is missing (new, resumed, or recompute after a swap)."""
     return self.num_cached < self.prefill_len
 
+  def to_dict(self) -> dict:
+    """JSON-able copy (NaN times as None)."""
+    num = lambda x: None if math.isnan(x) else float(x)
+    r = self.request
+    return {
+        "uid": self.uid, "max_new": self.max_new, "tokens": [int(t) for t in self.tokens],
+        "prompt": self.prompt.tolist(), "logprobs": [float(x) for x in self.logprobs],
+        "versions": [int(v) for v in self.versions], "t_submit": num(self.t_submit),
+        "t_admit": num(self.t_admit), "t_first_token": num(self.t_first_token),
+        "num_preemptions": self.num_preemptions, "slot": self.slot,
+        "num_cached": self.num_cached, "admit_order": self.admit_order,
+        "request": {"prompt_tokens": r.prompt_tokens.tolist(), "sample_id": r.sample_id,
+                    "group_id": r.group_id, "prompt_index": r.prompt_index,
+                    "max_new_tokens": r.max_new_tokens},
+    }
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "SequenceState":
+    """Inverse of `to_dict`."""
+    nan = lambda x: math.nan if x is None else x
+    rq = dict(d["request"])
+    rq["prompt_tokens"] = np.asarray(rq["prompt_tokens"], np.int32)
+    return cls(
+        uid=d["uid"], request=Request(**rq), prompt=np.asarray(d["prompt"], np.int32),
+        max_new=d["max_new"], tokens=list(d["tokens"]), logprobs=list(d["logprobs"]),
+        versions=list(d["versions"]), t_submit=nan(d["t_submit"]), t_admit=nan(d["t_admit"]),
+        t_first_token=nan(d["t_first_token"]), num_preemptions=d["num_preemptions"],
+        slot=d["slot"], num_cached=d["num_cached"], admit_order=d["admit_order"])
+
 
 class Scheduler:
   """Slots + waiting queue + page reservation over a `PageAllocator`.
@@ -110,6 +139,26 @@ class Scheduler:
   def enqueue(self, seq: SequenceState) -> None:
     """Appends a new sequence to the waiting queue."""
     self.waiting.append(seq)
+
+  def state_dict(self) -> dict:
+    """JSON-able slots, waiting queue and admission counter (the allocator saves its own)."""
+    return {"slots": [None if s is None else s.to_dict() for s in self.slots],
+            "waiting": [s.to_dict() for s in self.waiting],
+            "admit_counter": self._admit_counter}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` of a scheduler with the same number of slots.
+
+    Raises:
+      ValueError: if the slot count differs.
+    """
+    if len(state["slots"]) != len(self.slots):
+      raise ValueError(f"scheduler state has {len(state['slots'])} slots, this scheduler "
+                       f"{len(self.slots)}.")
+    self.slots = [None if d is None else SequenceState.from_dict(d) for d in state["slots"]]
+    self.waiting.clear()
+    self.waiting.extend(SequenceState.from_dict(d) for d in state["waiting"])
+    self._admit_counter = int(state["admit_counter"])
 
   def _preempt(self, seq: SequenceState) -> None:
     self.allocator.free(seq.uid)

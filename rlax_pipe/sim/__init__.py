@@ -7,8 +7,8 @@
   simulator     discrete-event simulator of the sync / async-batch / pipeline drivers that runs
                 the real `RolloutQueue` and staleness policy code (no JAX);
   calibration   fits the simulator's costs and lengths from a run directory;
-  validation    real reproducible runs vs the calibrated simulator (imports JAX when run);
   whatif        cluster-scale what-if from first-principles accelerator costs.
+The validation against real runs is an experiment: experiments/lib/sim_validation.py.
 """
 
 from rlax_pipe.sim.calibration import calibrate

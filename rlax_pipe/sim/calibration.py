@@ -18,7 +18,8 @@ What is fitted, from what (all least squares are ordinary, `numpy.linalg.lstsq`)
     Var[L] / B), sigma^2 = ln(1 + Var[L] / E[L]^2) (method of moments for the log-normal), capped
     at the sampler's completion budget.
 
-`validation.py` runs real pipelines and compares the calibrated simulator with them.
+experiments/lib/sim_validation.py runs real pipelines and compares the calibrated simulator with
+them.
 """
 
 from __future__ import annotations

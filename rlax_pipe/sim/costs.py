@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlax_pipe.pipeline.config import CostModel
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCurve:
@@ -59,13 +57,6 @@ class SimCosts:
     if min(self.prefill_per_sample_s, self.train_base_s, self.train_per_token_s,
            self.push_s) < 0:
       raise ValueError(f"SimCosts: durations must be >= 0, got {self}.")
-
-  @classmethod
-  def from_cost_model(cls, cost: CostModel, prompt_tokens: float) -> SimCosts:
-    """The reproducible driver's `CostModel` with prompts of `prompt_tokens` tokens."""
-    return cls(DecodeCurve(cost.decode_base_s, cost.decode_per_slot_s),
-               cost.prefill_per_token_s * prompt_tokens, cost.train_base_s,
-               cost.train_per_token_s, cost.push_s)
 
   def train(self, tokens: int) -> float:
     """Seconds of one learner step on `tokens` completion tokens."""

@@ -145,7 +145,8 @@ class Replay:
   """Replays observed groups in order (group i of a run is groups[i mod len(groups)]).
 
   Deterministic: with the lengths of a round-based run in training order, the simulator
-  reproduces that run's timeline (the check behind `validation.py`'s "replay" column).
+  reproduces that run's timeline (the check behind the "replay" column of
+  experiments/lib/sim_validation.py).
 
   Attributes:
     groups: observed groups (tuples of lengths, tokens >= 1), all of one size, in order.

@@ -24,12 +24,15 @@ FSDP_TP = (("fsdp", 2), ("tp", 2))
 B, L = 8, 32
 
 
-def make_cfg(mesh_axes, **kwargs):
+def make_cfg(mesh_axes, checkpoint_dir=None, keep_checkpoints=3, **kwargs):
   # Adam divides by sqrt(v) + eps, amplifying the fp32 reduction-order noise of near-zero
   # gradient entries by up to lr / eps; eps = 1e-4 keeps that < 1e-8 so params compare tightly.
   kwargs = {"micro_batch_rows": B, **kwargs}
-  return learner_lib.LearnerConfig(mesh_axes=mesh_axes, learning_rate=1e-3, adam_eps=1e-4,
-                                   compiler_options=FAST, **kwargs)
+  return learner_lib.LearnerConfig(
+      mesh_axes=mesh_axes, compiler_options=FAST,
+      optimizer=learner_lib.OptimizerConfig(learning_rate=1e-3, adam_eps=1e-4, warmup_steps=0),
+      checkpoint=learner_lib.CheckpointConfig(directory=checkpoint_dir, keep=keep_checkpoints),
+      **kwargs)
 
 
 def make_learner(mesh_axes, devices, params, restore=False, **kwargs):

@@ -23,10 +23,10 @@ FAST = (("xla_backend_optimization_level", 0),)
 L = 32
 
 
-def make(objective, devices=1, params=None, **kwargs):
+def make(objective, devices=1, params=None, learning_rate=1e-3, **kwargs):
   mesh = (("fsdp", 2), ("tp", 2)) if devices == 4 else (("fsdp", 1), ("tp", 1))
-  cfg = learner_lib.LearnerConfig(**{"mesh_axes": mesh, "learning_rate": 1e-3,
-                                     "adam_eps": 1e-4, "micro_batch_rows": 4,
+  opt = learner_lib.OptimizerConfig(learning_rate=learning_rate, adam_eps=1e-4, warmup_steps=0)
+  cfg = learner_lib.LearnerConfig(**{"mesh_axes": mesh, "optimizer": opt, "micro_batch_rows": 4,
                                      "compiler_options": FAST, **kwargs})
   return learner_lib.Learner(TINY, cfg, objective, SAMPLING, devices=jax.devices()[:devices],
                              params=_params() if params is None else params)
@@ -169,7 +169,7 @@ def _grads(model_cfg, remat="none", seed=4):
   """Gradient of one micro-batch's loss (fp32 master params) through the step's programs."""
   cfg = learner_lib.LearnerConfig(micro_batch_rows=8, remat=remat, logits_chunk_len=8,
                                   compiler_options=FAST)
-  tx = optimizer.make_optimizer(cfg)
+  tx = optimizer.make_optimizer(cfg.optimizer)
   fns = train_step.make_step_fns(model_cfg, cfg, ObjectiveConfig(max_lag=4), SAMPLING, tx)
   state = train_state.init_state(jax.tree.map(jnp.asarray, _params()), tx, 0)
   b = batch(8, seed)

@@ -10,7 +10,7 @@ import pytest
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe import objectives
-from rlax_pipe import token_loss
+from rlax_pipe.learner import token_loss
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import optimizer, sharding, train_state, train_step
 from rlax_pipe.model import transformer
@@ -116,10 +116,10 @@ def test_plan_micro_batches_pads_and_strides_minibatches():
 
 
 def test_learning_rate_schedules():
-  const = learner_lib.LearnerConfig(learning_rate=1e-3, warmup_steps=4)
+  const = learner_lib.OptimizerConfig(learning_rate=1e-3, warmup_steps=4)
   np.testing.assert_allclose([optimizer.learning_rate(const, s) for s in (0, 3, 50)],
                              [2.5e-4, 1e-3, 1e-3], rtol=1e-6)
-  cos = learner_lib.LearnerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine",
+  cos = learner_lib.OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine",
                                   decay_steps=14, min_lr_ratio=0.1)
   np.testing.assert_allclose([optimizer.learning_rate(cos, s) for s in (0, 4, 9, 14, 99)],
                              [2.5e-4, 1e-3, 5.5e-4, 1e-4, 1e-4], rtol=1e-5)
@@ -137,22 +137,24 @@ def test_weight_decay_skips_norms_and_biases():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mesh_axes=(("fsdp", 0),)), "mesh_axes"),
     (dict(mesh_axes=(("tp", 2), ("tp", 2))), "repeats"),
-    (dict(learning_rate=0.0), "learning_rate"),
-    (dict(schedule="linear"), "schedule"),
-    (dict(schedule="cosine", warmup_steps=5, decay_steps=5), "decay_steps"),
-    (dict(decay_steps=10), "only used"),
+    (dict(optimizer=dict(learning_rate=0.0)), "learning_rate"),
+    (dict(optimizer=dict(schedule="linear")), "schedule"),
+    (dict(optimizer=dict(schedule="cosine", warmup_steps=5, decay_steps=5)), "decay_steps"),
+    (dict(optimizer=dict(decay_steps=10)), "only used"),
     (dict(micro_batch_rows=0), "micro_batch_rows"),
     (dict(mesh_axes=(("data", 2), ("fsdp", 2)), micro_batch_rows=6), "multiple"),
     (dict(num_minibatches=0), "num_minibatches"),
     (dict(logits_chunk_len=0), "logits_chunk_len"),
+    (dict(attention_block_len=0), "attention_block_len"),
     (dict(remat="some"), "remat"),
     (dict(max_consecutive_nonfinite=0), "max_consecutive_nonfinite"),
-    (dict(max_grad_norm=-1.0), "max_grad_norm"),
-    (dict(keep_checkpoints=0), "keep_checkpoints"),
+    (dict(optimizer=dict(max_grad_norm=-1.0)), "max_grad_norm"),
+    (dict(checkpoint=dict(keep=0)), "keep"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
+  subs = {"optimizer": learner_lib.OptimizerConfig, "checkpoint": learner_lib.CheckpointConfig}
   with pytest.raises(ValueError, match=match):
-    learner_lib.LearnerConfig(**kwargs)
+    learner_lib.LearnerConfig(**{k: subs[k](**v) if k in subs else v for k, v in kwargs.items()})
 
 
 def test_config_accepts_the_old_boolean_remat():
@@ -170,7 +172,7 @@ def _strip(spec):
 def test_state_shardings_come_from_abstract_shapes():
   cfg = learner_lib.LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 4)))
   mesh = sharding.learner_mesh(jax.devices(), cfg)
-  tx = optimizer.make_optimizer(cfg)
+  tx = optimizer.make_optimizer(cfg.optimizer)
   shardings = train_state.state_shardings(TINY, tx, mesh)
   specs = {k: _strip(s.spec) for k, s in
            jax.tree_util.tree_flatten_with_path(shardings)[0]}

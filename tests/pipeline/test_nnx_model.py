@@ -11,7 +11,8 @@ import pytest
 
 from rlax_pipe import sharding
 from rlax_pipe.objectives import ObjectiveConfig
-from rlax_pipe.learner import Learner, LearnerConfig, synthetic_batch
+from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
+from rlax_pipe.learner import synthetic_batch
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import DenseKVCache, NnxModel, attend_with_cache, gqa_attention
 from rlax_pipe.model import packed_causal_mask
@@ -188,8 +189,8 @@ def test_nnx_decoder_trains_and_samples_through_the_pipeline(tmp_path, tiny_conf
   assert [r["step"] for r in train_rows(cfg.run_dir)] == [1, 2, 3, 4]
   # The checkpoint holds the NNX params tree at version 4 (a random policy earns no reward here,
   # so gradients are zero: `test_learner_updates_nnx_params` checks the gradient path).
-  learner = Learner(model, dataclasses.replace(cfg.learner, checkpoint_dir=f"{cfg.run_dir}/"
-                                               "checkpoints"),
+  ckpt = CheckpointConfig(directory=f"{cfg.run_dir}/checkpoints")
+  learner = Learner(model, dataclasses.replace(cfg.learner, checkpoint=ckpt),
                     cfg.objective, cfg.sampler.sampling, devices=jax.devices()[:4], restore=True)
   assert learner.version == 4
   assert jax.tree.structure(learner.params) == jax.tree.structure(params)
@@ -200,7 +201,8 @@ def test_learner_updates_nnx_params():
   """Gradients flow through nnx.merge: two sharded optimizer steps move every parameter."""
   model = make_model(40)
   params = jax.device_get(model.init_params(jax.random.key(0)))
-  learner = Learner(model, LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)), learning_rate=1e-2),
+  learner = Learner(model, LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)),
+                                           optimizer=OptimizerConfig(learning_rate=1e-2)),
                     ObjectiveConfig(), SamplingConfig(), devices=jax.devices()[:4], params=params)
   assert learner.state.params["blocks"]["0"]["wq"].sharding.spec == jax.P("fsdp", "tp", None)
   rng = np.random.default_rng(0)

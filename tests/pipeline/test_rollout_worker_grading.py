@@ -31,6 +31,7 @@ class ScriptedEngine:
 
   def __init__(self, cfg, complete):
     self.cfg, self.complete, self.version = cfg, complete, 0
+    self.latest_version = 0  # newest version handed over (SamplerEngine.latest_version)
     self.requests = []
 
   @property
@@ -96,7 +97,7 @@ def _worker(task, complete, tok=TOK, group_size=2, max_seq_len=48, **grading_kw)
   sampler = SamplerConfig(num_slots=8, page_size=8, num_pages=64, max_seq_len=max_seq_len,
                           max_new_tokens=32)
   pipe = pconfig.PipelineConfig(
-      groups_per_step=1, group_size=group_size, seq_len=max_seq_len,
+      group_size=group_size, seq_len=max_seq_len,
       staleness=staleness.StalenessConfig(policy="drop", max_lag=4, groups_per_step=1),
       grading=grading.GradingConfig(**grading_kw))
   queue = RolloutQueue(pipe.staleness, group_size)

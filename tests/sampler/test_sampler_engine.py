@@ -14,6 +14,7 @@ from rlax_pipe.config import ModelConfig
 from rlax_pipe.logprobs import SamplingConfig, token_logprobs
 from rlax_pipe.model.kv_cache import DenseKVCache
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine, page_pool
+from rlax_pipe.types import WeightUpdate
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=48, max_seq_len=40)
@@ -145,8 +146,8 @@ def test_versions_and_logprobs_follow_the_weights_that_made_each_token(params, k
   version_at_step, admitted_at, rollouts = [], {}, []
   for i in range(12):
     if i in swaps:
-      engine.update_weights(params[swaps[i]], swaps[i])
-      assert engine.version == version_at_step[-1]  # applied only at the next step boundary
+      engine.update_weights(WeightUpdate(swaps[i], params[swaps[i]]))
+      assert engine.version == swaps[i]  # between steps: swapped in at once
     if i == 3:
       engine.submit(requests[3])  # admitted under version 1, after the first swap
     waiting_before = engine.num_waiting
@@ -187,7 +188,7 @@ def test_no_recompilation_after_warmup(params):
     finished = []
     for i in range(30):
       if i in (3, 9):
-        engine.update_weights(params[1 + (i == 9)], 1 + (i == 9))
+        engine.update_weights(WeightUpdate(1 + (i == 9), params[1 + (i == 9)]))
       if i == 5:
         for r in requests[6:]:
           engine.submit(r)
@@ -225,9 +226,10 @@ def test_bad_inputs_fail_early_with_the_numbers(params):
   with pytest.raises(ValueError, match="5 pages of 4, but the pool has only 3 pages; increase"):
     small.submit(Request(prompt_tokens=np.ones(10, np.int32), sample_id=3, max_new_tokens=8))
   with pytest.raises(ValueError, match="not newer"):
-    engine.update_weights(params[1], 0)
+    engine.update_weights(WeightUpdate(0, params[1]))
   with pytest.raises(ValueError, match="layout"):
-    engine.update_weights(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params[1]), 1)
+    engine.update_weights(WeightUpdate(
+        1, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params[1])))
   with pytest.raises(ValueError, match="kv_policy"):
     SamplerConfig(kv_policy="discard")
   with pytest.raises(ValueError, match="outside the vocabulary"):

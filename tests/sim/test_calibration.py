@@ -136,22 +136,3 @@ def test_calibrate_run_dir_and_sim_config(tmp_path):
   assert (cfg.driver, cfg.staleness.max_lag, cfg.group_size, cfg.concurrency) == (
       "pipeline", 2, 4, 16)
   assert calibration.completion_budget(config) == 63
-
-
-def test_validation_compare_on_a_run_dir(tmp_path):
-  from rlax_pipe.sim import validation  # pylint: disable=import-outside-toplevel
-  _write_run(tmp_path, *_synthetic())
-  config = {"sampler": {"num_slots": 16, "max_new_tokens": 64, "max_seq_len": 64},
-            "pipeline": {"driver": "sync", "mode": "reproducible", "num_steps": 20,
-                         "groups_per_step": 2, "group_size": 4,
-                         "staleness": {"policy": "block", "max_lag": 0, "groups_per_step": 2,
-                                       "queue_capacity_groups": None}}}
-  (tmp_path / "config.json").write_text(json.dumps(config))
-  recorded = [10, 12, 30, 8] * 40
-  row = validation.compare(str(tmp_path), 2, recorded, seeds=(0, 1))
-  json.dumps(row)
-  assert row["steps"] == 20 and row["driver"] == "sync"
-  for source in ("metrics", "recorded", "replay"):
-    assert row[f"predicted_{source}"]["lag_mean"] == 0.0
-    assert row[f"predicted_{source}"]["tokens_per_s"] > 0
-    assert isinstance(row[f"pass_{source}"], bool)

@@ -1,4 +1,5 @@
-"""From per-token objectives to a batch loss: masking, aggregation and diagnostics, done once.
+"""From per-token objectives to a batch loss: masking, aggregation and diagnostics, done once
+(by the learner's train step, per micro-batch).
 
 An objective (`rlax_pipe.objectives`) maps finite per-token inputs to a per-token loss. This
 module holds everything around it, the same for every objective:

@@ -146,7 +146,7 @@ def a8_queue_policy(out_dir: str, tiny: bool = False) -> list[dict]:
 def _cells(base, out_dir: str, name: str, cells) -> list[dict]:
   """Runs each (label, max_lag, RunConfig transform) cell; one summary row per cell."""
   from rlax_pipe.pipeline import run as run_lib  # pylint: disable=g-import-not-at-top
-  from rlax_pipe.pipeline import sweep  # pylint: disable=g-import-not-at-top
+  from lib import sweep  # pylint: disable=g-import-not-at-top
   rows = []
   for label, lag, transform in cells:
     cfg = transform(sweep.cell_config(base, lag, base.objective.name,

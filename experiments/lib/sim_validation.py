@@ -24,12 +24,11 @@ JAX and the real pipeline are imported inside the functions that run it, so the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import pathlib
 import tempfile
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -111,7 +110,7 @@ def run_config(case: ValidationCase, init: str, run_dir: str, seed: int = 0):
   task with 3-4 terms, reproducible mode, evaluation and checkpoints only at the ends."""
   # pylint: disable=import-outside-toplevel
   from rlax_pipe import objectives, tasks
-  from rlax_pipe.learner import LearnerConfig
+  from rlax_pipe.learner import CheckpointConfig, LearnerConfig, OptimizerConfig
   from rlax_pipe.logprobs import SamplingConfig
   from rlax_pipe.pipeline import config as pconfig
   from rlax_pipe.pipeline import run as run_lib
@@ -121,8 +120,7 @@ def run_config(case: ValidationCase, init: str, run_dir: str, seed: int = 0):
   tok = default_tokenizer()
   g = case.groups_per_step
   pipe = pconfig.PipelineConfig(
-      driver=case.driver, mode="reproducible", num_steps=case.num_steps, groups_per_step=g,
-      group_size=case.group_size, seq_len=MAX_SEQ,
+      driver=case.driver, mode="reproducible", num_steps=case.num_steps, group_size=case.group_size, seq_len=MAX_SEQ,
       staleness=staleness.StalenessConfig(case.policy, case.max_lag, g),
       eval_every=10 * case.num_steps, eval_problems=2, checkpoint_every=10 * case.num_steps,
       cost_model=case.cost_model, seed=seed)
@@ -130,33 +128,27 @@ def run_config(case: ValidationCase, init: str, run_dir: str, seed: int = 0):
   sampler = SamplerConfig(num_slots=case.slots, page_size=8, num_pages=case.slots * pages_per_seq,
                           max_seq_len=MAX_SEQ, max_new_tokens=MAX_SEQ, min_prefill_bucket=16,
                           eos_id=tok.eos_id, sampling=SamplingConfig(temperature=1.0), seed=seed)
-  learner = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)), learning_rate=1e-3, seed=seed,
-                          async_checkpointing=False)
+  learner = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)), seed=seed,
+                          optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0),
+                          checkpoint=CheckpointConfig(async_save=False))
   return run_lib.RunConfig(
-      run_dir=run_dir, init=init, num_sampler_devices=2, num_learner_devices=4,
-      sampler_mesh_axes=(("tp", 2),), learner=learner,
+      run_dir=run_dir, init=init, sampler_mesh_axes=(("tp", 2),), learner=learner,
       objective=objectives.ObjectiveConfig(name="tis_pg"), sampler=sampler, pipeline=pipe,
       eval_slots=4, task_config=tasks.ArithmeticConfig(max_terms=4))
 
 
-@contextlib.contextmanager
-def recording_lengths() -> Iterator[list[int]]:
-  """Records the completion length of every trained sample while the context is open (wraps
-  `Trainer.train_on`; restored on exit)."""
-  from rlax_pipe.pipeline import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  original = trainer_lib.Trainer.train_on
-  out: list[int] = []
+class LengthRecorder:
+  """Step hook of the real job: records the completion length of every trained sample."""
 
-  def train_on(self, groups):
-    result = original(self, groups)
-    out.extend(r.num_completion_tokens for r in result.rollouts)
-    return result
+  def __init__(self):
+    self.lengths: list[int] = []
 
-  trainer_lib.Trainer.train_on = train_on
-  try:
-    yield out
-  finally:
-    trainer_lib.Trainer.train_on = original
+  def on_step(self, job, result, time_s) -> None:
+    del job, time_s
+    self.lengths.extend(r.num_completion_tokens for r in result.rollouts)
+
+  def on_end(self, job, time_s) -> None:
+    del job, time_s
 
 
 RECORDED_LENGTHS = "recorded_lengths.json"
@@ -166,10 +158,10 @@ def run_real(case: ValidationCase, init: str, run_dir: str) -> list[int]:
   """Runs the real pipeline for `case`; returns the trained samples' completion lengths (group
   by group, in training order), also written to run_dir/recorded_lengths.json."""
   from rlax_pipe.pipeline import run as run_lib  # pylint: disable=import-outside-toplevel
-  with recording_lengths() as lengths:
-    run_lib.run(run_config(case, init, run_dir))
-  (pathlib.Path(run_dir) / RECORDED_LENGTHS).write_text(json.dumps(lengths))
-  return list(lengths)
+  recorder = LengthRecorder()
+  run_lib.run(run_config(case, init, run_dir), hooks=[recorder])
+  (pathlib.Path(run_dir) / RECORDED_LENGTHS).write_text(json.dumps(recorder.lengths))
+  return list(recorder.lengths)
 
 
 def read_recorded(run_dir: str) -> list[int] | None:
@@ -215,7 +207,7 @@ def compare(run_dir: str, warmup_steps: int, recorded: Sequence[int] | None = No
                          "mode": p["mode"], "max_lag": p["staleness"]["max_lag"],
                          "policy": p["staleness"]["policy"],
                          "slots": config["sampler"]["num_slots"],
-                         "batch_samples": p["groups_per_step"] * p["group_size"],
+                         "batch_samples": p["staleness"]["groups_per_step"] * p["group_size"],
                          "steps": num_steps, "warmup_steps": warmup_steps, "measured": meas}
   sources = {"metrics": None}
   if recorded:

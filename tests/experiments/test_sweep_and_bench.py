@@ -2,8 +2,8 @@
 
 import json
 
-from rlax_pipe.pipeline import bench
-from rlax_pipe.pipeline import sweep
+from lib import bench
+from lib import sweep
 
 
 def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlax_pipe import ablations
+from lib import ablations
 
 
 @pytest.mark.parametrize("name", ablations.SIMULATED)

@@ -1,0 +1,140 @@
+"""Command-line configs of the experiments: `--config` (an ml_collections config file plus
+`--config.<field>=value` overrides) and the flags of earlier versions, which fail with a message
+naming their new spelling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Any, Mapping
+
+from absl import flags
+from ml_collections import config_flags
+
+from rlax_pipe import config_dict
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+# The flags of experiments/rl_flags.py (removed) -> their spelling as config overrides.
+RL_RENAMED: Mapping[str, str] = {
+    "run_dir": "--config.run_dir",
+    "init": "--config.init",
+    "task": "--config.task",
+    "jsonl_path": "--config.jsonl_path",
+    "resume": "--config.resume",
+    "sampler_devices": "--config.sampler_mesh_axes (its product is the device count)",
+    "sampler_tp": "--config.sampler_mesh_axes=\"(('data', 2), ('tp', 2))\"",
+    "learner_devices": "--config.learner.mesh_axes (its product is the device count)",
+    "learner_fsdp": "--config.learner.mesh_axes=\"(('fsdp', 2), ('tp', 2))\"",
+    "driver": "--config.pipeline.driver",
+    "mode": "--config.pipeline.mode",
+    "steps": "--config.pipeline.num_steps",
+    "groups_per_step": "--config.pipeline.staleness.groups_per_step",
+    "group_size": "--config.pipeline.group_size",
+    "max_lag": "--config.pipeline.staleness.max_lag (unbounded: leave it None in a config file)",
+    "staleness_policy": "--config.pipeline.staleness.policy",
+    "queue_capacity_groups": "--config.pipeline.staleness.queue_capacity_groups",
+    "objective": "--config.objective.name",
+    "aggregation": "--config.objective.aggregation (with 'constant' also "
+                   "--config.objective.max_completion_len, the sampler's max_new_tokens)",
+    "truncation": "--config.objective.truncation",
+    "advantage": "--config.pipeline.advantage",
+    "learning_rate": "--config.learner.optimizer.learning_rate",
+    "adam_eps": "--config.learner.optimizer.adam_eps",
+    "warmup_steps": "--config.learner.optimizer.warmup_steps",
+    "slots": "--config.sampler.num_slots",
+    "pages": "--config.sampler.num_pages",
+    "page_size": "--config.sampler.page_size",
+    "max_seq_len": "--config.sampler.max_seq_len, --config.sampler.max_new_tokens and "
+                   "--config.pipeline.seq_len",
+    "temperature": "--config.sampler.sampling.temperature",
+    "kv_policy": "--config.sampler.kv_policy",
+    "sampler_dtype": "--config.sampler_compute_dtype and --config.sampler.cache_dtype",
+    "eval_every": "--config.pipeline.eval_every",
+    "eval_problems": "--config.pipeline.eval_problems",
+    "checkpoint_every": "--config.pipeline.checkpoint_every",
+    "wait_timeout_s": "--config.pipeline.wait_timeout_s",
+    "debug_verify_push": "--config.pipeline.debug_verify_push",
+    "seed": "--config.pipeline.seed, --config.sampler.seed and --config.learner.seed",
+    "cost_decode_base_s": "--config.pipeline.cost_model.decode_base_s",
+    "cost_decode_per_slot_s": "--config.pipeline.cost_model.decode_per_slot_s",
+    "cost_prefill_per_token_s": "--config.pipeline.cost_model.prefill_per_token_s",
+    "cost_train_base_s": "--config.pipeline.cost_model.train_base_s",
+    "cost_train_per_token_s": "--config.pipeline.cost_model.train_per_token_s",
+    "cost_push_s": "--config.pipeline.cost_model.push_s",
+}
+
+# The flags of experiments/sft.py before config files.
+SFT_RENAMED: Mapping[str, str] = {
+    "out_dir": "--config.out_dir", "task": "--config.task", "jsonl_path": "--config.jsonl_path",
+    "steps": "--config.sft.steps", "rows": "--config.sft.rows", "seq_len": "--config.sft.seq_len",
+    "learning_rate": "--config.sft.learning_rate", "warmup_steps": "--config.sft.warmup_steps",
+    "eval_problems": "--config.sft.eval_problems", "seed": "--config.sft.seed",
+    "direct_answer_fraction": "--config.sft.direct_answer_fraction",
+}
+_BOOLEAN = ("resume", "debug_verify_push")
+
+
+def load_config_file(path: str | pathlib.Path, preset: str = "default") -> Any:
+  """`get_config(preset)` of a config file (as `--config=path:preset` would load it)."""
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(preset)
+
+
+def define_config(family: str, intro: str, field_lines: list[str],
+                  flag_values: flags.FlagValues = flags.FLAGS, sys_argv: list[str] | None = None):
+  """Defines `--config` (default: configs/<family>.py) whose help lists every field.
+
+  Args:
+    family: config file name without ".py", e.g. "pipeline_rl".
+    intro: first paragraph of the help.
+    field_lines: one "path: description [default]" line per field (`describe_fields`).
+    flag_values: where to define it (tests pass their own `FlagValues`).
+    sys_argv: the command line whose `--config.<field>` overrides are registered (None =
+      `sys.argv`; tests pass theirs).
+
+  Returns:
+    The flag holder; `.value` is the ConfigDict after parsing.
+  """
+  help_text = (f"{intro} Presets: `--config=experiments/configs/{family}.py:<preset>`; override "
+               "any field with --config.<field>=<value>. Fields, their units and their default "
+               "values:\n    " + "\n    ".join(field_lines))
+  return config_flags.DEFINE_config_file("config", str(CONFIGS / f"{family}.py"), help_text,
+                                         flag_values=flag_values, lock_config=True,
+                                         sys_argv=sys_argv)
+
+
+def define_removed_flags(renamed: Mapping[str, str],
+                         flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines each old flag so that using it fails with a message naming its new spelling."""
+  for name, new in renamed.items():
+    message = f"--{name} was replaced by the config file: use {new}."
+    define = flags.DEFINE_bool if name in _BOOLEAN else flags.DEFINE_string
+    define(name, None, f"Removed: use {new}.", flag_values=flag_values)
+    flags.register_validator(name, lambda value: value is None, message=message,
+                             flag_values=flag_values)
+
+
+def rl_field_lines() -> list[str]:
+  """Help lines of the RL family: every RunConfig field with the default preset's value."""
+  from rlax_pipe.pipeline.config import RunConfig  # pylint: disable=import-outside-toplevel
+  default = config_dict.from_config_dict(RunConfig, load_config_file(CONFIGS / "pipeline_rl.py"))
+  return config_dict.describe_fields(default, "config.")
+
+
+def run_config(config: Any):
+  """The `RunConfig` of a parsed `--config` (validated)."""
+  from rlax_pipe.pipeline.config import RunConfig  # pylint: disable=import-outside-toplevel
+  return config_dict.from_config_dict(RunConfig, config)
+
+
+def define_rl_flags(flag_values: flags.FlagValues = flags.FLAGS,
+                    sys_argv: list[str] | None = None):
+  """`--config` of the RL family plus the removed flags of rl_flags.py; returns the holder."""
+  holder = define_config("pipeline_rl", "The RL run (ml_collections config file).",
+                         rl_field_lines(), flag_values, sys_argv)
+  define_removed_flags(RL_RENAMED, flag_values)
+  return holder

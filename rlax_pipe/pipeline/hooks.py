@@ -1,0 +1,195 @@
+"""Step hooks of the RL job: logging, held-out evaluation, checkpoints, the final report.
+
+The driver calls the job after every learner step; the job calls each hook's
+`on_step(job, result, time_s)` in order, and `on_end(job, time_s)` once after the last step.
+`run(cfg, hooks=...)` appends user hooks (e.g. a recorder of what was trained) before the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Protocol
+
+from absl import logging
+import numpy as np
+
+from rlax_pipe import evaluation
+from rlax_pipe import logprobs as logprobs_lib
+from rlax_pipe import plots
+from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.pipeline.job import Job
+from rlax_pipe.pipeline.trainer import StepResult
+from rlax_pipe.run_dir import to_jsonable
+from rlax_pipe.sampler import SamplerEngine
+from rlax_pipe.types import WeightUpdate
+
+# Learner metrics copied into each train row when present.
+ROW_METRICS = ("loss", "ess", "ratio_mean", "ratio_var", "ratio_min", "ratio_max", "kl_k3",
+               "entropy", "frac_truncated", "frac_masked", "grad_norm", "learning_rate",
+               "logp_mismatch_mean", "logp_mismatch_max", "is_finite")
+
+
+class StepHook(Protocol):
+  """Something the job runs after every learner step and once at the end."""
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    """After learner step `job.learner.step`; `time_s` is the run time (seconds)."""
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    """After the last step (also on a run with no step left to do)."""
+
+
+def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
+  """(mean, max) token lag of a lag histogram (bin i = lag i)."""
+  counts = np.asarray(lag_hist, np.float64)
+  total = counts.sum()
+  if total == 0:
+    return 0.0, 0
+  lags = np.arange(counts.shape[0])
+  return float((counts * lags).sum() / total), int(lags[counts > 0].max())
+
+
+class TrainLog:
+  """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line."""
+
+  def __init__(self):
+    self.steps_this_session = 0
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    self.steps_this_session += 1
+    step, m = job.learner.step, result.metrics
+    lag_mean, lag_max = lag_stats(m["lag_hist"])
+    versions = np.concatenate([r.policy_versions for r in result.rollouts])
+    summary = timeline_lib.summarize(job.timeline.spans())
+    wall = job.clock.wall_s()
+    remaining = job.cfg.pipeline.num_steps - step
+    stats = job.queue.stats()
+    row = {
+        "kind": "train", "step": step, "version": result.version, "time_s": time_s,
+        "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
+        "completion_tokens": result.completion_tokens,
+        "tokens_per_s": stats.trained_tokens / max(time_s, 1e-9),
+        "lag_mean": lag_mean, "lag_max": lag_max,
+        "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
+        "sampler_version": job.worker.weights_version,
+        "idle_sampler": summary.idle.get("sampler", float("nan")),
+        "idle_learner": summary.idle.get("learner", float("nan")),
+        "slot_occupancy": summary.slot_occupancy,
+        "wasted_tokens": stats.waste.wasted_tokens,
+        "eta_s": wall / max(self.steps_this_session, 1) * remaining,
+    }
+    row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
+    row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
+    row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
+    row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
+    row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
+    job.run_dir.log(row, step)
+    logging.info(
+        "step %d/%d  v%d  reward %.3f  held-out %s  lag mean %.2f max %d  ESS %.3f  "
+        "tokens/s %.0f  ETA %.0fs", step, job.cfg.pipeline.num_steps, result.version,
+        result.reward_mean, "n/a" if job.last_eval is None else f"{job.last_eval:.3f}",
+        lag_mean, lag_max, row.get("ess", float("nan")), row["tokens_per_s"], row["eta_s"])
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    del job, time_s
+
+
+class Evaluation:
+  """Held-out greedy accuracy with an engine on the learner mesh, every `eval_every` steps
+  (not at the last step) and once at the end; its wall time is excluded from the run time."""
+
+  def __init__(self, job: Job):
+    cfg = job.cfg
+    eval_cfg = dataclasses.replace(
+        cfg.sampler, num_slots=cfg.eval_slots,
+        num_pages=cfg.eval_slots * cfg.sampler.pages_per_seq,
+        sampling=logprobs_lib.SamplingConfig(greedy=True),
+        **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
+           else {"cache_dtype": job.model.compute_dtype}))
+    self.engine = SamplerEngine(job.model, eval_cfg, job.learner.params,
+                                version=job.learner.version, mesh=job.learner_mesh)
+    self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
+    self.final_accuracy: float | None = None
+
+  def evaluate(self, job: Job, step: int, time_s: float) -> float:
+    """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
+    t0 = time.perf_counter()
+    if job.learner.version != self.engine.version:  # the learner keeps its params
+      self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
+    res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
+                              verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
+    job.clock.excluded += time.perf_counter() - t0
+    job.last_eval = res.accuracy
+    job.run_dir.log({"kind": "eval", "step": step, "version": job.learner.version,
+                     "time_s": time_s, "heldout_accuracy": res.accuracy,
+                     "wall_s": job.clock.wall_s(),
+                     "mean_completion_tokens": res.mean_completion_tokens,
+                     "eval_filtered_overlong": res.num_filtered,
+                     "eval_failed_rewards": res.num_failed_rewards}, step)
+    logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
+                 res.num_problems)
+    return res.accuracy
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    del result
+    step, pcfg = job.learner.step, job.cfg.pipeline
+    if step % pcfg.eval_every == 0 and step < pcfg.num_steps:
+      self.evaluate(job, step, time_s)
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+
+
+class Checkpoint:
+  """Checkpoints every `checkpoint_every` steps and at the end (then waits for the writes)."""
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    del result
+    if job.learner.step % job.cfg.pipeline.checkpoint_every == 0:
+      job.save(time_s)
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    job.save(time_s)
+    job.learner.close()
+    job.worker.close()
+
+
+class Report:
+  """At the end: timeline.jsonl, Gantt chart and plots, and the run summary (summary.json)."""
+
+  def __init__(self, evaluation_hook: Evaluation):
+    self._eval = evaluation_hook
+    self.summary: dict | None = None
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    del job, result, time_s
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    pcfg, rd = job.cfg.pipeline, job.run_dir
+    rows = rd.read_metrics()
+    evals = [r for r in rows if r["kind"] == "eval"]
+    spans = job.timeline.spans()
+    job.timeline.to_jsonl(str(rd.path / "timeline.jsonl"))
+    summary = timeline_lib.summarize(spans) if spans else None
+    if spans:
+      timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
+                              title=f"{pcfg.driver} ({pcfg.mode})")
+    plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
+    plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
+    plots.plot_idle(rows, str(rd.path / "idle.png"))
+    rd.close()
+    out = {
+        "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,
+        "steps": job.learner.step, "time_s": time_s,
+        "wall_s": time.perf_counter() - job.clock.wall0,
+        "initial_heldout_accuracy": evals[0]["heldout_accuracy"] if evals else None,
+        "final_heldout_accuracy": self._eval.final_accuracy,
+        "idle_fraction": summary.idle if summary else {},
+        "slot_occupancy": summary.slot_occupancy if summary else None,
+        "reward_outcomes": job.worker.reward_stats.snapshot(),
+        "wasted_tokens": job.queue.stats().waste.wasted_tokens,
+    }
+    self.summary = to_jsonable(out)
+    (rd.path / "summary.json").write_text(json.dumps(self.summary, indent=2))

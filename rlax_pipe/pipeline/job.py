@@ -1,0 +1,303 @@
+"""The RL job's components, built in one function, and their checkpointed state.
+
+`build_job(cfg, model, params)` assembles tokenizer, task, meshes, learner, weight channel,
+sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`);
+`Job.save(time_s)` checkpoints them. Every stateful component saves and restores through one
+protocol, `state_dict()` / `load_state_dict(state)`:
+
+  learner            TrainState (orbax checkpoint, `Learner.save` / `restore`)
+  queue, admission   `RolloutQueue` (staleness admission inside)    } JSON beside the learner
+  worker, task iter. `RolloutWorker` (prompt / group / sample ids)  } checkpoint ("extra")
+  engine, scheduler, allocator   `SamplerEngine` (the other two inside)   } reproducible runs:
+  clock              `driver.VirtualState` (virtual clocks, samples in transit) } run_dir/
+  timeline           `Timeline` spans                                       } pipeline_state/
+
+Threading contract: in reproducible mode everything runs on the calling thread. In threaded mode
+the sampler loop (worker, engine, `WeightChannel.try_take`) runs on its own thread and the learner
+loop (trainer, learner, `WeightChannel.push`, step hooks) on the calling thread; they share only
+the rollout queue and the weight channel, both lock-protected. Exception, not addressed yet: a
+checkpoint taken on the learner thread reads the worker's task-iterator counters without a lock
+while the sampler thread may be advancing them. The policy version is owned by the learner
+(`TrainState.version`); the engine owns the version of the weights it holds; the queue and the
+channel only remember the newest version they were told about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import time
+from typing import Any, Callable, Mapping
+
+from absl import logging
+import jax
+import numpy as np
+
+from rlax_pipe import sharding as sharding_lib
+from rlax_pipe import tasks
+from rlax_pipe import timeline as timeline_lib
+from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe.learner import Learner
+from rlax_pipe.learner.checkpoint import CheckpointError
+from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io
+from rlax_pipe.pipeline import driver as driver_lib
+from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig
+from rlax_pipe.pipeline.rollout_queue import RolloutQueue
+from rlax_pipe.pipeline.rollout_worker import RolloutWorker
+from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.pipeline.weight_channel import WeightChannel
+from rlax_pipe.run_dir import RunDir, load_state, save_state, to_jsonable
+from rlax_pipe.sampler import SamplerEngine
+from rlax_pipe.types import WeightUpdate
+
+PIPELINE_STATE = "pipeline_state"
+
+
+def builtin_warm_start_path() -> pathlib.Path:
+  """The SFT warm start shipped with the package (written by experiments/sft.py)."""
+  return pathlib.Path(__file__).resolve().parent.parent / "assets" / "sft_arithmetic"
+
+
+def load_initial_params(init: str, param_dtype: str = "float32"):
+  """(ModelConfig, host params) from "builtin" or an HF-format directory.
+
+  Raises:
+    FileNotFoundError: naming the path and how to create it.
+  """
+  path = builtin_warm_start_path() if init == BUILTIN_INIT else pathlib.Path(init)
+  if not (path / "config.json").exists():
+    hint = ("run `python experiments/sft.py --out_dir=rlax_pipe/assets/sft_arithmetic`"
+            if init == BUILTIN_INIT else "pass a directory with config.json + *.safetensors")
+    raise FileNotFoundError(f"no HF-format checkpoint at {path}: {hint}.")
+  return hf_io.load_hf_checkpoint(path, param_dtype=param_dtype)
+
+
+@dataclasses.dataclass
+class JobClock:
+  """Run time of a job in seconds: virtual (reproducible mode) or wall-clock minus evaluation.
+
+  Attributes:
+    reproducible: the driver's clock is virtual (then `time_s(now) == now`).
+    offset: run time already spent before this session (resume), seconds.
+    wall0: `time.perf_counter()` at the start of this session.
+    excluded: wall-clock seconds of this session spent in held-out evaluation.
+  """
+
+  reproducible: bool
+  offset: float
+  wall0: float = dataclasses.field(default_factory=time.perf_counter)
+  excluded: float = 0.0
+
+  def time_s(self, now: float) -> float:
+    """Run time at driver time `now` (virtual seconds, or `time.perf_counter()`)."""
+    return now if self.reproducible else self.offset + (now - self.wall0 - self.excluded)
+
+  def wall_s(self) -> float:
+    """Wall-clock seconds of this session, evaluation excluded."""
+    return time.perf_counter() - self.wall0 - self.excluded
+
+
+@dataclasses.dataclass
+class Job:
+  """The live components of one run (see the module docstring for who owns what)."""
+
+  cfg: RunConfig
+  run_dir: RunDir
+  tok: tokenizer_lib.Tokenizer
+  task: Any
+  model: Model
+  learner_mesh: Any
+  learner: Learner
+  channel: WeightChannel
+  engine: SamplerEngine
+  queue: RolloutQueue
+  worker: RolloutWorker
+  trainer: Trainer
+  timeline: timeline_lib.Timeline
+  sampler_clock: timeline_lib.VirtualClock | None
+  vstate: driver_lib.VirtualState
+  clock: JobClock
+  start_step: int
+  last_eval: float | None
+
+  @property
+  def reproducible(self) -> bool:
+    return self.cfg.pipeline.mode == "reproducible"
+
+  def _state_dir(self, step: int) -> pathlib.Path:
+    return self.run_dir.path / PIPELINE_STATE / str(step)
+
+  def save(self, time_s: float) -> None:
+    """Checkpoints the learner with the pipeline state; reproducible runs also save the sampler
+    side (engine, virtual clocks, timeline) so a resume continues exactly."""
+    queue_state = self.queue.state_dict()
+    queued = {r["group_id"] for g in queue_state["ready"] for r in g["rollouts"]}
+    live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
+    extra = {"worker": self.worker.state_dict(), "queue": queue_state,
+             "in_flight_groups": [int(g) for g in live if g not in queued],
+             "time_s": time_s, "last_eval": self.last_eval}
+    step = self.learner.save(to_jsonable(extra))
+    if not self.reproducible:
+      return
+    save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
+                                       "clock": self.vstate.state_dict(),
+                                       "timeline": self.timeline.state_dict()})
+    root = self.run_dir.path / PIPELINE_STATE
+    steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
+    for old in steps[:-self.cfg.learner.checkpoint.keep]:
+      shutil.rmtree(self._state_dir(old), ignore_errors=True)
+
+
+def _sampler_target(model: Model, mesh) -> Any:
+  abstract = model.abstract_params()
+  shardings = sharding_lib.logical_to_sharding(model.param_axes(), mesh,
+                                               sharding_lib.SAMPLER_RULES, shapes=abstract)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      abstract, shardings)
+
+
+def _task_config(cfg: RunConfig) -> Any:
+  """The task's config dataclass from `cfg.task_config` (dataclass, dict of fields or None)."""
+  task_cfg = cfg.task_config
+  if isinstance(task_cfg, Mapping) and cfg.task in tasks.TASKS:
+    task_cfg = tasks.TASKS[cfg.task][1](**task_cfg)
+  if task_cfg is None and cfg.task == "jsonl":
+    task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
+  return task_cfg
+
+
+def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
+  if not cfg.resume:
+    return None
+  try:
+    extra = learner.restore()
+  except CheckpointError as e:
+    logging.warning("resume requested but no usable checkpoint (%s); starting fresh.", e)
+    return None
+  rd.truncate_metrics(learner.step)
+  logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
+  return extra
+
+
+def _load_sampler_state(rd: RunDir, step: int) -> dict | None:
+  state = load_state(rd.path / PIPELINE_STATE / str(step))
+  if state is None:
+    logging.warning("no sampler state for checkpoint step %d in %s: resuming without the "
+                    "in-flight samples (the continuation will differ from an uninterrupted "
+                    "run).", step, rd.path / PIPELINE_STATE)
+  else:
+    logging.info("exact resume: sampler state of step %d restored.", step)
+  return state
+
+
+def _models(cfg: RunConfig, model: ModelLike | None, params: Any) -> tuple[Model, Model, Any]:
+  """(learner model, sampler model, initial params)."""
+  if model is None:
+    model_cfg, params = load_initial_params(cfg.init)
+    model = Transformer(model_cfg)
+  model = as_model(model)
+  sampler_model = model
+  if cfg.sampler_compute_dtype is not None:
+    if not hasattr(model, "with_compute_dtype"):
+      raise ValueError(f"RunConfig.sampler_compute_dtype={cfg.sampler_compute_dtype!r} needs a "
+                       "model with with_compute_dtype() (the built-in Transformer); this "
+                       f"{type(model).__name__} sets its own dtypes.")
+    sampler_model = model.with_compute_dtype(cfg.sampler_compute_dtype)
+    logging.info("sampler computes in %s, learner in %s (precision mismatch on purpose).",
+                 cfg.sampler_compute_dtype, model.compute_dtype)
+  return model, sampler_model, params
+
+
+def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]:
+  """Debug check of a push: sampler-side and learner-side logits of a probe sequence agree."""
+  probe = np.asarray(tok.encode_prompt("Q: 1+2+3\n1+2=3\n3+3=6\nA: 6"), np.int32)[None]
+  pos = np.arange(probe.shape[1], dtype=np.int32)[None]
+
+  def verify(sampler_params, version: int) -> None:
+    ls, _ = model.forward(sampler_params, probe, pos)
+    ll, _ = model.forward(learner.params, probe, pos)
+    diff = float(np.max(np.abs(np.asarray(ls) - np.asarray(ll))))
+    if not diff < 1e-3:
+      raise RuntimeError(f"weight push of version {version} did not apply: sampler and learner "
+                         f"logits differ by {diff:.3g} on the probe sequence.")
+  return verify
+
+
+def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None) -> Job:
+  """Builds (and with `cfg.resume`, restores) every component of a run.
+
+  Raises:
+    FileExistsError: if the run directory holds checkpoints and `cfg.resume` is False.
+    ValueError / FileNotFoundError: from the components' own checks.
+  """
+  pcfg = cfg.pipeline
+  ckpts = pathlib.Path(cfg.run_dir) / "checkpoints"
+  if not cfg.resume and ckpts.exists() and any(ckpts.iterdir()):
+    raise FileExistsError(
+        f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
+        "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
+  rd = RunDir(cfg.run_dir)
+  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
+  task = tasks.make_task(cfg.task, _task_config(cfg))
+  split = sharding_lib.split_devices(jax.devices(), cfg.num_sampler_devices,
+                                     cfg.num_learner_devices)
+  learner_mesh = sharding_lib.make_mesh(split.learner, dict(cfg.learner.mesh_axes),
+                                        sharding_lib.LEARNER_RULES)
+  sampler_mesh = sharding_lib.make_mesh(split.sampler, dict(cfg.sampler_mesh_axes),
+                                        sharding_lib.SAMPLER_RULES)
+  model, sampler_model, params0 = _models(cfg, model, params)
+  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
+      cfg.learner.checkpoint, directory=rd.checkpoint_dir))
+  objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
+  learner = Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
+                    params=params0)
+  extra = _restore_learner(cfg, learner, rd)
+  offset = float(extra.get("time_s", 0.0)) if extra else 0.0
+  reproducible = pcfg.mode == "reproducible"
+  state = _load_sampler_state(rd, learner.step) if (extra and reproducible) else None
+
+  vstate = driver_lib.VirtualState(t_s=offset, t_l=offset)
+  if state is not None:
+    vstate.load_state_dict(state["clock"])
+  sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
+  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter)
+  target = _sampler_target(model, sampler_mesh)
+  verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
+  channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
+  engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
+                   on_span=None if reproducible else timeline.record)
+  if state is None:
+    channel.push(learner.params, learner.version)
+    engine = SamplerEngine(sampler_model, cfg.sampler, channel.take(timeout=pcfg.wait_timeout_s),
+                           **engine_kw)
+  else:  # exact resume: the sampler exactly as it was at the checkpoint
+    leaves, treedef = jax.tree.flatten(target)
+    initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
+                                           zip(state["engine"]["params"], leaves)])
+    engine = SamplerEngine(sampler_model, cfg.sampler,
+                           WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
+                           **engine_kw)
+    engine.load_state_dict(state["engine"])
+    channel.push(learner.params, learner.version)  # pending, as it was
+    timeline.load_state_dict(state["timeline"])
+
+  queue = RolloutQueue(pcfg.staleness, pcfg.group_size)
+  worker = RolloutWorker(engine, task, tok, queue, pcfg)
+  if extra:
+    queue = RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness)
+    worker = RolloutWorker(engine, task, tok, queue, pcfg)
+    worker_state = dict(extra["worker"])
+    if state is None:  # the in-flight samples are lost with the sampler: never trained
+      for gid in extra["in_flight_groups"]:
+        queue.discard_group(int(gid))
+      worker_state["round_open"] = 0  # and their round with them: a new round starts
+      worker_state["truncated"] = []
+    worker.load_state_dict(worker_state)
+  trainer = Trainer(learner, queue, channel, pcfg)
+  rd.write_config(cfg)
+  return Job(cfg=cfg, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=learner_mesh,
+             learner=learner, channel=channel, engine=engine, queue=queue, worker=worker,
+             trainer=trainer, timeline=timeline, sampler_clock=sampler_clock, vstate=vstate,
+             clock=JobClock(reproducible, offset), start_step=learner.step,
+             last_eval=extra.get("last_eval") if extra else None)

@@ -1,0 +1,111 @@
+"""Config files + flags: presets, overrides, the removed flags, the generated help, round trips."""
+
+import dataclasses
+
+from absl import flags
+import pytest
+
+from lib import config_cli
+from rlax_pipe import config_dict
+from rlax_pipe import objectives
+from rlax_pipe.learner import CheckpointConfig, LearnerConfig, OptimizerConfig
+from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.pipeline.config import CostModel, PipelineConfig, RunConfig
+from rlax_pipe.pipeline.staleness import StalenessConfig
+from rlax_pipe.sampler import SamplerConfig
+from rlax_pipe.sft import SFTConfig
+from rlax_pipe.tokenizer import default_tokenizer
+
+RL_FILE = config_cli.CONFIGS / "pipeline_rl.py"
+
+
+def _parse(argv):
+  fv = flags.FlagValues()
+  holder = config_cli.define_rl_flags(fv, ["prog"] + argv)
+  fv(["prog"] + argv)
+  return config_cli.run_config(holder.value)
+
+
+def test_default_preset_is_readme_command_1():
+  """The run of `python3 experiments/pipeline_rl.py` before config files (rl_flags' defaults)."""
+  tok = default_tokenizer()
+  want = RunConfig(
+      run_dir="runs/pipeline_rl", init="builtin", task="arithmetic", sampler_mesh_axes=(("tp", 4),),
+      learner=LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)),
+                            optimizer=OptimizerConfig(learning_rate=3e-5, warmup_steps=2,
+                                                      adam_eps=1e-8), seed=0),
+      objective=objectives.ObjectiveConfig(name="tis_pg", truncation=2.0,
+                                           aggregation="token_mean"),
+      sampler=SamplerConfig(num_slots=64, page_size=16, num_pages=512, max_seq_len=384,
+                            max_new_tokens=384, eos_id=tok.eos_id, kv_policy="keep",
+                            sampling=SamplingConfig(temperature=0.7), seed=0),
+      pipeline=PipelineConfig(
+          driver="pipeline", mode="reproducible", num_steps=30, group_size=8, seq_len=384,
+          advantage="grpo", staleness=StalenessConfig("learner-wait", 4, 8), eval_every=10,
+          eval_problems=128, checkpoint_every=5, wait_timeout_s=600.0, debug_verify_push=False,
+          cost_model=CostModel(), seed=0),
+      eval_slots=32, sampler_compute_dtype=None, resume=False)
+  assert _parse([]) == want
+  assert (want.num_sampler_devices, want.num_learner_devices) == (4, 4)
+
+
+def test_preset_and_overrides():
+  cfg = _parse([f"--config={RL_FILE}:tiny", "--config.learner.optimizer.learning_rate=1e-4",
+                "--config.pipeline.staleness.max_lag=3", "--config.jsonl_path=x.jsonl",
+                "--config.learner.mesh_axes=(('fsdp', 4),)", "--config.resume"])
+  assert cfg.pipeline.num_steps == 3 and cfg.sampler.max_seq_len == 48
+  assert cfg.learner.optimizer.learning_rate == 1e-4 and cfg.pipeline.staleness.max_lag == 3
+  assert cfg.jsonl_path == "x.jsonl" and cfg.resume
+  assert cfg.learner.mesh_axes == (("fsdp", 4),) and cfg.num_learner_devices == 4
+  assert cfg.task_config == {"max_terms": 4}
+  hash(cfg.learner)  # tuples stay tuples: the configs remain hashable (jit static arguments)
+  with pytest.raises(Exception, match="learning_rat"):  # no new fields: typos fail
+    _parse(["--config.learner.optimizer.learning_rat=1e-4"])
+  with pytest.raises(ValueError, match="learning_rate"):  # dataclass validation still runs
+    _parse(["--config.learner.optimizer.learning_rate=-1.0"])
+
+
+def test_removed_flags_name_their_new_spelling():
+  with pytest.raises(flags.IllegalFlagValueError, match="use --config.pipeline.num_steps"):
+    _parse(["--steps=3"])
+  with pytest.raises(flags.IllegalFlagValueError, match="use --config.resume"):
+    _parse(["--resume"])
+
+
+def test_help_documents_every_field():
+  fv = flags.FlagValues()
+  config_cli.define_rl_flags(fv)
+  text = fv["config"].help
+  leaves = [line.split(":")[0] for line in config_dict.describe_fields(RunConfig(), "config.")]
+  for path in leaves:
+    assert f"\n    {path}:" in text, path
+  assert "(no description)" not in text
+  assert "config.learner.optimizer.learning_rate: peak learning rate (per optimizer step" in text
+
+
+def test_one_declaration_each_and_derived_values_are_not_fields():
+  with pytest.raises(ValueError, match="pipeline.staleness.max_lag"):
+    RunConfig(objective=objectives.ObjectiveConfig(max_lag=2))
+  with pytest.raises(ValueError, match="run_dir/checkpoints"):
+    RunConfig(learner=LearnerConfig(checkpoint=CheckpointConfig(directory="/tmp/x")))
+  assert PipelineConfig().groups_per_step == PipelineConfig().staleness.groups_per_step
+  assert "groups_per_step" not in {f.name for f in dataclasses.fields(PipelineConfig)}
+
+
+def test_round_trip_and_unknown_keys():
+  for cfg in (RunConfig(), SFTConfig(), LearnerConfig(), SamplerConfig()):
+    assert config_dict.from_config_dict(type(cfg), config_dict.to_config_dict(cfg)) == cfg
+  with pytest.raises(ValueError, match=r"no field\(s\) \['slotz'\]"):
+    config_dict.from_config_dict(SamplerConfig, {"slotz": 3})
+
+
+def test_sft_config_file():
+  fv = flags.FlagValues()
+  holder = config_cli.define_config("sft", "SFT.", ["x"], fv, ["prog", "--config.sft.steps=7"])
+  config_cli.define_removed_flags(config_cli.SFT_RENAMED, fv)
+  fv(["prog", "--config.sft.steps=7"])
+  assert config_dict.from_config_dict(SFTConfig, holder.value.sft) == SFTConfig(steps=7)
+  with pytest.raises(flags.IllegalFlagValueError, match="use --config.sft.steps"):
+    fv2 = flags.FlagValues()
+    config_cli.define_removed_flags(config_cli.SFT_RENAMED, fv2)
+    fv2(["prog", "--steps=3"])
