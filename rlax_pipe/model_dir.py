@@ -53,12 +53,12 @@ def tokenizer_for(init: str | os.PathLike[str] | None, tokenizer_path: str | Non
   return load_tokenizer(path, prompt_format=prompt_format), path
 
 
-def stop_set(tok: Tokenizer) -> int | tuple[int, ...]:
-  """The sampler's stop set (`SamplerConfig.eos_id`) from a tokenizer: its one stop id, or the
-  tuple of its stop ids (EOS, generation_config's eos_token_id list, the chat template's
-  end-of-turn id) when it declares several."""
-  stops = tuple(int(i) for i in tok.stop_ids)
-  return stops[0] if len(stops) == 1 else stops
+def stop_set(tok: Tokenizer, model_eos_ids: tuple[int, ...] = ()) -> tuple[int, ...]:
+  """The sampler's stop set (`SamplerConfig.eos_id`): the tokenizer's stop ids (EOS,
+  generation_config's eos_token_id list, the chat template's end-of-turn id) and the model
+  config's EOS ids (`ModelConfig.eos_token_ids`, from config.json / generation_config.json),
+  each once, in that order."""
+  return tuple(dict.fromkeys(int(i) for i in (*tok.stop_ids, *model_eos_ids)))
 
 
 def generation_config(tok: Tokenizer) -> dict:
@@ -90,7 +90,9 @@ def export_model_dir(path: str | os.PathLike[str], params: Mapping[str, Any],
     FileExistsError / ValueError: from `hf_io.save_hf_checkpoint`.
   """
   path = pathlib.Path(path)
-  extra = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+  extra = {"pad_token_id": tok.pad_id}
+  if not model_cfg.eos_token_ids:  # else config.json gets the model's own EOS ids
+    extra["eos_token_id"] = tok.eos_id
   if tok.bos_id >= 0:
     extra["bos_token_id"] = tok.bos_id
   written = list(hf_io.save_hf_checkpoint(path, params, model_cfg, extra_config=extra))

@@ -163,8 +163,9 @@ class RunConfig:
       pipeline.staleness.max_lag, which the learner's objective also receives (its hard lag
       mask is a second guard behind the queue).
     sampler: sampler config (slots, pages, completion budget max_new_tokens, sampling with
-      temperature / top_k / top_p). Its eos_id None = the tokenizer's stop set (EOS, the
-      eos_token_id list of generation_config.json and end-of-turn ids); set ids to override.
+      temperature / top_k / top_p). Its eos_id None (or ()) = the tokenizer's stop set (EOS,
+      the eos_token_id list of generation_config.json, the chat template's end-of-turn id) with
+      the init model's EOS ids; set ids to override. An RL run always has a stop set.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass

@@ -134,10 +134,11 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         st.t_s += prefill_s
         if sampler_clock is not None:
           sampler_clock.set(st.t_s)
-        if active:
-          dt = cost.decode(active)
-          timeline.record("sampler", "decode", st.t_s, st.t_s + dt, slots_active=active,
-                          slots_total=engine.cfg.num_slots)
+        if active:  # a dispatch of n decode steps: n fixed costs + one per generated token
+          steps = max(after.decode_steps - before.decode_steps, 1)
+          dt = steps * cost.decode(active / steps)
+          timeline.record("sampler", "decode", st.t_s, st.t_s + dt,
+                          slots_active=round(active / steps), slots_total=engine.num_slots)
           st.t_s += dt
         for r in finished:
           heapq.heappush(st.transit, (st.t_s, st.next_seq, r))

@@ -202,9 +202,13 @@ def _task(cfg: RunConfig):
     raise ConfigError(f"RunConfig.task={cfg.task!r} (task_config): {e}") from None
 
 
-def _stop_ids(cfg: RunConfig, tok) -> Any:
-  """The sampler's stop set: `cfg.sampler.eos_id`, or the tokenizer's stop ids when None."""
-  return cfg.sampler.eos_id if cfg.sampler.eos_id is not None else model_dir.stop_set(tok)
+def _stop_ids(cfg: RunConfig, tok, model: Model) -> Any:
+  """The sampler's stop set: `cfg.sampler.eos_id`, or, when empty (None and () both normalise to
+  ()), the tokenizer's stop ids with the model config's EOS ids (`model_dir.stop_set`)."""
+  if cfg.sampler.eos_id:
+    return cfg.sampler.eos_id
+  model_cfg = getattr(model, "cfg", None)
+  return model_dir.stop_set(tok, tuple(getattr(model_cfg, "eos_token_ids", ())))
 
 
 def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
@@ -235,7 +239,13 @@ def _resolve(cfg: RunConfig, plan: devices_lib.DevicePlan, stops: Any) -> RunCon
     raise ConfigError(
         f"the tokenizer's stop set {stops} does not fit RunConfig.sampler.eos_id ({e}); set "
         "RunConfig.sampler.eos_id to the id that ends a completion.") from None
-  learner = dataclasses.replace(cfg.learner, mesh_axes=plan.learner_mesh_axes)
+  try:
+    learner = dataclasses.replace(cfg.learner, mesh_axes=plan.learner_mesh_axes)
+  except ValueError as e:  # a rule between the learner's fields and the mesh chosen here
+    raise ConfigError(
+        f"{str(e).replace('LearnerConfig.', 'RunConfig.learner.')} (the learner mesh was chosen "
+        f"for the devices present: {plan.describe()}; or set RunConfig.learner.mesh_axes)"
+    ) from None
   return dataclasses.replace(cfg, sampler=sampler, learner=learner,
                              sampler_mesh_axes=plan.sampler_mesh_axes)
 
@@ -329,7 +339,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
   logging.info("devices: %s", plan.describe())
   model, sampler_model, params0 = _models(cfg, model, params)
-  stops = _stop_ids(cfg, tok)
+  stops = _stop_ids(cfg, tok, model)
   _check_vocab(cfg, model, tok, stops)
   cfg = _resolve(cfg, plan, stops)
   learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)

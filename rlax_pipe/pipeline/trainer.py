@@ -44,10 +44,8 @@ def _rows_bucket(needed: int) -> int:
   return 1 << max(0, int(needed - 1).bit_length())
 
 
-def build_batch(groups: Sequence[Group], cfg: PipelineConfig, row_multiple: int = 1):
-  """Advantages per group, then sequence packing into [rows, seq_len] with rows a power of two,
-  rounded up to a multiple of `row_multiple` (the learner's micro-batch count, which must
-  divide the rows; extra rows are all padding).
+def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
+  """Advantages per group, then sequence packing into [rows, seq_len] with rows a power of two.
 
   Samples without a reward (NaN: failed verifier, or masked by the overlong policy) are left out
   of their group's baseline (`advantages`) and out of the batch, so none of their tokens is in
@@ -64,7 +62,6 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig, row_multiple: int 
   rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
   rows = _rows_bucket(len(batching.packing_plan(lengths, cfg.seq_len)))
-  rows = -(-rows // row_multiple) * row_multiple
   return batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows), rollouts
 
 
@@ -84,7 +81,7 @@ class Trainer:
 
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
-    batch, trained = build_batch(groups, self.cfg, self.learner.cfg.micro_batches)
+    batch, trained = build_batch(groups, self.cfg)
     rollouts = [r for g in groups for r in g]
     self.learner.train_step(batch)
     metrics = self.learner.flush()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from rlax_pipe import platform_setup
+from rlax_pipe.tokenizer import EOS_ID
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,6 +40,7 @@ def test_one_device_run_shares_it_and_reports_progress(tmp_path):
   assert summary["steps"] == 2 and summary["clock"] == "virtual"
   info = json.loads((run_dir / "run_info.json").read_text())
   assert "one device shared by both" in info["devices"]
+  assert info["stop_ids"] == [EOS_ID]  # the shipped tokenizer's stop set, resolved by the job
   err = out.stderr
   assert f"run directory: {run_dir}  (TensorBoard: tensorboard --logdir {run_dir}/tb)" in err
   steps = [l for l in err.splitlines() if "] step " in l]

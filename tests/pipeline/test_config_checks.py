@@ -125,21 +125,25 @@ def _rollout(i, n_tokens=20):
 
 
 def test_issue_input_micro_batches_3_trains():
-  """#14 item 12: micro_batches=3 used to fail at the first train step (power-of-two rows);
-  the trainer now pads rows to a multiple of the micro-batch count."""
+  """#14 item 12: micro_batches=3 used to fail at the first train step (the batch's power-of-two
+  rows did not divide into 3). The learner now cuts any batch into micro-batches of
+  `micro_batch_rows` rows (the last padded), so 3-row micro-batches train a 4-row batch; the one
+  rule left (rows a multiple of data x fsdp) is checked when the config is built."""
   cfg = PipelineConfig(seq_len=32, group_size=2)
   groups = [(_rollout(0), _rollout(1)), (_rollout(2), _rollout(3))]
-  batch, _ = trainer_lib.build_batch(groups, cfg, row_multiple=3)
-  # 4 samples of 24 tokens, one per 32-token row: 4 rows, padded to 6 (a multiple of 3).
-  assert batch.tokens.shape == (6, 32)
+  batch, _ = trainer_lib.build_batch(groups, cfg)
+  assert batch.tokens.shape == (4, 32)  # 4 samples of 24 tokens, one per 32-token row
   model = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=8, d_ff=32, max_seq_len=32)
-  learner = Learner(model, LearnerConfig(micro_batches=3, checkpoint=CheckpointConfig(),
+  learner = Learner(model, LearnerConfig(micro_batch_rows=3, checkpoint=CheckpointConfig(),
                                          optimizer=OptimizerConfig(warmup_steps=0)),
                     ObjectiveConfig(), SamplingConfig(), devices=jax.devices()[:1])
   learner.train_step(batch)
   metrics = learner.flush()
   assert learner.version == 1 and np.isfinite(float(metrics["loss"]))
+  with pytest.raises(ValueError, match=r"micro_batch_rows=3 must be a multiple of the "
+                                       r"batch-splitting mesh axes \(data x fsdp = 2"):
+    _run(learner={"mesh_axes": (("fsdp", 2), ("tp", 2)), "micro_batch_rows": 3})
 
 
 def test_steps_without_learning_signal_are_measured_and_warned(caplog):

@@ -12,6 +12,8 @@ import pytest
 
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.pipeline import devices
+from rlax_pipe.pipeline import job
+from rlax_pipe.pipeline.config import RunConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -74,6 +76,8 @@ def test_issue_input_default_4_plus_4_on_small_hosts_names_the_fields():
 _SCRIPT = """
 import json, jax
 from rlax_pipe.pipeline import devices
+from rlax_pipe.pipeline import job
+from rlax_pipe.pipeline.config import RunConfig
 plan = devices.plan_devices((), (), jax.devices())
 learner_mesh, sampler_mesh = devices.make_meshes(plan)
 print(json.dumps({"n": len(jax.devices()), "sampler": plan.sampler_mesh_axes,
@@ -97,3 +101,15 @@ def test_real_device_counts_in_subprocesses(n, sampler, learner):
   assert got["n"] == n and got["sampler"] == sampler and got["learner"] == learner
   assert got["shared"] == (n == 1)
   assert got["learner_mesh"] == dict(learner) and got["sampler_mesh"] == dict(sampler)
+
+
+def test_rules_against_the_chosen_mesh_name_the_fields():
+  """micro_batch_rows must split over the chosen learner mesh's data x fsdp: with () meshes this
+  is only known once the devices are, and the error says so and names the fields."""
+  cfg = RunConfig()
+  cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, micro_batch_rows=3))
+  plan = devices.plan_devices((), (), _devs(8))  # learner fsdp 2 x tp 2
+  with pytest.raises(ConfigError, match=r"RunConfig.learner.micro_batch_rows=3 must be a "
+                     r"multiple .*chosen for the devices present.*RunConfig.learner.mesh_axes"):
+    job._resolve(cfg, plan, 3)
+  assert job._resolve(RunConfig(), plan, 3).learner.mesh_axes == (("fsdp", 2), ("tp", 2))

@@ -77,8 +77,9 @@ def _model_dir(path, train_rows):
   (path / "tokenizer_config.json").write_text(json.dumps({
       "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
       "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": CHATML}))
-  # As Qwen3 ships it, bar the second stop id (<|endoftext|>): one-id samplers take one.
-  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"]]}))
+  # As Qwen3 ships it: two stop ids.
+  (path / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
   return path, ids
 
 
@@ -135,7 +136,7 @@ def test_sft_then_rl_on_an_hf_model_directory_and_export(tmp_path):
     def on_step(self, job, result, time_s):
       del time_s
       versions.append(sorted({int(v) for r in result.rollouts for v in r.policy_versions}))
-      assert job.cfg.sampler.eos_id == ids["<|im_end|>"]  # the stop set of the HF files
+      assert set(job.cfg.sampler.stop_ids) == {ids["<|im_end|>"], ids["<|endoftext|>"]}
       assert job.task.config.eval_path == str(evals)
 
     def on_end(self, job, time_s):
@@ -172,4 +173,4 @@ def test_sft_then_rl_on_an_hf_model_directory_and_export(tmp_path):
     theirs = theirs_model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
   np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=0)
   assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [
-      ids["<|im_end|>"]]
+      ids["<|im_end|>"], ids["<|endoftext|>"]]
