@@ -74,7 +74,8 @@ class PipelineConfig:
     mode: "reproducible" (one thread, deterministic interleaving on a virtual clock driven by
       `cost_model`: same seed, same run) or "threaded" (sampler in its own thread, real clock).
     num_steps: learner optimizer steps to run (>= 1).
-    group_size: samples per prompt (>= 1; GRPO needs >= 2 for a baseline).
+    group_size: samples per prompt (>= 1; the group-relative advantages, every estimator of
+      `rlax_pipe.advantages`, need >= 2, which `RunConfig` checks).
     seq_len: tokens per packed learner row (>= the sampler's max_seq_len).
     advantage: advantage estimator name (see `rlax_pipe.advantages`).
     staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size

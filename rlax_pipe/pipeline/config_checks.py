@@ -60,6 +60,16 @@ def _check_lengths(cfg) -> None:
         "own budget).")
 
 
+def _check_objective(cfg) -> None:
+  o, s = cfg.objective, cfg.sampler
+  if o.aggregation == "constant" and o.max_completion_len != s.max_new_tokens:
+    raise ConfigError(
+        f"RunConfig.objective.max_completion_len={o.max_completion_len} != "
+        f"RunConfig.sampler.max_new_tokens={s.max_new_tokens}: the Dr. GRPO constant normaliser "
+        "(aggregation='constant') is samples x the longest completion the sampler may generate; "
+        f"set objective.max_completion_len={s.max_new_tokens}.")
+
+
 def _check_timeouts(cfg) -> None:
   p = cfg.pipeline
   if p.reward_timeout_s >= p.wait_timeout_s:
@@ -180,6 +190,7 @@ def check_run_config(cfg) -> None:
     ConfigError: naming the fields of the first broken rule and the fix.
   """
   _check_lengths(cfg)
+  _check_objective(cfg)
   _check_timeouts(cfg)
   _check_learning_signal(cfg)
   _check_meshes(cfg)

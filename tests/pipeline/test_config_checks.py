@@ -52,6 +52,9 @@ def test_issue_input_seq_len_below_sampler_max_seq_len():
                                             overlong_max_tokens=500)}},
      r"overlong_max_tokens=500 minus overlong_buffer_tokens=64 is >= "
      r"RunConfig.sampler.max_new_tokens=384.*never applies"),
+    ({"objective": {"aggregation": "constant", "max_completion_len": 128}},
+     r"RunConfig.objective.max_completion_len=128 != RunConfig.sampler.max_new_tokens=384.*"
+     r"set objective.max_completion_len=384"),
     ({"pipeline": {"reward_timeout_s": 700.0}},
      r"RunConfig.pipeline.reward_timeout_s=700.0 >= RunConfig.pipeline.wait_timeout_s=600.0"),
     ({"pipeline": {"advantage": "ppo_gae"}},
