@@ -4,8 +4,11 @@
   python3 experiments/ablations.py --ablation=A2 --config.pipeline.num_steps=30
   python3 experiments/ablations.py --ablation=A1 --tiny          # seconds
   python3 experiments/ablations.py --ablation=A10 --tiny         # seconds per cell
+  python3 experiments/ablations.py --ablation=A11 --config=experiments/configs/stress.py --seeds=3
 
-Writes <out_dir>/<ABLATION>.png and prints the result rows as one JSON line. Learning ablations
+Writes <out_dir>/<ABLATION>.png (learning ablations: means with 95% intervals over --seeds),
+<out_dir>/<ABLATION>.json (the rows; the claims A11-A14 also their verdicts) and prints the rows
+as one JSON line. Runs live in <out_dir>/cells/<config hash>; a finished one is reused. Learning ablations
 take their base run from --config (experiments/configs/pipeline_rl.py and overrides); with
 --tiny its default is the `tiny` preset (a few learner steps of a few samples per cell), so a
 tiny learning ablation takes seconds per cell, not a full 30-step run.
@@ -29,6 +32,9 @@ from lib import config_cli
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
 _OUT = flags.DEFINE_string("out_dir", "runs/ablations", "Output directory.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny variant (seconds).")
+_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell of a learning ablation (0..N-1); every "
+                              "metric is the mean over seeds with a 95% t-interval (>= 2 seeds "
+                              "for an interval).", lower_bound=1)
 # The base run's default preset follows --tiny (read before flags are parsed: it is the default
 # of --config); an explicit --config=<file>:<preset> still wins.
 _TINY_ARGV = any(a in ("--tiny", "--tiny=true", "--tiny=True") for a in sys.argv[1:])
@@ -41,9 +47,11 @@ def main(argv):
   pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
   with config_cli.user_errors():
     kw = {} if _NAME.value in ablations.SIMULATED else {
-        "base": config_cli.run_config(_CONFIG.value)}
+        "base": config_cli.run_config(_CONFIG.value), "seeds": tuple(range(_SEEDS.value))}
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
-  print(json.dumps({"ablation": _NAME.value, "rows": rows}))
+  out = {"ablation": _NAME.value, "rows": rows}
+  (pathlib.Path(_OUT.value) / f"{_NAME.value}.json").write_text(json.dumps(out, indent=1))
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":
