@@ -89,7 +89,8 @@ def test_stress_preset(preset):
   cfg = config_dict.from_config_dict(RunConfig, config_cli.load_config_file(
       config_cli.CONFIGS / "stress.py", preset))
   default = RunConfig()
-  assert cfg.learner.optimizer.learning_rate == 10 * default.learner.optimizer.learning_rate
+  assert cfg.learner.optimizer.learning_rate == pytest.approx(
+      10 * default.learner.optimizer.learning_rate)
   assert cfg.sampler.sampling.temperature == 1.0
   assert cfg.pipeline.staleness.max_lag == 64
   if preset == "default":
