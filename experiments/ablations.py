@@ -7,7 +7,8 @@
   python3 experiments/ablations.py --ablation=A11 --config=experiments/configs/stress.py --seeds=3
 
 Writes <out_dir>/<ABLATION>.png (learning ablations: means with 95% intervals over --seeds),
-<out_dir>/<ABLATION>.json (the rows; the claims A11-A14 also their verdicts) and prints the rows
+<out_dir>/<ABLATION>.json (the rows; the claims A11-A14 also their verdicts), <ABLATION>.md (the
+same as a Markdown table with "mean +- 95% half-width" per metric) and prints the rows
 as one JSON line. Runs live in <out_dir>/cells/<config hash>; a finished one is reused. Learning ablations
 take their base run from --config (experiments/configs/pipeline_rl.py and overrides); with
 --tiny its default is the `tiny` preset (a few learner steps of a few samples per cell), so a
@@ -27,6 +28,7 @@ from absl import app
 from absl import flags
 
 from lib import ablations
+from lib import claims
 from lib import config_cli
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
@@ -51,6 +53,8 @@ def main(argv):
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
   out = {"ablation": _NAME.value, "rows": rows}
   (pathlib.Path(_OUT.value) / f"{_NAME.value}.json").write_text(json.dumps(out, indent=1))
+  if _NAME.value not in ablations.SIMULATED:
+    (pathlib.Path(_OUT.value) / f"{_NAME.value}.md").write_text(claims.markdown(rows))
   print(json.dumps(out))
 
 

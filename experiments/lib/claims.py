@@ -176,6 +176,29 @@ def interval_bars(rows: Sequence[dict], out_dir: str, name: str, metrics: Sequen
   return str(path)
 
 
+TABLE_METRICS = ("heldout_end", "reward_last5", "ess_mean", "ratio_var_mean", "kl_k3_mean",
+                 "frac_truncated_mean", "lag_mean", "lag_max", "samples_per_device_s")
+
+
+def markdown(rows: Sequence[dict], metrics: Sequence[str] = TABLE_METRICS) -> str:
+  """The rows of an ablation as a Markdown table (each metric "mean +- 95% half-width" over the
+  seeds) followed by its verdict rows, for the lab notebook."""
+  cells = [r for r in rows if "verdict" not in r]
+  lines = ["| cell | seeds | " + " | ".join(metrics) + " |",
+           "| --- | --- | " + " | ".join("---" for _ in metrics) + " |"]
+  for r in cells:
+    vals = []
+    for m in metrics:
+      v, h = r.get(m), r.get(m + "_ci")
+      vals.append("-" if v is None else f"{v:.4g}" + (
+          "" if h is None or math.isnan(h) else f" +- {h:.2g}"))
+    lines.append(f"| {r['label']} | {r['seeds']} | " + " | ".join(vals) + " |")
+  for v in (r for r in rows if "verdict" in r):
+    lines.append(f"\n- claim ({v['claim']}) {v['comparison']}: **{v['verdict']}**. {v['reason']}. "
+                 f"Source: {v['source']}.")
+  return "\n".join(lines) + "\n"
+
+
 def _num(v, default=np.nan) -> float:
   return default if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 

@@ -102,3 +102,13 @@ def test_stress_preset(preset):
 def test_stress_preset_unknown():
   with pytest.raises(ValueError, match="tiny"):
     config_cli.load_config_file(config_cli.CONFIGS / "stress.py", "huge")
+
+
+def test_markdown_rows_and_verdicts():
+  rows = [{"label": "tis", "seeds": 3, "heldout_end": 0.41, "heldout_end_ci": 0.015,
+           "ess_mean": 0.9, "ess_mean_ci": float("nan")},
+          {"verdict": "shown", "claim": "a", "comparison": "tis > none", "reason": "r",
+           "source": "AReaL"}]
+  text = claims.markdown(rows, ("heldout_end", "ess_mean", "kl_k3_mean"))
+  assert "| tis | 3 | 0.41 +- 0.015 | 0.9 | - |" in text
+  assert "claim (a) tis > none: **shown**" in text
