@@ -112,3 +112,17 @@ def test_markdown_rows_and_verdicts():
   text = claims.markdown(rows, ("heldout_end", "ess_mean", "kl_k3_mean"))
   assert "| tis | 3 | 0.41 +- 0.015 | 0.9 | - |" in text
   assert "claim (a) tis > none: **shown**" in text
+
+
+@pytest.mark.parametrize("entry", ["ablations.py", "sweep_staleness.py"])
+def test_entry_points_reject_zero_seeds(entry):
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = config_cli.CONFIGS.parent.parent
+  out = subprocess.run([sys.executable, str(root / "experiments" / entry), "--seeds=0",
+                        "--config=experiments/configs/stress.py:tiny"],
+                       env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+                       capture_output=True, text=True, timeout=300, cwd=root)
+  assert out.returncode != 0
+  assert "--seeds=0: 0 is not a positive integer" in out.stderr
