@@ -150,9 +150,27 @@ def verdict(better: dict, worse: dict, metric: str = "heldout_end") -> tuple[str
   text = (f"{better.get('label', '?')} {better[metric]:.3f} [{ia[0]:.3f}, {ia[1]:.3f}] vs "
           f"{worse.get('label', '?')} {worse[metric]:.3f} [{ib[0]:.3f}, {ib[1]:.3f}] "
           f"({better['seeds']} / {worse['seeds']} seeds)")
+  paired = paired_difference(better, worse, metric)
+  if paired is not None:
+    text += (f"; paired difference over {paired[2]} common seeds {paired[0]:+.3f} +- "
+             f"{paired[1]:.3f}")
   if separated(better, worse, metric):
     return ("shown" if diff > 0 else "contradicted"), text + ": intervals separate"
   return "not shown", text + ": intervals overlap"
+
+
+def paired_difference(a: dict, b: dict, metric: str) -> tuple[float, float, int] | None:
+  """(mean, 95% t half-width, n) of a - b over the seeds both reduced rows ran (same seed = same
+  prompt order and sampling seed, so the difference removes the shared part of the seed noise);
+  None with fewer than 2 common seeds or no value. Reported beside the verdict, which uses the
+  unpaired intervals (the issue's rule)."""
+  va = {r.get("seed"): r.get(metric) for r in a.get("per_seed", [])}
+  vb = {r.get("seed"): r.get(metric) for r in b.get("per_seed", [])}
+  common = [s for s in va if s in vb and va[s] is not None and vb[s] is not None]
+  if len(common) < 2:
+    return None
+  mean, hw = t_interval([va[s] - vb[s] for s in common])
+  return mean, hw, len(common)
 
 
 def run_seeds(cells: Sequence[tuple[str, object, Callable[[str], dict]]], seeds: Sequence[int],

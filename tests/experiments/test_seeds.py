@@ -107,3 +107,19 @@ def test_run_cell_reuses_finished_runs_and_reruns_broken_ones(tiny_config, tmp_p
   assert len(calls) == 2 and rows[0]["seeds"] == 2 and rows[0]["v_ci"] == 0
   seeds.run_seeds([("a", cfg, lambda d: {"d": d, "v": 1.0})], (0, 1), cells)
   assert len(calls) == 2  # both reused
+
+
+def test_paired_difference_removes_the_shared_seed_noise():
+  def row(label, values):
+    per_seed = [{"seed": s, "acc": v} for s, v in enumerate(values)]
+    out = seeds.aggregate(per_seed)
+    out.update(label=label, per_seed=per_seed)
+    return out
+  # Seed noise much larger than the effect, but the same in both cells: the unpaired intervals
+  # overlap, the paired difference is exactly +0.05 (half-width 0).
+  a, b = row("a", [0.30, 0.50, 0.70]), row("b", [0.25, 0.45, 0.65])
+  mean, hw, n = seeds.paired_difference(a, b, "acc")
+  assert (mean, n) == (pytest.approx(0.05), 3) and hw == pytest.approx(0, abs=1e-12)
+  v, reason = seeds.verdict(a, b, "acc")
+  assert v == "not shown" and "paired difference over 3 common seeds +0.050" in reason
+  assert seeds.paired_difference(a, row("c", [0.1]), "acc") is None
