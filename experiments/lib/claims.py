@@ -155,7 +155,8 @@ def run_claim(name: str, out_dir: str, tiny: bool = False, base=None,
 
 def interval_bars(rows: Sequence[dict], out_dir: str, name: str, metrics: Sequence[str]) -> str:
   """One panel per metric: the mean over seeds of each cell as a bar with its 95% t-interval
-  as an error bar (none drawn for one seed); returns the figure's path."""
+  as an error bar (none drawn for one seed) and each seed's value as a dot; returns the
+  figure's path."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(4.5 * len(metrics), 4))
@@ -166,6 +167,9 @@ def interval_bars(rows: Sequence[dict], out_dir: str, name: str, metrics: Sequen
     ys = [_num(r.get(m)) for r in rows]
     err = [_num(r.get(m + "_ci"), 0.0) for r in rows]
     ax.bar(range(len(rows)), ys, yerr=err, capsize=3, color="tab:blue", alpha=0.8)
+    for j, r in enumerate(rows):  # each seed's value
+      seed_values = [_num(s.get(m)) for s in r.get("per_seed", [])]
+      ax.plot([j] * len(seed_values), seed_values, "k.", ms=4)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["label"] for r in rows], rotation=45, ha="right", fontsize=7)
     ax.set_ylabel(m, fontsize=8)
