@@ -30,6 +30,7 @@ from absl import flags
 from lib import ablations
 from lib import claims
 from lib import config_cli
+from rlax_pipe import config_dict
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
 _OUT = flags.DEFINE_string("out_dir", "runs/ablations", "Output directory.")
@@ -40,6 +41,8 @@ _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell of a learning ablation
 # The base run's default preset follows --tiny (read before flags are parsed: it is the default
 # of --config); an explicit --config=<file>:<preset> still wins.
 _TINY_ARGV = any(a in ("--tiny", "--tiny=true", "--tiny=True") for a in sys.argv[1:])
+_CELLS = flags.DEFINE_list("cells", [], "Claims A11-A14 only: labels of the cells to run (default "
+                           "all), e.g. more --seeds for one comparison.")
 _CONFIG = config_cli.define_rl_flags(preset="tiny" if _TINY_ARGV else "default")
 
 
@@ -50,11 +53,17 @@ def main(argv):
   with config_cli.user_errors():
     kw = {} if _NAME.value in ablations.SIMULATED else {
         "base": config_cli.run_config(_CONFIG.value), "seeds": tuple(range(_SEEDS.value))}
+    if _CELLS.value:
+      if _NAME.value not in claims.CLAIMS:
+        raise config_dict.ConfigError(f"--cells is for the claims {claims.CLAIMS}, not "
+                                      f"--ablation={_NAME.value}.")
+      kw["only"] = tuple(_CELLS.value)
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
   out = {"ablation": _NAME.value, "rows": rows}
-  (pathlib.Path(_OUT.value) / f"{_NAME.value}.json").write_text(json.dumps(out, indent=1))
+  stem = _NAME.value + (f"_{len(_CELLS.value)}cells_{_SEEDS.value}seeds" if _CELLS.value else "")
+  (pathlib.Path(_OUT.value) / f"{stem}.json").write_text(json.dumps(out, indent=1))
   if _NAME.value not in ablations.SIMULATED:
-    (pathlib.Path(_OUT.value) / f"{_NAME.value}.md").write_text(claims.markdown(rows))
+    (pathlib.Path(_OUT.value) / f"{stem}.md").write_text(claims.markdown(rows))
   print(json.dumps(out))
 
 

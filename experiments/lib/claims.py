@@ -124,12 +124,27 @@ def claim_cells(name: str, base, tiny: bool) -> tuple[list, list[Comparison]]:
 
 
 def run_claim(name: str, out_dir: str, tiny: bool = False, base=None,
-              seeds: Sequence[int] = (0,)) -> list[dict]:
+              seeds: Sequence[int] = (0,), only: Sequence[str] = ()) -> list[dict]:
   """Runs claim `name`'s cells over `seeds`; writes <out_dir>/<name>.png; returns the reduced
-  rows (mean and `_ci` per metric) followed by one verdict row per comparison."""
+  rows (mean and `_ci` per metric) followed by one verdict row per comparison.
+
+  `only`: labels of the cells to run (default all), e.g. more seeds for one comparison; the
+  comparisons whose two cells are both run get verdicts, the figure is named
+  <name>_<n>cells_<k>seeds.png.
+
+  Raises:
+    ValueError: no base config, or a label of `only` that the claim does not have.
+  """
   if base is None:
     raise ValueError(f"{name} is a learning ablation: it needs the base run config (base=).")
   cells, comps = claim_cells(name, base, tiny)
+  if only:
+    unknown = sorted(set(only) - {label for label, _, _ in cells})
+    if unknown:
+      raise ValueError(f"{name} has no cell(s) {unknown}; its cells: "
+                       f"{[label for label, _, _ in cells]}.")
+    cells = [c for c in cells if c[0] in only]
+    comps = [c for c in comps if c[1] in only and c[2] in only]
   cells_dir = str(pathlib.Path(out_dir) / "cells")
   runs = []
   for label, lag, transform in cells:
@@ -145,9 +160,10 @@ def run_claim(name: str, out_dir: str, tiny: bool = False, base=None,
     v, reason = seeds_lib.verdict(by_label[better], by_label[worse])
     verdicts.append({"ablation": name, "claim": claim, "verdict": v, "comparison":
                      f"{better} > {worse}", "source": source, "reason": reason})
-  interval_bars(rows, out_dir, name, ("heldout_end", "ess_mean", "ratio_var_mean",
-                                      "kl_k3_mean"))
-  if name == "A11":  # the lag x objective grid: its throughput / accuracy trade-off
+  fig_name = f"{name}_{len(cells)}cells_{len(seeds)}seeds" if only else name
+  interval_bars(rows, out_dir, fig_name, ("heldout_end", "ess_mean", "ratio_var_mean",
+                                          "kl_k3_mean"))
+  if name == "A11" and not only:  # the lag x objective grid: its throughput / accuracy trade-off
     sweep.plot_pareto(rows, out_dir, f"{name}_pareto.png",
                       f"{name}: throughput vs final accuracy per max_lag x objective")
   return rows + verdicts

@@ -126,3 +126,9 @@ def test_entry_points_reject_zero_seeds(entry):
                        capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode != 0
   assert "--seeds=0: 0 is not a positive integer" in out.stderr
+
+
+def test_only_names_real_cells(tiny_config, tmp_path):
+  with pytest.raises(ValueError, match="no cell.*tis_pg_lag7"):
+    claims.run_claim("A11", str(tmp_path), tiny=True, base=tiny_config(tmp_path, "builtin"),
+                     only=("tis_pg_lag7",))
