@@ -152,10 +152,11 @@ def plot_pareto(table: Sequence[dict], out_dir: str, name: str = "pareto.png",
   ax = fig.add_subplot(1, 1, 1)
   per_dev = all(r.get("samples_per_device_s") is not None for r in table)
   xkey = "samples_per_device_s" if per_dev else "samples_per_s"
-  for r in table:
+  markers = dict(zip(sorted({r["objective"] for r in table}), "osD^vP*X"))
+  for r in table:  # marker = objective (cells that ran identically draw on top of each other)
     label = r.get("label") or f"lag {r['max_lag']} {r['objective']}"
     ax.errorbar(r[xkey], r["heldout_end"], xerr=_ci(r, xkey), yerr=_ci(r, "heldout_end"),
-                fmt="o", capsize=3, label=label)
+                fmt=markers[r["objective"]], capsize=3, label=label, alpha=0.8)
   ax.set_xlabel(("samples per device-second" if per_dev else "samples per second") +
                 " (virtual clock of pipeline.cost_model)")
   ax.set_ylabel("final held-out accuracy")
