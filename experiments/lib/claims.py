@@ -159,7 +159,9 @@ def run_claim(name: str, out_dir: str, tiny: bool = False, base=None,
   for claim, better, worse, source in comps:
     v, reason = seeds_lib.verdict(by_label[better], by_label[worse])
     verdicts.append({"ablation": name, "claim": claim, "verdict": v, "comparison":
-                     f"{better} > {worse}", "source": source, "reason": reason})
+                     f"{better} > {worse}", "source": source, "reason": reason,
+                     "paired_verdict": seeds_lib.paired_verdict(by_label[better],
+                                                                by_label[worse])})
   fig_name = f"{name}_{len(cells)}cells_{len(seeds)}seeds" if only else name
   interval_bars(rows, out_dir, fig_name, ("heldout_end", "ess_mean", "ratio_var_mean",
                                           "kl_k3_mean"))
@@ -214,8 +216,8 @@ def markdown(rows: Sequence[dict], metrics: Sequence[str] = TABLE_METRICS) -> st
           "" if h is None or math.isnan(h) else f" +- {h:.2g}"))
     lines.append(f"| {r['label']} | {r['seeds']} | " + " | ".join(vals) + " |")
   for v in (r for r in rows if "verdict" in r):
-    lines.append(f"\n- claim ({v['claim']}) {v['comparison']}: **{v['verdict']}**. {v['reason']}. "
-                 f"Source: {v['source']}.")
+    lines.append(f"\n- claim ({v['claim']}) {v['comparison']}: **{v['verdict']}** (paired "
+                 f"design: {v.get('paired_verdict', '-')}). {v['reason']}. Source: {v['source']}.")
   return "\n".join(lines) + "\n"
 
 

@@ -159,6 +159,17 @@ def verdict(better: dict, worse: dict, metric: str = "heldout_end") -> tuple[str
   return "not shown", text + ": intervals overlap"
 
 
+def paired_verdict(better: dict, worse: dict, metric: str = "heldout_end") -> str:
+  """The verdict of the paired design: "shown" when the 95% t-interval of the same-seed
+  difference better - worse lies above 0, "contradicted" below 0, else "not shown" (also with
+  fewer than 2 common seeds). Reported beside `verdict` (the issue's unpaired rule)."""
+  paired = paired_difference(better, worse, metric)
+  if paired is None or math.isnan(paired[1]):
+    return "not shown"
+  mean, hw, _ = paired
+  return "shown" if mean - hw > 0 else "contradicted" if mean + hw < 0 else "not shown"
+
+
 def paired_difference(a: dict, b: dict, metric: str) -> tuple[float, float, int] | None:
   """(mean, 95% t half-width, n) of a - b over the seeds both reduced rows ran (same seed = same
   prompt order and sampling seed, so the difference removes the shared part of the seed noise);

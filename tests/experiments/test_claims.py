@@ -35,6 +35,7 @@ def test_claims_tiny(name, claims_dir, tiny_config, tiny_init, saved_figures,
   want, comps = claims.claim_cells(name, base, tiny=True)
   assert [r["label"] for r in cells] == [label for label, _, _ in want]
   assert len(verdicts) == len(comps) and all(v["verdict"] in _VERDICTS for v in verdicts)
+  assert all(v["paired_verdict"] == "not shown" for v in verdicts)  # one seed: no interval
   for r in cells:
     assert r["seeds"] == nseeds and "heldout_end_ci" in r and "ess_mean_ci" in r
     assert math.isnan(r["heldout_end_ci"]) == (nseeds == 1)
@@ -111,7 +112,7 @@ def test_markdown_rows_and_verdicts():
            "source": "AReaL"}]
   text = claims.markdown(rows, ("heldout_end", "ess_mean", "kl_k3_mean"))
   assert "| tis | 3 | 0.41 +- 0.015 | 0.9 | - |" in text
-  assert "claim (a) tis > none: **shown**" in text
+  assert "claim (a) tis > none: **shown** (paired design: -)" in text
 
 
 @pytest.mark.parametrize("entry", ["ablations.py", "sweep_staleness.py"])

@@ -122,4 +122,8 @@ def test_paired_difference_removes_the_shared_seed_noise():
   assert (mean, n) == (pytest.approx(0.05), 3) and hw == pytest.approx(0, abs=1e-12)
   v, reason = seeds.verdict(a, b, "acc")
   assert v == "not shown" and "paired difference over 3 common seeds +0.050" in reason
+  assert seeds.paired_verdict(a, b, "acc") == "shown"
+  assert seeds.paired_verdict(b, a, "acc") == "contradicted"
+  assert seeds.paired_verdict(a, row("d", [0.2, 0.6, 0.6]), "acc") == "not shown"
   assert seeds.paired_difference(a, row("c", [0.1]), "acc") is None
+  assert seeds.paired_verdict(a, row("c", [0.1]), "acc") == "not shown"
