@@ -1,4 +1,4 @@
-"""SFT warm start: the built-in arithmetic task, a JSONL / dataset file, or a reasoning-gym task,
+r"""SFT warm start: the built-in arithmetic task, a JSONL / dataset file, or a reasoning-gym task,
 on a new tiny model or an HF model directory.
 
   python3 experiments/sft.py                 # the shipped warm start's recipe: runs/sft_warm_start/

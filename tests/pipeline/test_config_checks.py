@@ -78,6 +78,25 @@ def test_rules_that_cannot_work_together(changes, pattern):
     _run(**changes)
 
 
+def test_dr_grpo_constant_is_the_sampler_budget():
+  """#14 item 6's normaliser G x L_max: L_max is the sampler's completion budget, so a
+  differing max_completion_len is refused (above) and the equal one builds, on the command line
+  too (where a missing one names the field)."""
+  cfg = _run(objective={"aggregation": "constant", "max_completion_len": 384})
+  assert cfg.objective.max_completion_len == cfg.sampler.max_new_tokens == 384
+  config = to_config_dict(RunConfig())
+  config.objective.aggregation = "constant"
+  with pytest.raises(ConfigError, match=r"^--config.objective.max_completion_len=None must be "
+                                        r"an int >= 1 \(the sampler's max_new_tokens\)"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  config.objective.max_completion_len = 100
+  with pytest.raises(ConfigError, match=r"^--config.objective.max_completion_len=100 != "
+                                        r"--config.sampler.max_new_tokens=384"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  config.sampler.max_new_tokens = 100
+  assert from_config_dict(RunConfig, config, prefix="--config.").objective.max_completion_len == 100
+
+
 def test_issue_input_group_size_one_learns_nothing():
   """#14 item 16: group_size=1 is refused, naming the estimators that need G >= 2."""
   with pytest.raises(ConfigError, match=r"RunConfig.pipeline.group_size=1 with "
