@@ -84,6 +84,11 @@ def main(argv):
       summary = sft.run_sft(task, tok, cfg, _CONFIG.value.out_dir, model=model, params=params)
     except FileExistsError as e:
       raise ConfigError(f"--config.out_dir={_CONFIG.value.out_dir}: {e}") from None
+    except OSError as e:
+      if e.filename is None or not str(_CONFIG.value.out_dir).startswith(str(e.filename)):
+        raise
+      raise ConfigError(f"--config.out_dir={_CONFIG.value.out_dir!r} cannot be created "
+                        f"({e.strerror or e}); choose a writable directory.") from None
   print(json.dumps(summary))
 
 
