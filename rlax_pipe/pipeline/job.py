@@ -202,9 +202,19 @@ def _task(cfg: RunConfig):
     raise ConfigError(f"RunConfig.task={cfg.task!r} (task_config): {e}") from None
 
 
-def _stop_ids(cfg: RunConfig, tok, model: Model) -> Any:
-  """The sampler's stop set: `cfg.sampler.eos_id`, or, when empty (None and () both normalise to
-  ()), the tokenizer's stop ids with the model config's EOS ids (`model_dir.stop_set`)."""
+def stop_ids_for(cfg: RunConfig, tok, model: Model) -> Any:
+  """The sampler's stop set of a run: `cfg.sampler.eos_id`, or, when empty (None and () both
+  normalise to ()), the tokenizer's stop ids with the model config's EOS ids
+  (`model_dir.stop_set`).
+
+  Args:
+    cfg: the run's config.
+    tok: the run's tokenizer (`Tokenizer`).
+    model: the policy model; its `cfg.eos_token_ids` (when it has them) join the set.
+
+  Returns:
+    int or tuple of int token ids (what `SamplerConfig.eos_id` takes).
+  """
   if cfg.sampler.eos_id:
     return cfg.sampler.eos_id
   model_cfg = getattr(model, "cfg", None)
@@ -351,7 +361,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
   logging.info("devices: %s", plan.describe())
   model, sampler_model, params0 = _models(cfg, model, params)
-  stops = _stop_ids(cfg, tok, model)
+  stops = stop_ids_for(cfg, tok, model)
   _check_vocab(cfg, model, tok, stops)
   cfg = _resolve(cfg, plan, stops)
   learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)
