@@ -1,4 +1,4 @@
-"""Pipeline RL main job: sampler and learner on separate meshes, in-flight weight updates.
+r"""Pipeline RL main job: sampler and learner on separate meshes, in-flight weight updates.
 
   python3 experiments/pipeline_rl.py        # the default run: arithmetic task, shipped SFT
                                             # warm start, 8 CPU devices split 4 + 4, pipeline

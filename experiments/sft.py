@@ -1,4 +1,4 @@
-"""SFT warm start: the built-in arithmetic task, a JSONL / dataset file, or a reasoning-gym task,
+r"""SFT warm start: the built-in arithmetic task, a JSONL / dataset file, or a reasoning-gym task,
 on a new tiny model or an HF model directory.
 
   python3 experiments/sft.py                 # the shipped warm start's recipe: runs/sft_warm_start/
@@ -84,6 +84,11 @@ def main(argv):
       summary = sft.run_sft(task, tok, cfg, _CONFIG.value.out_dir, model=model, params=params)
     except FileExistsError as e:
       raise ConfigError(f"--config.out_dir={_CONFIG.value.out_dir}: {e}") from None
+    except OSError as e:
+      if e.filename is None or not str(_CONFIG.value.out_dir).startswith(str(e.filename)):
+        raise
+      raise ConfigError(f"--config.out_dir={_CONFIG.value.out_dir!r} cannot be created "
+                        f"({e.strerror or e}); choose a writable directory.") from None
   print(json.dumps(summary))
 
 

@@ -216,6 +216,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
 
   Raises:
     FileExistsError: when out_dir already holds a model (checked before training).
+    OSError: when out_dir cannot be created (checked before training).
     ConfigError: when cfg.learner_devices exceeds the devices present.
     ConfigError: when cfg.seq_len exceeds the model's context, or the tokenizer's ids do not
       fit its embedding.
@@ -229,6 +230,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
         f"--xla_force_host_platform_device_count={cfg.learner_devices} gives more).")
   if (out_dir / "config.json").exists() or list(out_dir.glob("model*.safetensors")):
     raise FileExistsError(f"{out_dir} already holds a model; choose another output directory.")
+  out_dir.mkdir(parents=True, exist_ok=True)  # before training: an unwritable one fails now
   if cfg.seq_len > model.max_seq_len:
     raise ConfigError(f"SFTConfig.seq_len={cfg.seq_len} (--config.sft.seq_len) exceeds the "
                       f"model's context ({model.max_seq_len} positions); lower it.")

@@ -87,3 +87,5 @@ def test_sft_device_and_output_errors_name_the_fix(tmp_path):
   (tmp_path / "b" / "config.json").write_text("{}")
   with pytest.raises(FileExistsError, match="already holds a model"):
     sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b")
+  with pytest.raises(NotADirectoryError):  # before any training step
+    sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b" / "config.json" / "out")

@@ -202,9 +202,19 @@ def _task(cfg: RunConfig):
     raise ConfigError(f"RunConfig.task={cfg.task!r} (task_config): {e}") from None
 
 
-def _stop_ids(cfg: RunConfig, tok, model: Model) -> Any:
-  """The sampler's stop set: `cfg.sampler.eos_id`, or, when empty (None and () both normalise to
-  ()), the tokenizer's stop ids with the model config's EOS ids (`model_dir.stop_set`)."""
+def stop_ids_for(cfg: RunConfig, tok, model: Model) -> Any:
+  """The sampler's stop set of a run: `cfg.sampler.eos_id`, or, when empty (None and () both
+  normalise to ()), the tokenizer's stop ids with the model config's EOS ids
+  (`model_dir.stop_set`).
+
+  Args:
+    cfg: the run's config.
+    tok: the run's tokenizer (`Tokenizer`).
+    model: the policy model; its `cfg.eos_token_ids` (when it has them) join the set.
+
+  Returns:
+    int or tuple of int token ids (what `SamplerConfig.eos_id` takes).
+  """
   if cfg.sampler.eos_id:
     return cfg.sampler.eos_id
   model_cfg = getattr(model, "cfg", None)
@@ -212,7 +222,8 @@ def _stop_ids(cfg: RunConfig, tok, model: Model) -> Any:
 
 
 def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
-  """The tokenizer's ids index the model's embedding; sequences fit the model's context."""
+  """The tokenizer's ids index the model's embedding; sequences fit the model's context; top-p
+  leaves more than the argmax token (`config_checks` has the rules that need no model)."""
   context = getattr(model, "max_seq_len", None)
   if context is not None and cfg.sampler.max_seq_len > context:
     raise ConfigError(
@@ -222,6 +233,17 @@ def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
   vocab = getattr(model, "vocab_size", None)
   if vocab is None:
     return
+  sampling, group_size = cfg.sampler.sampling, cfg.pipeline.group_size
+  if group_size >= 2 and not sampling.greedy and sampling.top_p * vocab <= 1.0:
+    # The most likely token has probability >= 1 / vocab >= top_p, so the nucleus is that one
+    # token, barring exact ties with it (`logprobs.processed_logprobs`): every sample of a group
+    # is the argmax completion.
+    raise ConfigError(
+        f"RunConfig.sampler.sampling.top_p={sampling.top_p:g} <= 1 / {vocab} (the model's "
+        f"vocabulary) with RunConfig.pipeline.group_size={group_size} learns nothing: the nucleus "
+        "holds only the most likely token (barring exact ties), so every sample of a group is the same and every "
+        f"group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise top_p above "
+        f"{1.0 / vocab:.3g} (1.0 = off).")
   ids = [stops] if isinstance(stops, int) else list(stops)
   if tok.vocab_size > vocab or any(i >= vocab for i in ids):
     raise ConfigError(
@@ -339,7 +361,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
   logging.info("devices: %s", plan.describe())
   model, sampler_model, params0 = _models(cfg, model, params)
-  stops = _stop_ids(cfg, tok, model)
+  stops = stop_ids_for(cfg, tok, model)
   _check_vocab(cfg, model, tok, stops)
   cfg = _resolve(cfg, plan, stops)
   learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)

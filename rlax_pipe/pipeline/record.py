@@ -87,10 +87,15 @@ def prepare_run_dir(cfg) -> RunDir:
   """Opens `cfg.run_dir` for a fresh run or a resume (module docstring).
 
   Raises:
-    ConfigError: a fresh run in a directory with checkpoints; a resume without a checkpoint;
-      a resume whose settings differ from config.json without being named.
+    ConfigError: a run directory that cannot be created (a missing parent one cannot create,
+      no permission, a file of that name); a fresh run in a directory with checkpoints; a resume
+      without a checkpoint; a resume whose settings differ from config.json without being named.
   """
-  rd = RunDir(cfg.run_dir)
+  try:
+    rd = RunDir(cfg.run_dir)
+  except OSError as e:
+    raise ConfigError(f"RunConfig.run_dir={cfg.run_dir!r} cannot be created ({e.strerror or e}); "
+                      "choose a writable directory (--config.run_dir).") from None
   if not cfg.resume:
     if rd.has_checkpoint():
       raise ConfigError(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe import advantages
+from rlax_pipe import logprobs
 from rlax_pipe import tasks
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.config_dict import ConfigError, from_config_dict, to_config_dict
@@ -16,9 +17,11 @@ from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, Optimize
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.pipeline import hooks
+from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline import trainer as trainer_lib
 from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
 from rlax_pipe.sampler import SamplerConfig
+from rlax_pipe.tokenizer import default_tokenizer
 from rlax_pipe.types import Rollout
 
 
@@ -78,6 +81,25 @@ def test_rules_that_cannot_work_together(changes, pattern):
     _run(**changes)
 
 
+def test_dr_grpo_constant_is_the_sampler_budget():
+  """#14 item 6's normaliser G x L_max: L_max is the sampler's completion budget, so a
+  differing max_completion_len is refused (above) and the equal one builds, on the command line
+  too (where a missing one names the field)."""
+  cfg = _run(objective={"aggregation": "constant", "max_completion_len": 384})
+  assert cfg.objective.max_completion_len == cfg.sampler.max_new_tokens == 384
+  config = to_config_dict(RunConfig())
+  config.objective.aggregation = "constant"
+  with pytest.raises(ConfigError, match=r"^--config.objective.max_completion_len=None must be "
+                                        r"an int >= 1 \(the sampler's max_new_tokens\)"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  config.objective.max_completion_len = 100
+  with pytest.raises(ConfigError, match=r"^--config.objective.max_completion_len=100 != "
+                                        r"--config.sampler.max_new_tokens=384"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  config.sampler.max_new_tokens = 100
+  assert from_config_dict(RunConfig, config, prefix="--config.").objective.max_completion_len == 100
+
+
 def test_issue_input_group_size_one_learns_nothing():
   """#14 item 16: group_size=1 is refused, naming the estimators that need G >= 2."""
   with pytest.raises(ConfigError, match=r"RunConfig.pipeline.group_size=1 with "
@@ -104,6 +126,30 @@ def test_identical_samples_per_group_learn_nothing(sampling, knob):
                      r"RunConfig.pipeline.group_size=8 learns nothing"):
     _run(sampler={"sampling": sampling})
   _run(sampler={"sampling": SamplingConfig(top_k=2)})  # two candidates per step can differ
+
+
+def test_top_p_at_most_one_over_vocab_keeps_only_the_argmax():
+  """The premise of the job's top-p rule, on random logits: top_p <= 1 / V keeps one token."""
+  def kept(logits, top_p):
+    logp = logprobs.processed_logprobs(logits, SamplingConfig(top_p=top_p))
+    return np.asarray((logp > logprobs.OUT_OF_SUPPORT).sum(-1))
+
+  normal = jax.random.normal(jax.random.key(0), (64, 50))
+  for scale in (3.0, 0.01):  # peaked and near-uniform rows
+    assert np.all(kept(normal * scale, 1 / 50) == 1)
+    assert np.all(kept(normal * scale, 0.5 / 50) == 1)
+  assert np.all(kept(normal * 0.01, 2 / 50) >= 2)  # above 1 / V a flat row keeps more
+
+
+def test_top_p_that_keeps_only_the_argmax_is_refused(tmp_path, tiny_config, tiny_init):
+  cfg = tiny_config(tmp_path, tiny_init)
+  vocab = default_tokenizer().vocab_size  # the tiny model's vocabulary
+  top_p = 1.0 / vocab
+  cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(
+      cfg.sampler, sampling=SamplingConfig(top_p=top_p)))
+  with pytest.raises(ConfigError, match=rf"RunConfig.sampler.sampling.top_p={top_p:g} <= 1 / "
+                     rf"{vocab} .*group_size=2 learns nothing"):
+    run_lib.run(cfg)
 
 
 def test_command_line_spelling_of_cross_field_errors():

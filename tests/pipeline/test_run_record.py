@@ -42,6 +42,15 @@ def test_resume_without_checkpoint_is_an_error(tmp_path, tiny_init, tiny_config)
     run_lib.run(cfg)
 
 
+def test_run_dir_that_cannot_be_created_is_named(tmp_path, tiny_init, tiny_config):
+  (tmp_path / "a_file").write_text("")
+  cfg = dataclasses.replace(tiny_config(tmp_path, tiny_init),
+                            run_dir=str(tmp_path / "a_file" / "run"))
+  with pytest.raises(ConfigError, match=r"RunConfig.run_dir=.*a_file/run' cannot be created "
+                                        r"\(Not a directory\); choose a writable directory"):
+    run_lib.run(cfg)
+
+
 def test_changes_on_resume_refused_unless_named_then_recorded(tmp_path, tiny_init, tiny_config,
                                                             train_rows):
   cfg = tiny_config(tmp_path, tiny_init, steps=2)
