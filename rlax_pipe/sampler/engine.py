@@ -50,6 +50,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.sampler import engine_state, page_pool
@@ -183,6 +184,9 @@ class SamplerEngine:
     self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
                         finished=0, aborted=0, weight_updates=0)
     self._host_s = 0.0
+    self._weight_check = None  # (version, expected, computed) of the running weights
+    self.weight_checks = 0     # swaps whose weights were checked against the learner's
+    self._start_weight_check()
 
   # --- public state -------------------------------------------------------------------------
   @property
@@ -442,6 +446,7 @@ class SamplerEngine:
     c["generated_tokens"] += tokens
     c["finished"] += n_done
     self._release_retired()
+    self._finish_weight_check()
     return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
@@ -510,15 +515,53 @@ class SamplerEngine:
       self._settle()
       engine_state.load_state_dict(self, state)
 
+  def rng_state(self) -> list[np.ndarray]:
+    """The sampling PRNG key of every data replica (uint32 key data), read between steps: the
+    part of the engine state a resumed threaded run restores (`load_rng_state`), so its random
+    stream continues instead of restarting from the seed."""
+    with self._step_lock:
+      return engine_state.rng_state(self)
+
+  def load_rng_state(self, keys: list[np.ndarray]) -> None:
+    """Sets the data replicas' sampling keys from `rng_state()` output (a shorter list leaves
+    the other replicas' keys alone; an extra one is ignored)."""
+    with self._step_lock:
+      engine_state.load_rng_state(self, keys)
+
   # --- internals ----------------------------------------------------------------------------
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
     """Swaps in the pending update (caller holds the step lock)."""
+    self._finish_weight_check()  # started at an earlier step: its result is there by now
     if self.weights.swap():
       self._counts["weight_updates"] += 1
+      self._start_weight_check()
     self._release_retired()
+
+  def _start_weight_check(self) -> None:
+    """Dispatches the checksums of the weights now running when their update carries the
+    learner's (`WeightUpdate.checksum`); `_finish_weight_check` compares them after the next
+    read-back, so the check never stalls a dispatch."""
+    running = self.weights.running
+    if running.checksum is not None:
+      self._finish_weight_check()
+      self._weight_check = (running.version, running.checksum,
+                            param_checksum.checksum(running.params))
+
+  def _finish_weight_check(self) -> None:
+    """Raises `param_checksum.WeightMismatchError` if the weights the engine decodes with are
+    not the learner's weights of the version their tokens are tagged with."""
+    check, self._weight_check = self._weight_check, None
+    if check is None:
+      return
+    version, expected, computed = check
+    names = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(self.weights.running.params)[0]]
+    param_checksum.compare(expected, computed, version, names=names,
+                           got_from="the sampler engine")
+    self.weight_checks += 1
 
   def _release_retired(self) -> None:
     self.weights.release_retired(r.inflight.version for r in self.replicas

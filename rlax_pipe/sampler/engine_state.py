@@ -80,6 +80,20 @@ def state_dict(engine) -> dict:
   }
 
 
+def rng_state(engine) -> list[np.ndarray]:
+  """Key data of every data replica's sampling PRNG key (the engine holds its step lock)."""
+  return [np.asarray(jax.random.key_data(r.state.rng)) for r in engine.replicas]
+
+
+def load_rng_state(engine, keys: list[np.ndarray]) -> None:
+  """Sets the first len(keys) replicas' sampling keys (the engine holds its step lock)."""
+  for r, data in zip(engine.replicas, keys):
+    if r.inflight is not None:
+      raise RuntimeError("load_rng_state: a dispatch is in flight; call it between steps.")
+    rng = jax.device_put(jax.random.wrap_key_data(np.asarray(data, np.uint32)), r.replicated)
+    r.state = r.state.replace(rng=rng)
+
+
 def _check_fits(engine, state: dict) -> None:
   if len(state["replicas"]) != len(engine.replicas):
     raise ValueError(f"sampler state does not fit this engine: {len(state['replicas'])} "
