@@ -3,7 +3,9 @@ checkpoints, `Learner`. Mesh building and the generic sharding helpers live in
 `rlax_pipe.sharding`; the model is passed in (`rlax_pipe.model.Model`)."""
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
-from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
+from rlax_pipe.learner.checkpoint import (
+    CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+    Checkpointer, Restored)
 from rlax_pipe.learner.config import SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig
 from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
@@ -14,7 +16,8 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, completion_mask, make_train_step, normalizer_count, shifted_token_logprobs)
 
 __all__ = [
-    "BATCH_FIELDS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Learner",
+    "BATCH_FIELDS", "CheckpointConfig", "CheckpointCorruptError", "CheckpointError",
+    "CheckpointMismatchError", "CheckpointNotFoundError", "Checkpointer", "Learner",
     "LearnerConfig", "OptimizerConfig",
     "NonFiniteError", "Restored", "SCHEDULES", "TrainState", "abstract_state", "batch_arrays",
     "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",

@@ -6,6 +6,7 @@ sampler engine, rollout queue, rollout worker and trainer (restoring them with `
 protocol, `state_dict()` / `load_state_dict(state)`:
 
   learner            TrainState (orbax checkpoint, `Learner.save` / `restore`)
+  sampling PRNG      the engine's keys (`rng_state`), in every mode   } JSON beside the learner
   queue, admission   `RolloutQueue` (staleness admission inside)    } JSON beside the learner
   worker, task iter. `RolloutWorker` (prompt / group / sample ids)  } checkpoint ("extra")
   engine, scheduler, allocator   `SamplerEngine` (the other two inside)   } reproducible runs:
@@ -39,7 +40,7 @@ from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.learner import Learner
-from rlax_pipe.learner.checkpoint import CheckpointError
+from rlax_pipe.learner.checkpoint import CheckpointNotFoundError
 from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig
@@ -136,6 +137,7 @@ class Job:
     live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
     extra = {"worker": self.worker.state_dict(), "queue": queue_state,
              "in_flight_groups": [int(g) for g in live if g not in queued],
+             "sampler_rng": to_jsonable(self.engine.rng_state()),
              "time_s": time_s, "last_eval": self.last_eval}
     step = self.learner.save(to_jsonable(extra))
     if not self.reproducible:
@@ -172,12 +174,25 @@ def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | Non
     return None
   try:
     extra = learner.restore()
-  except CheckpointError as e:
-    logging.warning("resume requested but no usable checkpoint (%s); starting fresh.", e)
+  except CheckpointNotFoundError as e:
+    logging.warning("resume requested but no checkpoint (%s); starting fresh.", e)
     return None
   rd.truncate_metrics(learner.step)
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
+  log_restore_fallback(learner, rd)
   return extra
+
+
+def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
+  """A resume that fell back past corrupt checkpoints says so in metrics.jsonl (kind
+  "checkpoint_fallback": the step restored, the steps skipped and why) besides the log."""
+  info = learner.last_restore
+  if info is None or not info.skipped:
+    return
+  logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
+                info.step, list(info.skipped), "; ".join(info.skip_reasons))
+  rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
+          "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
 
 
 def _load_sampler_state(rd: RunDir, step: int) -> dict | None:
@@ -281,6 +296,10 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     engine.load_state_dict(state["engine"])
     channel.push(learner.params, learner.version)  # pending, as it was
     timeline.load_state_dict(state["timeline"])
+  if state is None and extra and extra.get("sampler_rng") is not None:
+    # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
+    # would otherwise replay the first run's stream from key(seed)).
+    engine.load_rng_state(extra["sampler_rng"])
 
   queue = RolloutQueue(pcfg.staleness, pcfg.group_size)
   worker = RolloutWorker(engine, task, tok, queue, pcfg)

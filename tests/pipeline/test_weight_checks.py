@@ -144,3 +144,13 @@ def test_a_rejected_push_can_be_retried_with_the_same_version():
     channel.push(params, 5)  # version 5 was taken: now it is old
   with pytest.raises(ValueError, match="not newer"):
     channel.push(params, 4)
+
+
+def test_lag0_logprob_mismatch_alarm():
+  from rlax_pipe.pipeline import trainer  # pylint: disable=import-outside-toplevel
+  # Issue #14 item 10: a sampler on the wrong weights drove the lag-0 mismatch to 0.37.
+  assert trainer.lag0_alarm({"logp_mismatch_mean": np.float32(0.37)}, 0.05, 6) == {
+      "lag0_logp_alarm": 1}
+  # Measured on healthy runs: 0.0018 (stale-KV keep), 0.0022 (bf16 sampler).
+  assert trainer.lag0_alarm({"logp_mismatch_mean": 0.0022}, 0.05, 6) == {"lag0_logp_alarm": 0}
+  assert trainer.lag0_alarm({"logp_mismatch_mean": 0.37}, None, 6) == {}
