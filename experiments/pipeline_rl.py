@@ -7,6 +7,8 @@
   python3 experiments/pipeline_rl.py --config.pipeline.driver=sync --config.run_dir=runs/sync
   python3 experiments/pipeline_rl.py --config.resume --config.run_dir=runs/pipeline_rl
   python3 experiments/pipeline_rl.py --helpfull    # every config field, with units and defaults
+  python3 launch/local_multiprocess.py --num_processes=4 --num_learner_processes=2 -- \
+      --config.pipeline.mode=threaded    # one jax.distributed job: 2 learner processes, 2 replicas
 
 Prints the run summary as one JSON object on its last line.
 """
@@ -20,6 +22,7 @@ platform_setup.request_cpu_devices(8)
 # pylint: disable=wrong-import-position
 from absl import app
 
+from lib import cluster_cli
 from lib import config_cli
 from rlax_pipe.pipeline import run as run_lib
 
@@ -28,7 +31,9 @@ _CONFIG = config_cli.define_rl_flags()
 
 def main(argv):
   del argv
-  print(json.dumps(run_lib.run(config_cli.run_config(_CONFIG.value))))
+  cfg = cluster_cli.with_flags(config_cli.run_config(_CONFIG.value))
+  cluster_cli.join_if_multiprocess(cfg)  # multi-process mode: before any other JAX work
+  print(json.dumps(run_lib.run(cfg)))
 
 
 if __name__ == "__main__":

@@ -215,12 +215,12 @@ def initialize(num_learner_processes: int, *, coordinator_address: str | None = 
       shutdown_timeout_seconds=shutdown_timeout_s)
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   host = transfer_host or local_address_towards(distributed.global_state.coordinator_address)
-  jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{_free_port(host)}")
+  transfer_address = f"{host}:{_free_port(host)}"
+  jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
   jax.devices()  # the backend start is a rendezvous of every process: do it at once
   topo = current(num_learner_processes)
   logging.info("jax.distributed: %s of %d processes (%d %s devices each); coordinator %s; "
                "cross-host transfers via %s.", topo.name(), topo.num_processes,
                topo.devices_per_process, topo.platform,
-               distributed.global_state.coordinator_address,
-               jax.config.jax_cross_host_transfer_socket_address)
+               distributed.global_state.coordinator_address, transfer_address)
   return topo

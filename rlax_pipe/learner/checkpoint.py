@@ -147,6 +147,12 @@ class Checkpointer:
       self._manager.wait_until_finished()
       logging.info("Checkpointer: replacing existing checkpoint step %d in %s.", step, self._dir)
       self._manager.delete(step)
+    if jax.process_count() > 1 and all(
+        getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state)):
+      # One process holds the whole state in a multi-process job (a one-process learner): orbax
+      # refuses process-local arrays there, so the host copy is written (same files; restores
+      # onto any sharding like a saved global array).
+      state = jax.device_get(state)
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)), force=True)
 

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from rlax_pipe import config as model_config
+from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -173,6 +174,9 @@ class RunConfig:
       mismatch of a bf16 inference engine feeding an fp32 learner (Yao et al. 2025; ablation A9);
       weights still travel in the learner's param dtype. Set `sampler.cache_dtype` to match.
     resume: continue from the newest usable checkpoint in run_dir/checkpoints.
+    distributed: the multi-process mode (`num_learner_processes` > 0: one `jax.distributed` job,
+      the first K processes the learner mesh, every other process a sampler replica on its own
+      devices; `launch/README.md`). 0 (default) = this single process splits its devices.
   """
 
   run_dir: str = "runs/pipeline_rl"
@@ -191,6 +195,7 @@ class RunConfig:
   eval_slots: int = 32
   sampler_compute_dtype: str | None = None
   resume: bool = False
+  distributed: DistributedConfig = DistributedConfig()
 
   def __post_init__(self):
     if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:

@@ -108,8 +108,10 @@ class Evaluation:
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    self.engine = SamplerEngine(job.model, eval_cfg, job.learner.params,
-                                version=job.learner.version, mesh=job.learner_mesh)
+    version, params = self._params(job)
+    self.engine = SamplerEngine(job.model, eval_cfg,
+                                WeightUpdate(version, params, params_owned(job)),
+                                mesh=job.eval_mesh or job.learner_mesh)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
 
@@ -117,7 +119,7 @@ class Evaluation:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
+      self.engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     job.clock.excluded += time.perf_counter() - t0
@@ -132,6 +134,12 @@ class Evaluation:
                  res.num_problems)
     return res.accuracy
 
+  @staticmethod
+  def _params(job: Job) -> tuple[int, object]:
+    if job.eval_params is not None:
+      return job.eval_params()
+    return job.learner.version, job.learner.params
+
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
     step, pcfg = job.learner.step, job.cfg.pipeline
@@ -140,6 +148,12 @@ class Evaluation:
 
   def on_end(self, job: Job, time_s: float) -> None:
     self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+
+
+def params_owned(job: Job) -> bool:
+  """Whether the evaluation engine owns (and frees) the params it gets: copies made for it do,
+  the learner's own params do not."""
+  return job.eval_params is not None
 
 
 class Checkpoint:

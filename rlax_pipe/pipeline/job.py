@@ -121,6 +121,11 @@ class Job:
   clock: JobClock
   start_step: int
   last_eval: float | None
+  # Held-out evaluation: the mesh of its engine (None = the learner mesh) and a function giving
+  # (version, params) for it (None = the learner's own params). A multi-process job evaluates on
+  # the lead's own devices with a copy of its staging params.
+  eval_mesh: Any = None
+  eval_params: Callable[[], tuple[int, Any]] | None = None
 
   @property
   def reproducible(self) -> bool:
@@ -149,6 +154,14 @@ class Job:
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
     for old in steps[:-self.cfg.learner.checkpoint.keep]:
       shutil.rmtree(self._state_dir(old), ignore_errors=True)
+
+
+def engine_keys(saved: Any) -> list:
+  """The engine keys in a checkpoint's "sampler_rng": a list (single process), or a multi-process
+  job's {"replicas": [...]} (its first replica's keys)."""
+  if isinstance(saved, dict):
+    return next((k for k in saved.get("replicas", []) if k is not None), [])
+  return saved
 
 
 def _sampler_target(model: Model, mesh) -> Any:
@@ -299,7 +312,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   if state is None and extra and extra.get("sampler_rng") is not None:
     # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
     # would otherwise replay the first run's stream from key(seed)).
-    engine.load_rng_state(extra["sampler_rng"])
+    engine.load_rng_state(engine_keys(extra["sampler_rng"]))
 
   queue = RolloutQueue(pcfg.staleness, pcfg.group_size)
   worker = RolloutWorker(engine, task, tok, queue, pcfg)

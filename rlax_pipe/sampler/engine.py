@@ -186,6 +186,7 @@ class SamplerEngine:
     self._host_s = 0.0
     self._weight_check = None  # (version, expected, computed) of the running weights
     self.weight_checks = 0     # swaps whose weights were checked against the learner's
+    self.last_weight_check: tuple[int, np.ndarray] | None = None  # (version, checksums)
     self._start_weight_check()
 
   # --- public state -------------------------------------------------------------------------
@@ -562,6 +563,7 @@ class SamplerEngine:
     param_checksum.compare(expected, computed, version, names=names,
                            got_from="the sampler engine")
     self.weight_checks += 1
+    self.last_weight_check = (version, param_checksum.host(computed))
 
   def _release_retired(self) -> None:
     self.weights.release_retired(r.inflight.version for r in self.replicas
