@@ -51,6 +51,15 @@ def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
   return float((counts * lags).sum() / total), int(lags[counts > 0].max())
 
 
+def sampler_idle(idle: dict[str, float]) -> float:
+  """Idle fraction of the sampler: its lane, or the mean over the replicas' lanes ("sampler/r"
+  in a multi-process job); NaN without any."""
+  if "sampler" in idle:
+    return idle["sampler"]
+  lanes = [v for k, v in idle.items() if k.startswith("sampler/")]
+  return float(np.mean(lanes)) if lanes else float("nan")
+
+
 class TrainLog:
   """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line."""
 
@@ -74,7 +83,7 @@ class TrainLog:
         "lag_mean": lag_mean, "lag_max": lag_max,
         "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
-        "idle_sampler": summary.idle.get("sampler", float("nan")),
+        "idle_sampler": sampler_idle(summary.idle),
         "idle_learner": summary.idle.get("learner", float("nan")),
         "slot_occupancy": summary.slot_occupancy,
         "wasted_tokens": stats.waste.wasted_tokens,

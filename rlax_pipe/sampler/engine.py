@@ -516,6 +516,17 @@ class SamplerEngine:
       self._settle()
       engine_state.load_state_dict(self, state)
 
+  def check_weights(self) -> None:
+    """Swaps in a pending update now and completes the check of the running weights against the
+    learner's checksums (a step does both on its own; this is for an engine about to stop).
+
+    Raises:
+      param_checksum.WeightMismatchError: see `WeightUpdate.checksum`.
+    """
+    with self._step_lock:
+      self._apply_pending_weights()
+      self._finish_weight_check()
+
   def rng_state(self) -> list[np.ndarray]:
     """The sampling PRNG key of every data replica (uint32 key data), read between steps: the
     part of the engine state a resumed threaded run restores (`load_rng_state`), so its random

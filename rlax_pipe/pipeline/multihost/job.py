@@ -17,6 +17,7 @@ import time
 from typing import Any, Sequence
 
 from absl import logging
+import numpy as np
 
 from rlax_pipe import cluster
 from rlax_pipe import sharding as sharding_lib
@@ -156,6 +157,7 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
         f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
         "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
   rd = RunDir(cfg.run_dir)
+  monitor.on_fault(lambda message: record_fault(rd.path, message))
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   host = cluster.topology.local_address_towards(distributed.global_state.coordinator_address)
   hub = cluster.Hub(topo, cluster.KVStore(), monitor, dcfg, host)
@@ -173,6 +175,8 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
   proxy = RemoteEngines(hub, topo, cfg.sampler,
                         {r: hellos[topo.replica_process(r)]["slots"]
                          for r in range(topo.num_replicas)})
+  for state in proxy.replicas.values():  # a lower bound: a replica's first version is newer
+    state.version = learner.version
   queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
            else RolloutQueue(pcfg.staleness, pcfg.group_size))
   worker = RolloutWorker(proxy, task, tok, queue, pcfg)
@@ -219,12 +223,23 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
   sender.close(dcfg.transfer_timeout_s)
   _wait_for_goodbyes(hub, dcfg.connect_timeout_s)
   summary = dict(report.summary)
+  spans = job.timeline.spans()
+  occupancy = {f"sampler/{r}": timeline_lib.slot_occupancy(spans, component=f"sampler/{r}")
+               for r in range(topo.num_replicas)}
+  summary["slot_occupancy_per_replica"] = occupancy
+  summary["slot_occupancy"] = float(np.mean(list(occupancy.values())))
   summary["topology"] = to_jsonable(topo.describe())
   summary["queue"] = to_jsonable(dataclasses.asdict(queue.stats()))
   (rd.path / "summary.json").write_text(json.dumps(summary, indent=2))
   monitor.close()
   hub.close()
   return summary
+
+
+def record_fault(run_dir: pathlib.Path, message: str) -> None:
+  """Appends the job's fault to run_dir/faults.jsonl (one line per failed attempt)."""
+  with open(run_dir / "faults.jsonl", "a") as f:
+    f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "message": message}) + "\n")
 
 
 def _wait_for_goodbyes(hub: cluster.Hub, timeout_s: float) -> None:

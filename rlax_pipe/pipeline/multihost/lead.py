@@ -140,6 +140,8 @@ class MultiprocessRecords:
         row = self._side.rows.get_nowait()
       except queue_lib.Empty:
         return
+      if "clock" in row:  # the lead's perf_counter -> run time
+        row["time_s"] = job.clock.time_s(row.pop("clock"))
       job.run_dir.log({"step": step, **row}, step)
 
   def log_push(self, job: Job, version: int) -> None:

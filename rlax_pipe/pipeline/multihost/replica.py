@@ -115,7 +115,7 @@ class ReplicaProcess:
     got = self.receiver.received[-1]
     self._rows.append({"kind": "weights", "replica": self.replica, "version": version,
                        "transfer": got["transfer"], "sender": got["sender"],
-                       "transfer_s": got["seconds"], "time_s": self.link.lead_clock()})
+                       "transfer_s": got["seconds"], "clock": self.link.lead_clock()})
     self.receiver.request(version)
 
   def _status(self, with_rng: bool) -> dict:
@@ -179,6 +179,7 @@ class ReplicaProcess:
   def finish(self) -> None:
     """Final statistics to the lead, drain the transfer log, close the link."""
     e = self.engine
+    e.check_weights()  # the last version handed over may not have run a dispatch yet
     stats = dataclasses.asdict(e.stats())
     self._rows.append({"kind": "replica", "replica": self.replica,
                        "process": self.topology.process_id, "weight_checks": e.weight_checks,
