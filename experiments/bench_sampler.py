@@ -33,6 +33,11 @@ _PRESET = flags.DEFINE_enum("preset", None, sorted(presets.PRESETS) + ["all"],
 _HBM = flags.DEFINE_float("hbm_gbps", None, "HBM bandwidth (GB/s) for the roofline; default "
                           "from the named-chip table by device kind.")
 _FULL = flags.DEFINE_bool("full", None, "Full-size preset (default: on an accelerator only).")
+_PRESET_SLOTS = flags.DEFINE_integer("preset_slots", None, "Decode slots of --preset (default 64 on "
+                                     "an accelerator, 4 on CPU).")
+_PRESET_IMPL = flags.DEFINE_enum("preset_attention_impl", "auto",
+                                 ["auto", "reference", "pallas_gpu", "pallas_tpu"],
+                                 "Attention implementation of --preset (auto = kernel by platform).")
 _N = flags.DEFINE_integer("num_requests", 1024, "Requests in the workload suite.")
 _SLOTS = flags.DEFINE_integer("num_slots", 32, "Decode slots (= static batch size).")
 _PAGES = flags.DEFINE_integer("num_pages", 192, "KV pages (16 tokens each) in the paged pool.")
@@ -52,7 +57,8 @@ def main(argv):
   del argv
   if _PRESET.value:
     names = sorted(presets.PRESETS) if _PRESET.value == "all" else [_PRESET.value]
-    out = [presets.run_preset(n, hbm_gbps=_HBM.value, full=_FULL.value) for n in names]
+    out = [presets.run_preset(n, hbm_gbps=_HBM.value, full=_FULL.value, slots=_PRESET_SLOTS.value,
+                              attention_impl=_PRESET_IMPL.value) for n in names]
     print(json.dumps(out[0] if len(out) == 1 else {"presets": out}))
   elif _SUITE.value == "scaling":
     out = sampler_scaling.run_scaling()

@@ -6,6 +6,8 @@ one small rules table per role maps each logical axis to an ordered tuple of mes
 (MaxText-style logical axis rules, kept small):
 
   `LEARNER_RULES`   params, optimizer state and batches on the learner mesh (FSDP x tp)
+  `LEARNER_COMPUTE_RULES`  how the learner's forward / backward computes (`compute_constraint`):
+                    each layer's weights gathered over fsdp, activations split over the batch
   `SAMPLER_RULES`   params and slot batches on the sampler mesh (data replicas x tp)
   `CACHE_RULES`     the paged KV pool, on whichever mesh its engine runs (sampler or eval)
 
@@ -68,6 +70,13 @@ LEARNER_RULES: Rules = types.MappingProxyType({
     VOCAB: (TP,),
     LAYERS: (),
 })
+
+# How the learner computes (FSDP = ZeRO-3, plus data and Megatron tensor parallelism): inside the
+# forward pass a weight is used with the embed dim whole (its fsdp shards all-gathered, one layer
+# at a time inside the layer scan; the backward reduce-scatters its gradient back to the stored
+# `LEARNER_RULES` layout) and tp splits heads / mlp / vocab; activations are split over the
+# batch axes (data, fsdp) only, so no activation ever needs a collective over fsdp.
+LEARNER_COMPUTE_RULES: Rules = types.MappingProxyType({**LEARNER_RULES, EMBED: ()})
 
 # Data replicas x tensor parallel: weights replicated over data and split over tp; decode slots
 # (batch) split over data. The KV pool has its own table, `CACHE_RULES`.
@@ -379,3 +388,46 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: An
         tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
+                       stored_rules: Rules = LEARNER_RULES):
+  """A sharding hook `constrain(x, logical_axes, weight=False) -> x` for a model's forward.
+
+  Activations are constrained to `rules`. A weight (`weight=True`) is constrained to its
+  `rules` layout in the forward pass (with `LEARNER_COMPUTE_RULES`: all-gathered over fsdp) and
+  its cotangent to the weight's *stored* layout (`stored_rules`) in the backward pass, through a
+  custom VJP: the partial per-device gradient then goes straight to a reduce-scatter into the
+  shard each device stores, not through an all-reduce of the whole gradient first. A dimension
+  whose size the rule's mesh axes do not divide stays whole (`logical_to_spec`).
+
+  Args:
+    mesh: the mesh the model runs on.
+    rules: compute layout table.
+    stored_rules: layout the parameters are stored in.
+
+  Returns:
+    constrain(x, logical_axes, weight=False).
+  """
+  def sharding(x, axes, table):
+    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, table))
+
+  def gather(x, axes):
+    @jax.custom_vjp
+    def use(w):
+      return jax.lax.with_sharding_constraint(w, sharding(w, axes, rules))
+
+    def use_fwd(w):
+      return use(w), None
+
+    def use_bwd(_, ct):
+      return (jax.lax.with_sharding_constraint(ct, sharding(ct, axes, stored_rules)),)
+
+    use.defvjp(use_fwd, use_bwd)
+    return use(x)
+
+  def constrain(x: jax.Array, logical_axes: Sequence[str | None], weight: bool = False):
+    if weight:
+      return gather(x, tuple(logical_axes))
+    return jax.lax.with_sharding_constraint(x, sharding(x, logical_axes, rules))
+  return constrain

@@ -90,6 +90,33 @@ class Model(Protocol):
     ...
 
 
+@runtime_checkable
+class HiddenStatesModel(Model, Protocol):
+  """Optional, for a learner at scale: the forward split before the output projection.
+
+  A model that also offers these two methods lets the learner (a) compute log-probs from hidden
+  states in chunks of positions, never holding [rows, T, V] logits, and (b) place its weights
+  and activations with a sharding hook (FSDP: weights gathered per layer, activations split over
+  the batch axes). A model with `forward` only is trained from full logits, with XLA's default
+  layouts. `output_head(params) @ hidden_states(...)` must equal `forward`'s logits (float32).
+  """
+
+  def hidden_states(self, params: Any, tokens_BT: jax.Array, positions_BT: jax.Array, *,
+                    segment_ids_BT: jax.Array | None = None, remat: str = "none",
+                    constrain: Any = None,
+                    attention_block_len: int | None = None) -> jax.Array:
+    """Final normalised hidden states [B, T, E] of the cache-free forward.
+
+    `remat` is one of "none", "full", "dots_saveable"; `constrain(x, logical_axes, weight=False)`
+    is a sharding hook called on each weight (weight=True) and on activations;
+    `attention_block_len` bounds the queries attended at once (None = all)."""
+    ...
+
+  def output_head(self, params: Any) -> jax.Array:
+    """The [E, V] output projection (logits = hidden @ head, in float32)."""
+    ...
+
+
 def attend_with_cache(cache: Any, layer: int | jax.Array, q_BTHD: jax.Array, k_BTKD: jax.Array,
                       v_BTKD: jax.Array, positions_BT: jax.Array,
                       valid_BT: jax.Array) -> tuple[jax.Array, Any]:

@@ -33,7 +33,8 @@ def _case(seed, lengths, layout, t=1):
   offsets = np.arange(t)[None, :]
   positions = (lengths - n_valid)[:, None] + offsets
   valid = offsets < n_valid[:, None]
-  q = jnp.asarray(rng.normal(size=(len(lengths), t, H, D)).astype(np.float32))
+  heads = layout.num_kv_heads * G
+  q = jnp.asarray(rng.normal(size=(len(lengths), t, heads, layout.head_dim)).astype(np.float32))
   return q, pools, jnp.asarray(tables), jnp.asarray(positions, jnp.int32), jnp.asarray(valid)
 
 
@@ -102,8 +103,9 @@ def test_kernel_runs_under_shard_map_over_tp():
 def test_gpu_kernel_natively():
   layout = PoolLayout(L, K, P, 16, 64)
   case = _case(4, np.array([1, 60, 128]), layout)
+  # Triton's dots take fp32 operands in TF32 (10-bit mantissa): ~1e-3 relative per score.
   np.testing.assert_allclose(_kernel("pallas_gpu", *case[:2], layout, *case[2:], interpret=False),
-                             _reference(case[0], case[1], layout, *case[2:]), atol=2e-3, rtol=2e-3)
+                             _reference(case[0], case[1], layout, *case[2:]), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.tpu
