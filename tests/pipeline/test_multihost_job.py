@@ -175,29 +175,52 @@ def test_a_killed_replica_ends_the_job_and_resume_with_one_replica_finishes(
   assert all(r["lag_max"] <= MAX_LAG for r in train)
 
 
-def test_slurm_environment_is_detected(tmp_path, tiny_init, jax_cache):
-  """Two processes with the variables SLURM sets (srun --ntasks=2 on one node): JAX's SLURM
-  detection finds coordinator, process count and ids; no --coordinator_address flag."""
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stand-in for srun on one node: SLURM_NTASKS local tasks with the variables srun gives each.
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=localhost SLURM_STEP_NUM_NODES=1 \\
+    SLURM_STEP_NUM_TASKS=$SLURM_NTASKS "$@" > "$FAKE_SRUN_LOGS/process_$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_init, jax_cache):
+  """launch/slurm.sbatch as sbatch runs it for 2 tasks on one node (srun replaced by a stand-in
+  that sets the per-task variables srun sets): JAX's SLURM detection finds coordinator, process
+  count and ids; the script passes no --coordinator_address, --num_processes or --process_id."""
   run_dir = tmp_path / "run"
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "srun").write_text(FAKE_SRUN)
+  (bin_dir / "srun").chmod(0o755)
   env = _env(jax_cache)
-  env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
-             SLURM_STEP_NUM_NODES="1", JAX_COORDINATOR_PORT=str(launcher.free_port()),
-             XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env.update(SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_JOB_NUM_NODES="1",
+             SLURM_SUBMIT_DIR=str(ROOT), JAX_COORDINATOR_PORT=str(launcher.free_port()),
+             XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             GPUS_PER_NODE="0", DEVICES_PER_TASK="2", NUM_LEARNER_PROCESSES="1",
+             PYTHON=sys.executable, FAKE_SRUN_LOGS=str(tmp_path),
+             PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
   args = _args(run_dir, tiny_init, 2, policy="queue-drop",
-               extra=["--config.pipeline.staleness.queue_capacity_groups=2",
-                      "--config.learner.mesh_axes=(('fsdp', 1), ('tp', 2))"])
-  procs = []
-  for i in range(2):
-    penv = dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i))
-    log = open(tmp_path / f"process_{i}.log", "w")  # pylint: disable=consider-using-with
-    procs.append(subprocess.Popen(
-        [sys.executable, str(ROOT / "experiments" / "pipeline_rl.py"),
-         "--num_learner_processes=1", *args], stdout=log, stderr=subprocess.STDOUT, env=penv,
-        cwd=str(ROOT)))
-  codes = launcher.wait(procs, TIMEOUT_S, kill_after_s=30)
-  assert codes == [0, 0], _tail(tmp_path)
+               extra=["--config.pipeline.staleness.queue_capacity_groups=2"])
+  proc = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate()
+  assert proc.returncode == 0, out + _tail(tmp_path)
+  assert "1 sampler replicas" in out
   log0 = (tmp_path / "process_0.log").read_text()
   assert "localhost:" in log0 and "of 2 processes" in log0  # found through SLURM's variables
   topo = json.loads((run_dir / "topology.json").read_text())
   assert [p["role"] for p in topo["processes"]] == ["learner", "sampler"]
+  assert topo["learner_mesh"] == {"fsdp": 2}  # the script's default: fsdp over K x devices
   assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2]
