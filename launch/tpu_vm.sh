@@ -10,7 +10,8 @@
 #   TPU_NAME=... ZONE=... RUN_DIR=gs://bucket/runs/exp1 launch/tpu_vm.sh run --config.resume
 #   TPU_NAME=... ZONE=... launch/tpu_vm.sh stop                     # end a run on every worker
 #
-# Arguments after `run` go to experiments/pipeline_rl.py (after the ones set here, so they win).
+# Arguments after `run` go to experiments/pipeline_rl.py: a --config=<file>:<preset> first, the
+# overrides after the ones set here (so they win).
 # Environment:
 #   TPU_NAME, ZONE          the TPU VM slice (required); PROJECT optional (gcloud's default)
 #   NUM_LEARNER_PROCESSES   K, workers forming the learner mesh (default 1)
@@ -39,6 +40,21 @@ RUN_DIR="${RUN_DIR:-runs/tpu_vm}"
 PROJECT_FLAG=()
 [[ -n "${PROJECT:-}" ]] && PROJECT_FLAG=("--project=$PROJECT")
 
+# `--config=<file>[:<preset>]` must come before any `--config.<field>` override: the caller's
+# config file goes first, then the overrides set here, then the caller's overrides (which win).
+CONFIG_FILE_ARGS=()
+OVERRIDE_ARGS=()
+split_config_args() {
+  while (( $# )); do
+    case "$1" in
+      --config=*) CONFIG_FILE_ARGS+=("$1") ;;
+      --config) CONFIG_FILE_ARGS+=("$1" "$2"); shift ;;
+      *) OVERRIDE_ARGS+=("$1") ;;
+    esac
+    shift
+  done
+}
+
 on_all_workers() {
   "$GCLOUD" compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" "${PROJECT_FLAG[@]}" \
     --worker=all --command="$1"
@@ -55,9 +71,11 @@ cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
     ;;
   run)
     # Quote every argument for the workers' shell.
-    args="$(printf '%q ' --num_learner_processes="$K" --config.pipeline.mode=threaded \
+    split_config_args "$@"
+    args="$(printf '%q ' --num_learner_processes="$K" "${CONFIG_FILE_ARGS[@]}" \
+      --config.pipeline.mode=threaded \
       "--config.learner.mesh_axes=$LEARNER_MESH" "--config.sampler_mesh_axes=$SAMPLER_MESH" \
-      --config.run_dir="$RUN_DIR" "$@")"
+      --config.run_dir="$RUN_DIR" "${OVERRIDE_ARGS[@]}")"
     echo "tpu_vm.sh: $TPU_NAME: workers 0..$(( K - 1 )) learner, the others sampler replicas" \
          "($CHIPS chips each); run dir $RUN_DIR (on worker 0)"
     on_all_workers "set -o pipefail; cd $REMOTE_DIR && python3 experiments/pipeline_rl.py $args \

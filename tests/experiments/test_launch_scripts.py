@@ -64,9 +64,12 @@ def test_tpu_vm_script_starts_the_job_on_every_worker(tmp_path, k):
   fake.chmod(0o755)
   env = dict(os.environ, TPU_NAME="my-v4-32", ZONE="us-central2-b", GCLOUD=str(fake),
              NUM_LEARNER_PROCESSES=str(k), RUN_DIR="gs://bucket/runs/x")
-  out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "run",
-                        "--config.pipeline.num_steps=7"], env=env, capture_output=True,
-                       text=True, timeout=60, check=True)
+  # A preset may come anywhere; the caller's overrides win over the script's.
+  user = ["--config.pipeline.num_steps=7"] + (
+      ["--config=experiments/configs/pipeline_rl.py:tiny", "--config.run_dir=gs://b/other"]
+      if k == 2 else [])
+  out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "run", *user], env=env,
+                       capture_output=True, text=True, timeout=60, check=True)
   assert f"workers 0..{k - 1} learner" in out.stdout
   args = record.read_text().split("\0")[:-1]
   assert args[:5] == ["compute", "tpus", "tpu-vm", "ssh", "my-v4-32"]
@@ -75,7 +78,9 @@ def test_tpu_vm_script_starts_the_job_on_every_worker(tmp_path, k):
   words = shlex.split(command.split("&&", 1)[1].split("2>&1")[0])
   assert words[:2] == ["python3", "experiments/pipeline_rl.py"]
   cfg = _check_tpu_job(words[2:], num_learner_processes=k, chips_per_host=4)
-  assert cfg.pipeline.num_steps == 7 and cfg.run_dir == "gs://bucket/runs/x"
+  assert cfg.pipeline.num_steps == 7
+  assert cfg.run_dir == ("gs://b/other" if k == 2 else "gs://bucket/runs/x")
+  assert cfg.pipeline.eval_problems == (4 if k == 2 else 128)  # the tiny preset was loaded
 
 
 def test_tpu_vm_script_refuses_a_missing_slice_name(tmp_path):
