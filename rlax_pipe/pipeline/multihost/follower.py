@@ -65,6 +65,7 @@ class FollowerProcess:
     pcfg, off = self.cfg.pipeline, self.link.offset_s
     self.sender.push(self.learner.params, self.learner.version)
     idle_since = time.monotonic()
+    steps, train_s = 0, 0.0
     while True:
       self.monitor.check()
       try:
@@ -74,7 +75,11 @@ class FollowerProcess:
           raise TimeoutError(f"{self.topology.name()}: no batch from the learner lead for "
                              f"{pcfg.wait_timeout_s:.0f} s.") from None
         continue
-      if kind == "end":
+      if kind == "end":  # last messages first: the lead waits for them before its records
+        self.link.send("rows", [{
+            "kind": "learner_process", "process": self.topology.process_id, "steps": steps,
+            "train_s": train_s, "version": self.learner.version}])
+        self.link.send("done", None)
         break
       if kind != "train":
         continue
@@ -82,6 +87,7 @@ class FollowerProcess:
       with self.monitor.deadline("a learner step", pcfg.wait_timeout_s):
         self.trainer.train_on(payload)
       t1 = time.perf_counter()
+      steps, train_s = steps + 1, train_s + (t1 - t0)
       self.link.send("spans", [(self.lane, "train_step", t0 + off, t1 + off, None, None)])
       if self.learner.step % pcfg.checkpoint_every == 0:
         self.learner.save({})

@@ -214,8 +214,8 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
     evaluation.evaluate(job, job.start_step, job.clock.offset)
   todo = pcfg.num_steps - job.start_step
   end = drive(job, hub, monitor, all_hooks, todo) if todo > 0 else time.perf_counter()
-  side.stop(dcfg.transfer_timeout_s)
   hub.broadcast("end", None, role="learner")
+  side.stop(dcfg.transfer_timeout_s)
   time_s = job.clock.time_s(end)
   for hook in all_hooks:
     hook.on_end(job, time_s)

@@ -46,6 +46,7 @@ class LeadSamplerSide:
     self.job, self.hub, self.proxy, self.monitor = job, hub, proxy, monitor
     self.rows: queue_lib.Queue = queue_lib.Queue()   # replica rows for the run directory
     self.done: set[int] = set()                      # replicas that sent their last message
+    self.learners_done: set[int] = set()             # learner processes that did the same
     self._stopping = threading.Event()
     self._exit = threading.Event()
     self._checked: dict[int, int] = {}
@@ -78,7 +79,10 @@ class LeadSamplerSide:
       for row in payload:
         self.rows.put(row)
     elif kind == "done":
-      self.done.add(self._replica(p))
+      if p < self.job.cfg.distributed.num_learner_processes:
+        self.learners_done.add(p)
+      else:
+        self.done.add(self._replica(p))
 
   def _top_up(self) -> None:
     for r in sorted(self.proxy.replicas):
@@ -108,16 +112,21 @@ class LeadSamplerSide:
       self.job.queue.close()
 
   def stop(self, timeout_s: float) -> None:
-    """Stops topping up, tells the replicas to stop, waits for their last messages."""
+    """Stops topping up, tells the replicas to stop (the other learner processes were told
+    "end"), and waits for every process's last messages (spans and rows), so that the run
+    directory gets all of them."""
     self._stopping.set()
     self.hub.broadcast("stop", None, role="sampler")
+    learners = set(range(1, self.job.cfg.distributed.num_learner_processes))
     deadline = time.monotonic() + timeout_s
-    while len(self.done) < len(self.proxy.replicas) and time.monotonic() < deadline:
+    while ((len(self.done) < len(self.proxy.replicas) or self.learners_done != learners)
+           and time.monotonic() < deadline):
       self.monitor.check()
       time.sleep(0.01)
-    if len(self.done) < len(self.proxy.replicas):
+    if len(self.done) < len(self.proxy.replicas) or self.learners_done != learners:
       missing = sorted(set(self.proxy.replicas) - self.done)
-      logging.warning("replicas %s did not send their final messages within %.0f s.", missing,
+      logging.warning("replicas %s and learner processes %s did not send their final messages "
+                      "within %.0f s.", missing, sorted(learners - self.learners_done),
                       timeout_s)
     time.sleep(0.05)  # let the thread handle what arrived with "done"
     self._exit.set()
