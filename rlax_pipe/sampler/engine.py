@@ -50,10 +50,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import engine_state, page_pool
+from rlax_pipe.sampler import engine_state, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -117,7 +116,7 @@ _REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "pree
                    "shared_prompt_copies")
 
 
-class SamplerEngine:
+class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
@@ -184,10 +183,8 @@ class SamplerEngine:
     self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
                         finished=0, aborted=0, weight_updates=0)
     self._host_s = 0.0
-    self._weight_check = None  # (version, expected, computed) of the running weights
-    self.weight_checks = 0     # swaps whose weights were checked against the learner's
-    self.last_weight_check: tuple[int, np.ndarray] | None = None  # (version, checksums)
-    self._start_weight_check()
+    self._weight_check = weight_check.WeightCheck()  # running weights vs the learner's
+    self._weight_check.start(self.weights.running)
 
   # --- public state -------------------------------------------------------------------------
   @property
@@ -447,7 +444,7 @@ class SamplerEngine:
     c["generated_tokens"] += tokens
     c["finished"] += n_done
     self._release_retired()
-    self._finish_weight_check()
+    self._weight_check.finish()
     return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
@@ -516,65 +513,17 @@ class SamplerEngine:
       self._settle()
       engine_state.load_state_dict(self, state)
 
-  def check_weights(self) -> None:
-    """Swaps in a pending update now and completes the check of the running weights against the
-    learner's checksums (a step does both on its own; this is for an engine about to stop).
-
-    Raises:
-      param_checksum.WeightMismatchError: see `WeightUpdate.checksum`.
-    """
-    with self._step_lock:
-      self._apply_pending_weights()
-      self._finish_weight_check()
-
-  def rng_state(self) -> list[np.ndarray]:
-    """The sampling PRNG key of every data replica (uint32 key data), read between steps: the
-    part of the engine state a resumed threaded run restores (`load_rng_state`), so its random
-    stream continues instead of restarting from the seed."""
-    with self._step_lock:
-      return engine_state.rng_state(self)
-
-  def load_rng_state(self, keys: list[np.ndarray]) -> None:
-    """Sets the data replicas' sampling keys from `rng_state()` output (a shorter list leaves
-    the other replicas' keys alone; an extra one is ignored)."""
-    with self._step_lock:
-      engine_state.load_rng_state(self, keys)
-
   # --- internals ----------------------------------------------------------------------------
   def _may_admit(self, seq: SequenceState) -> bool:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
-    """Swaps in the pending update (caller holds the step lock)."""
-    self._finish_weight_check()  # started at an earlier step: its result is there by now
+    """Swaps in the pending update (caller holds the step lock); starts its weight check."""
+    self._weight_check.finish()  # started at an earlier step: its result is there by now
     if self.weights.swap():
       self._counts["weight_updates"] += 1
-      self._start_weight_check()
+      self._weight_check.start(self.weights.running)
     self._release_retired()
-
-  def _start_weight_check(self) -> None:
-    """Dispatches the checksums of the weights now running when their update carries the
-    learner's (`WeightUpdate.checksum`); `_finish_weight_check` compares them after the next
-    read-back, so the check never stalls a dispatch."""
-    running = self.weights.running
-    if running.checksum is not None:
-      self._finish_weight_check()
-      self._weight_check = (running.version, running.checksum,
-                            param_checksum.checksum(running.params))
-
-  def _finish_weight_check(self) -> None:
-    """Raises `param_checksum.WeightMismatchError` if the weights the engine decodes with are
-    not the learner's weights of the version their tokens are tagged with."""
-    check, self._weight_check = self._weight_check, None
-    if check is None:
-      return
-    version, expected, computed = check
-    names = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(self.weights.running.params)[0]]
-    param_checksum.compare(expected, computed, version, names=names,
-                           got_from="the sampler engine")
-    self.weight_checks += 1
-    self.last_weight_check = (version, param_checksum.host(computed))
 
   def _release_retired(self) -> None:
     self.weights.release_retired(r.inflight.version for r in self.replicas

@@ -80,6 +80,28 @@ def state_dict(engine) -> dict:
   }
 
 
+class SamplingKeys:
+  """`SamplerEngine`'s sampling PRNG keys as resumable state (a mixin: the engine holds
+  `_step_lock` and its data replicas)."""
+
+  def rng_state(self) -> list[np.ndarray]:
+    """The sampling PRNG key of every data replica (uint32 key data), read between steps: the
+    part of the engine state a resumed threaded run restores (`load_rng_state`), so its random
+    stream continues instead of restarting from the seed."""
+    with self._step_lock:  # pylint: disable=no-member
+      return rng_state(self)
+
+  def load_rng_state(self, keys: list[np.ndarray]) -> None:
+    """Sets the data replicas' sampling keys from `rng_state()` output (a shorter list leaves
+    the other replicas' keys alone; an extra one is ignored).
+
+    Raises:
+      RuntimeError: if a dispatch is in flight.
+    """
+    with self._step_lock:  # pylint: disable=no-member
+      load_rng_state(self, keys)
+
+
 def rng_state(engine) -> list[np.ndarray]:
   """Key data of every data replica's sampling PRNG key (the engine holds its step lock)."""
   return [np.asarray(jax.random.key_data(r.state.rng)) for r in engine.replicas]
