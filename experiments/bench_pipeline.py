@@ -22,18 +22,23 @@ from lib import bench
 from lib import config_cli
 
 _OUT = flags.DEFINE_string("out_dir", "runs/bench_pipeline", "Parent of the three run dirs.")
-_TARGET = flags.DEFINE_float("target_accuracy", -1.0, "Held-out accuracy to reach; < 0 = 90% "
-                             "of the lowest best accuracy over the drivers.")
+_TARGET = flags.DEFINE_float("target_accuracy", -1.0, "Held-out accuracy to reach, above the "
+                             "starting accuracy (refused otherwise); < 0 = the starting accuracy "
+                             "+ 90% of the lowest gain over the drivers.")
 _DRIVERS = flags.DEFINE_list("drivers", ["sync", "async-batch", "pipeline"], "Drivers to run.")
 _CONFIG = config_cli.define_rl_flags()
 
 
 def main(argv):
   del argv
-  summaries = bench.run_drivers(config_cli.run_config(_CONFIG.value), tuple(_DRIVERS.value),
-                                _OUT.value)
+  config_cli.setup_logging()
   target = None if _TARGET.value < 0 else _TARGET.value
-  print(json.dumps(bench.compare(summaries, target)))
+  with config_cli.user_errors():
+    hooks = [] if target is None else [bench.TargetCheck(target)]  # refused after step 1
+    summaries = bench.run_drivers(config_cli.run_config(_CONFIG.value), tuple(_DRIVERS.value),
+                                  _OUT.value, hooks=hooks)
+    result = bench.compare(summaries, target)
+  print(json.dumps(result))
 
 
 if __name__ == "__main__":

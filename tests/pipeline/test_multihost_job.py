@@ -24,6 +24,10 @@ _spec.loader.exec_module(launcher)
 
 MAX_LAG = 1
 TIMEOUT_S = 420.0
+# The tiny preset fixes a 1 + 1 device split for one process; two learner processes of two
+# devices each form a 4-device learner mesh, each replica a 2-device one.
+FOUR_PROCESS_MESHES = ("--config.learner.mesh_axes=(('fsdp', 2), ('tp', 2))",
+                       "--config.sampler_mesh_axes=(('tp', 2),)")
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +127,8 @@ POLICIES = os.environ.get("RLAX_PIPE_MP_POLICIES", "learner-wait").split(",")
 def test_four_processes_train_with_in_flight_updates(tmp_path, tiny_init, jax_cache, policy):
   run_dir = tmp_path / "run"
   t0 = time.monotonic()
-  extra = (["--config.pipeline.staleness.queue_capacity_groups=2"] if policy == "queue-drop"
-           else [])
+  extra = [*FOUR_PROCESS_MESHES] + (
+      ["--config.pipeline.staleness.queue_capacity_groups=2"] if policy == "queue-drop" else [])
   procs = launcher.launch(4, 2, _args(run_dir, tiny_init, 6, policy=policy, extra=extra),
                           log_dir=tmp_path / "logs", env=_env(jax_cache))
   codes = launcher.wait(procs, TIMEOUT_S, kill_after_s=30)
@@ -171,7 +175,7 @@ def _wait_for_step(run_dir, step, procs, timeout_s):
 def test_a_killed_replica_ends_the_job_and_resume_with_one_replica_finishes(
     tmp_path, tiny_init, jax_cache):
   run_dir = tmp_path / "run"
-  args = _args(run_dir, tiny_init, 6, policy="block")
+  args = _args(run_dir, tiny_init, 6, policy="block", extra=FOUR_PROCESS_MESHES)
   procs = launcher.launch(4, 2, args, log_dir=tmp_path / "logs", env=_env(jax_cache))
   _wait_for_step(run_dir, 2, procs, TIMEOUT_S)
   procs[3].send_signal(signal.SIGKILL)

@@ -21,13 +21,13 @@ import numpy as np
 
 from rlax_pipe import cluster
 from rlax_pipe import sharding as sharding_lib
-from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
-from rlax_pipe import tokenizer as tokenizer_lib
-from rlax_pipe.model import ModelLike
+from rlax_pipe.model import Model, ModelLike
+from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
 from rlax_pipe.pipeline import job as job_lib
+from rlax_pipe.pipeline import record as record_lib
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.follower import (
     FollowerProcess, make_learner, open_link, restore_or_start)
@@ -40,7 +40,7 @@ from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinato
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
-from rlax_pipe.run_dir import RunDir, to_jsonable
+from rlax_pipe.run_dir import to_jsonable
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -77,6 +77,33 @@ def learner_mesh(cfg: RunConfig, topology: cluster.Topology):
   return sharding_lib.make_mesh(devices, dict(cfg.learner.mesh_axes), sharding_lib.LEARNER_RULES)
 
 
+def with_meshes(cfg: RunConfig, topology: cluster.Topology) -> RunConfig:
+  """`cfg` with the mesh shapes left empty (`()`, the default) chosen for the job's topology, the
+  same way in every process: the learner mesh over all learner processes' devices, each replica's
+  sampler mesh over its own process's devices (`devices.learner_axes_for` / `sampler_axes_for`).
+  """
+  learner_axes = cfg.learner.mesh_axes or devices_lib.learner_axes_for(
+      len(topology.learner_devices()))
+  sampler_axes = cfg.sampler_mesh_axes or devices_lib.sampler_axes_for(
+      topology.devices_per_process)
+  return dataclasses.replace(cfg, sampler_mesh_axes=sampler_axes, learner=dataclasses.replace(
+      cfg.learner, mesh_axes=learner_axes))
+
+
+def with_stop_set(cfg: RunConfig, model: Model) -> tuple[RunConfig, Any]:
+  """(`cfg` with the sampler's stop set resolved as a single-process job does
+  (`job.stop_ids_for`), the run's tokenizer); the model/tokenizer checks of `job` run here too.
+
+  Raises:
+    ConfigError: as `job.build_job` for a tokenizer or task file that cannot be read or a
+      tokenizer that does not fit the model.
+  """
+  tok = job_lib._tokenizer(cfg)  # pylint: disable=protected-access
+  stops = job_lib.stop_ids_for(cfg, tok, model)
+  job_lib._check_vocab(cfg, model, tok, stops)  # pylint: disable=protected-access
+  return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops)), tok
+
+
 def _checkpoint_dir(cfg: RunConfig) -> str:
   return str(pathlib.Path(cfg.run_dir) / "checkpoints")
 
@@ -98,12 +125,13 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
     ProcessFault: when the job failed (the message names the process and its role).
   """
   topo = cluster.current(cfg.distributed.num_learner_processes)
+  given, cfg = cfg, with_meshes(cfg, topo)
   monitor = cluster.FaultMonitor(topo.name(), cfg.distributed.exit_grace_s)
   check_supported(cfg)
   logging.info("multi-process job: %s", json.dumps(topo.describe()))
   try:
     if topo.is_lead:
-      out = _run_lead(cfg, topo, monitor, model, params, hooks)
+      out = _run_lead(given, cfg, topo, monitor, model, params, hooks)
     elif topo.role == "learner":
       _run_follower(cfg, topo, monitor, model, params)
       out = {"process": topo.process_id, "role": topo.role, "name": topo.name()}
@@ -128,6 +156,7 @@ def _run_follower(cfg, topo, monitor, model, params) -> None:
 
 def _run_replica(cfg, topo, monitor, model, params) -> None:
   model, sampler_model, _ = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
+  cfg, _ = with_stop_set(cfg, model)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
   replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout)
   replica.start()
@@ -149,14 +178,12 @@ def _restore_pipeline(extra: dict, queue: RolloutQueue, worker: RolloutWorker,
     proxy.load_rng_state(extra["sampler_rng"])
 
 
-def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
+def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
+              user_hooks) -> dict:
+  """The lead's part; `given` is the config as given (what config.json records and a resume
+  checks), `cfg` the one resolved for this topology."""
   pcfg, dcfg = cfg.pipeline, cfg.distributed
-  ckpts = pathlib.Path(_checkpoint_dir(cfg))
-  if not cfg.resume and ckpts.exists() and any(ckpts.iterdir()):
-    raise FileExistsError(
-        f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
-        "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
-  rd = RunDir(cfg.run_dir)
+  rd = record_lib.prepare_run_dir(given)
   monitor.on_fault(lambda message: record_fault(rd.path, message))
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   host = cluster.topology.local_address_towards(distributed.global_state.coordinator_address)
@@ -165,11 +192,13 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
   model, _, params0 = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
   check_replica_manifests(topo, hellos, layout.manifest())
-  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
-  task = tasks.make_task(cfg.task, job_lib._task_config(cfg))  # pylint: disable=protected-access
+  cfg, tok = with_stop_set(cfg, model)
+  task = job_lib._task(cfg)  # pylint: disable=protected-access
   mesh = learner_mesh(cfg, topo)
   learner = make_learner(cfg, mesh, model, params0, rd.checkpoint_dir)
-  extra = job_lib._restore_learner(cfg, learner, rd)  # pylint: disable=protected-access
+  extra = job_lib._restore_learner(given, learner, rd)  # pylint: disable=protected-access
+  if extra is None:
+    rd.write_config(given)
   sender = LearnerSender(layout, weights_kv(), monitor, dcfg)
   coordinator = WeightCoordinator(topo, weights_kv(), monitor, sender, layout.digest())
   proxy = RemoteEngines(hub, topo, cfg.sampler,
@@ -184,14 +213,13 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
     _restore_pipeline(extra, queue, worker, proxy)
   offset = float(extra.get("time_s", 0.0)) if extra else 0.0
   job = job_lib.Job(
-      cfg=cfg, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=mesh, learner=learner,
+      cfg=cfg, given_cfg=given, plan=None, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=mesh, learner=learner,
       channel=sender, engine=proxy, queue=queue, worker=worker,
       trainer=Trainer(learner, queue, sender, pcfg), timeline=timeline_lib.Timeline(),
       sampler_clock=None, vstate=driver_lib.VirtualState(),
       clock=job_lib.JobClock(False, offset), start_step=learner.step,
       last_eval=extra.get("last_eval") if extra else None,
       eval_mesh=layout.process_mesh(0), eval_params=sender.local_params)
-  rd.write_config(cfg)
   (rd.path / "topology.json").write_text(json.dumps(
       {**topo.describe(), "learner_mesh": dict(mesh.shape),
        "replica_mesh": dict(cfg.sampler_mesh_axes),
@@ -202,11 +230,12 @@ def _run_lead(cfg: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
   sender.push(learner.params, learner.version)
   side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: queue.close())
-  evaluation = hooks_lib.Evaluation(job)
+  eta = hooks_lib.Eta()
+  evaluation = hooks_lib.Evaluation(job, eta)
   report = hooks_lib.Report(evaluation)
   records = MultiprocessRecords(side, sender, proxy, dcfg.record_samples)
-  all_hooks = [hooks_lib.TrainLog(), evaluation, hooks_lib.Checkpoint(), records,
-               *user_hooks, report]
+  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
+               records, *user_hooks, report]
   records.log_push(job, learner.version)
   side.start()
   job.clock.wall0 = time.perf_counter()
