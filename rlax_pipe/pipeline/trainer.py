@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from absl import logging
 import numpy as np
 
 from rlax_pipe import advantages as advantages_lib
@@ -88,9 +89,27 @@ class Trainer:
     version = self.learner.version
     self.queue.set_learner_version(version)
     self.channel.push(self.learner.params, version)
+    sample_metrics = grading.batch_metrics(rollouts)
+    sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=grading.batch_metrics(rollouts))
+        sample_metrics=sample_metrics)
+
+
+def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str, int]:
+  """{"lag0_logp_alarm": 0 or 1}: 1 (and a warning) when the mean log-prob mismatch of lag-0
+  tokens exceeds `threshold` nats (see `PipelineConfig.lag0_logp_alarm`); {} when off or when
+  the step had no lag-0 token."""
+  if threshold is None or "logp_mismatch_mean" not in metrics:
+    return {}
+  mismatch = float(np.asarray(metrics["logp_mismatch_mean"]))
+  if mismatch > threshold:
+    logging.warning(
+        "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
+        "sampler may not decode with the weights its tokens are tagged with (or decodes at "
+        "another precision).", version, mismatch, threshold)
+    return {"lag0_logp_alarm": 1}
+  return {"lag0_logp_alarm": 0}
