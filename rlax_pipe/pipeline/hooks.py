@@ -51,6 +51,17 @@ def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
   return float((counts * lags).sum() / total), int(lags[counts > 0].max())
 
 
+def sample_lag_stats(result: StepResult) -> tuple[float, int]:
+  """(mean, max) per-sample staleness of a step's trained samples: the lag of each sample's
+  oldest token, v - min(policy_versions), at the version v the batch was trained at
+  (Applied Compute's definition; DESIGN.md "Staleness"). Samples without a reward (not trained)
+  and without tokens are left out; (0.0, 0) when none is left."""
+  v = result.version - 1
+  lags = [v - int(r.policy_versions.min()) for r in result.rollouts
+          if r.policy_versions.size and not np.isnan(r.reward)]
+  return (float(np.mean(lags)), int(max(lags))) if lags else (0.0, 0)
+
+
 class TrainLog:
   """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line."""
 
@@ -61,7 +72,7 @@ class TrainLog:
     self.steps_this_session += 1
     step, m = job.learner.step, result.metrics
     lag_mean, lag_max = lag_stats(m["lag_hist"])
-    versions = np.concatenate([r.policy_versions for r in result.rollouts])
+    sample_lags = sample_lag_stats(result)
     summary = timeline_lib.summarize(job.timeline.spans())
     wall = job.clock.wall_s()
     remaining = job.cfg.pipeline.num_steps - step
@@ -71,8 +82,8 @@ class TrainLog:
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
         "completion_tokens": result.completion_tokens,
         "tokens_per_s": stats.trained_tokens / max(time_s, 1e-9),
-        "lag_mean": lag_mean, "lag_max": lag_max,
-        "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
+        "token_lag_mean": lag_mean, "token_lag_max": lag_max,
+        "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "sampler_version": job.worker.weights_version,
         "idle_sampler": summary.idle.get("sampler", float("nan")),
         "idle_learner": summary.idle.get("learner", float("nan")),
@@ -87,7 +98,7 @@ class TrainLog:
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     job.run_dir.log(row, step)
     logging.info(
-        "step %d/%d  v%d  reward %.3f  held-out %s  lag mean %.2f max %d  ESS %.3f  "
+        "step %d/%d  v%d  reward %.3f  held-out %s  token lag mean %.2f max %d  ESS %.3f  "
         "tokens/s %.0f  ETA %.0fs", step, job.cfg.pipeline.num_steps, result.version,
         result.reward_mean, "n/a" if job.last_eval is None else f"{job.last_eval:.3f}",
         lag_mean, lag_max, row.get("ess", float("nan")), row["tokens_per_s"], row["eta_s"])
@@ -178,6 +189,7 @@ class Report:
                               title=f"{pcfg.driver} ({pcfg.mode})")
     plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
+    plots.plot_staleness(rows, str(rd.path / "staleness.png"))
     plots.plot_idle(rows, str(rd.path / "idle.png"))
     rd.close()
     out = {

@@ -34,6 +34,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
@@ -120,6 +121,7 @@ class Job:
   clock: JobClock
   start_step: int
   last_eval: float | None
+  cost_recorder: costs_lib.CostRecorder | None = None  # threaded mode: timed operations
 
   @property
   def reproducible(self) -> bool:
@@ -293,6 +295,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
         queue.discard_group(int(gid))
       worker_state["round_open"] = 0  # and their round with them: a new round starts
       worker_state["truncated"] = []
+      worker_state["outstanding"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   rd.write_config(cfg)
@@ -300,4 +303,5 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
              learner=learner, channel=channel, engine=engine, queue=queue, worker=worker,
              trainer=trainer, timeline=timeline, sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
-             last_eval=extra.get("last_eval") if extra else None)
+             last_eval=extra.get("last_eval") if extra else None,
+             cost_recorder=None if reproducible else costs_lib.CostRecorder())

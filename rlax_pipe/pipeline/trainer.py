@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +30,11 @@ class StepResult:
     reward_mean: mean reward of the samples that have one.
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
+    rows: rows of the packed batch (power of two); processed tokens = rows x seq_len.
+    micro_batches: micro-batches of the step.
+    push_bytes: bytes of the pushed weights.
+    build_s, train_s, push_s: wall-clock seconds of building the batch (advantages, packing),
+      of the train step (dispatch to metrics read back) and of the push.
   """
 
   version: int
@@ -37,11 +43,12 @@ class StepResult:
   completion_tokens: int
   reward_mean: float
   sample_metrics: dict = dataclasses.field(default_factory=dict)
-
-
-def _rows_bucket(needed: int) -> int:
-  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
-  return 1 << max(0, int(needed - 1).bit_length())
+  rows: int = 0
+  micro_batches: int = 1
+  push_bytes: int = 0
+  build_s: float = 0.0
+  train_s: float = 0.0
+  push_s: float = 0.0
 
 
 def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
@@ -61,7 +68,7 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   keep = [i for i, r in enumerate(rollouts) if not np.isnan(r.reward)]
   rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
-  rows = _rows_bucket(len(batching.packing_plan(lengths, cfg.seq_len)))
+  rows = batching.batch_rows(lengths, cfg.seq_len)
   return batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows), rollouts
 
 
@@ -79,18 +86,32 @@ class Trainer:
                cfg: PipelineConfig):
     self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
 
+  def micro_batches(self, rows: int) -> int:
+    """Micro-batches the learner splits a batch of `rows` rows into."""
+    lcfg = self.learner.cfg
+    return batching.micro_batch_count(rows, getattr(lcfg, "micro_batches", 1),
+                                      getattr(lcfg, "micro_batch_rows", None))
+
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
+    t0 = time.perf_counter()
     batch, trained = build_batch(groups, self.cfg)
     rollouts = [r for g in groups for r in g]
+    t1 = time.perf_counter()
     self.learner.train_step(batch)
     metrics = self.learner.flush()
     version = self.learner.version
+    t2 = time.perf_counter()
     self.queue.set_learner_version(version)
     self.channel.push(self.learner.params, version)
+    t3 = time.perf_counter()
+    rows = int(batch.tokens.shape[0])
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=grading.batch_metrics(rollouts))
+        sample_metrics=grading.batch_metrics(rollouts), rows=rows,
+        micro_batches=self.micro_batches(rows),
+        push_bytes=self.channel.stats().bytes_per_version,
+        build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)

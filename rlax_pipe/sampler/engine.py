@@ -122,6 +122,8 @@ class SamplerStats:
     recomputed_tokens: prefill tokens spent rebuilding KV of already-started sequences (after a
       preemption, or a kv_policy="recompute" weight swap).
     generated_tokens: tokens produced by decode steps.
+    live_token_steps: sum over decode steps of the tokens held in KV by the active slots (what
+      a step's attention reads; a feature of the measured cost model).
     finished, aborted: rollouts returned by `step` / `abort_all`.
     preemptions: times a running sequence lost its pages.
     weight_updates: weight swaps applied.
@@ -135,6 +137,7 @@ class SamplerStats:
   prefill_tokens: int = 0
   recomputed_tokens: int = 0
   generated_tokens: int = 0
+  live_token_steps: int = 0
   finished: int = 0
   aborted: int = 0
   preemptions: int = 0
@@ -351,6 +354,12 @@ class SamplerEngine:
       finally:
         self._step_lock.release()
 
+  def unfinished(self) -> dict[int, int | None]:
+    """Every unfinished request (running or waiting): sample_id -> policy version of its first
+    generated token (None before it has one)."""
+    seqs = self._sched.running() + list(self._sched.waiting)
+    return {s.request.sample_id: (s.versions[0] if s.versions else None) for s in seqs}
+
   def abort_all(self) -> list[Rollout]:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
     request (running ones with their tokens so far, waiting ones possibly empty)."""
@@ -477,7 +486,7 @@ class SamplerEngine:
       self._rng = jax.device_put(jax.random.wrap_key_data(state["rng"]), self._rng.sharding)
       self._uids = itertools.count(int(state["next_uid"]))
       self._sums = {k: float(v) for k, v in state["sums"].items()}
-      self._counts = {k: int(v) for k, v in state["counts"].items()}
+      self._counts.update({k: int(v) for k, v in state["counts"].items()})
 
   # --- internals ----------------------------------------------------------------------------
   def _may_admit(self, seq: SequenceState) -> bool:
@@ -549,6 +558,7 @@ class SamplerEngine:
     now, version = self.clock(), self._version
     self._counts["decode_steps"] += 1
     self._counts["generated_tokens"] += n_active
+    self._counts["live_token_steps"] += live
     self._sums["slot_occupancy"] += n_active / b
     self._sums["kv_utilization"] += live / (cfg.num_pages * cfg.page_size)
     self._sums["kv_page_fill"] += live / max(self._alloc.num_used * cfg.page_size, 1)
