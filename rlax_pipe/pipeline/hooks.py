@@ -13,8 +13,10 @@ import time
 from typing import Protocol
 
 from absl import logging
+import jax
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import evaluation
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import plots
@@ -96,6 +98,7 @@ class TrainLog:
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
+    row["prompt_lengths"] = [int(r.prompt_tokens.shape[0]) for r in result.rollouts]
     job.run_dir.log(row, step)
     logging.info(
         "step %d/%d  v%d  reward %.3f  held-out %s  token lag mean %.2f max %d  ESS %.3f  "
@@ -167,8 +170,28 @@ class Checkpoint:
     job.worker.close()
 
 
+def save_cost_fit(job: Job) -> dict | None:
+  """Threaded runs: writes the timed operations (cost_records.jsonl) and the cost model fitted
+  to them with confidence intervals (cost_fit.json, `costs.fit_cost_model`) into the run
+  directory; returns the fit's dict (None without records)."""
+  rec = job.cost_recorder
+  if rec is None or not rec.records():
+    return None
+  rd = job.run_dir.path
+  rec.to_jsonl(rd / "cost_records.jsonl")
+  pcfg = job.cfg.pipeline
+  fit = costs_lib.fit_cost_model(
+      rec.records(), source=(f"measured: threaded {pcfg.driver} run {rd}, "
+                             f"{job.cfg.num_sampler_devices} sampler + "
+                             f"{job.cfg.num_learner_devices} learner devices "
+                             f"({jax.devices()[0].device_kind})"))
+  fit.save(rd / "cost_fit.json")
+  return fit.to_dict()
+
+
 class Report:
-  """At the end: timeline.jsonl, Gantt chart and plots, and the run summary (summary.json)."""
+  """At the end: timeline.jsonl, Gantt chart and plots, the cost records and the fitted cost
+  model of a threaded run, and the run summary (summary.json)."""
 
   def __init__(self, evaluation_hook: Evaluation):
     self._eval = evaluation_hook
@@ -191,6 +214,7 @@ class Report:
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
     plots.plot_staleness(rows, str(rd.path / "staleness.png"))
     plots.plot_idle(rows, str(rd.path / "idle.png"))
+    save_cost_fit(job)
     rd.close()
     out = {
         "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,
