@@ -75,7 +75,7 @@ class TrainLog:
     step, m = job.learner.step, result.metrics
     lag_mean, lag_max = lag_stats(m["lag_hist"])
     sample_lags = sample_lag_stats(result)
-    summary = timeline_lib.summarize(job.timeline.spans())
+    summary = job.timeline.summary()  # running totals: O(1) per step, not O(spans)
     wall = job.clock.wall_s()
     remaining = job.cfg.pipeline.num_steps - step
     stats = job.queue.stats()
@@ -205,8 +205,8 @@ class Report:
     rows = rd.read_metrics()
     evals = [r for r in rows if r["kind"] == "eval"]
     spans = job.timeline.spans()
-    job.timeline.to_jsonl(str(rd.path / "timeline.jsonl"))
-    summary = timeline_lib.summarize(spans) if spans else None
+    job.timeline.flush()  # timeline.jsonl: the spans not yet appended
+    summary = job.timeline.summary() if spans else None
     if spans:
       timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
                               title=f"{pcfg.driver} ({pcfg.mode})")

@@ -141,6 +141,7 @@ class Job:
              "time_s": time_s, "last_eval": self.last_eval}
     step = self.learner.save(to_jsonable(extra))
     if not self.reproducible:
+      self.timeline.flush()  # appended, never rewritten
       return
     save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
                                        "clock": self.vstate.state_dict(),
@@ -263,7 +264,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   if state is not None:
     vstate.load_state_dict(state["clock"])
   sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
-  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter)
+  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
+                                   path=rd.path / "timeline.jsonl", truncate=state is None)
   target = _sampler_target(model, sampler_mesh)
   verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
   channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
