@@ -123,7 +123,7 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
                        seed: int = 0, push_bytes: int = 0,
                        micro_batches: int = 1) -> SimConfig:
   """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, slots, row
-  length, prefill rows) with the given costs and lengths.
+  length, prefill rows, sequence capacity) with the given costs and lengths.
 
   Args:
     config: the run's config.json as a dict.
@@ -145,7 +145,7 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
       slots_per_engine=int(s["num_slots"]), lengths=lengths, costs=cost_model,
       warmup_steps=warmup_steps, seed=seed, prompt_lengths=prompt_lengths,
       prefill_rows=int(s.get("prefill_rows", 4)), seq_len=int(p["seq_len"]),
-      micro_batches=micro_batches, push_bytes=push_bytes)
+      micro_batches=micro_batches, push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]))
 
 
 def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0

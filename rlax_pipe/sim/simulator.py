@@ -100,6 +100,7 @@ class SimConfig:
   micro_batches: int = 1
   micro_batch_rows: int | None = None
   push_bytes: int = 0
+  max_seq_len: int | None = None
   record_schedule: bool = False
 
   def __post_init__(self):
@@ -273,6 +274,8 @@ class _Run:
     gid = self.next_group
     self.unfinished[gid] = self.cfg.group_size
     lengths, prompt = self._draw_group()
+    if self.cfg.max_seq_len is not None:
+      lengths = [max(1, min(n, self.cfg.max_seq_len - prompt)) for n in lengths]
     for length in lengths:
       self.waiting.append((self.next_sample, gid, length, prompt))
       self.outstanding[self.next_sample] = gid

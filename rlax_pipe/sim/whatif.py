@@ -6,7 +6,8 @@ and how idle `sync` leaves the hardware. The analytic accelerator cost model
 Defaults: 64 H100s, Llama-3-8B (bf16 weights and KV), 64 groups x 16 samples per step, 512
 prompt tokens, log-normal completion lengths with mean 2048 tokens and log-std 1.0, capped at
 16384 (reasoning-RL-like: the cap is 8x the mean, so every step has truncated stragglers); the
-learner packs rows of prompt + cap tokens.
+learner packs rows of prompt + cap tokens, and its attention FLOPs use the mean sample length
+(a packed token attends within its own sample).
 
 Sampler engines of `sampler_tp` chips hold `costs.kv_limited_slots` slots (the pages of an
 average-length sequence; a paged engine over-commits and preempts when the tail piles up, which
@@ -59,6 +60,12 @@ class Workload:
   def row_len(self) -> int:
     """Tokens per packed learner row: the longest sample (prompt + completion cap)."""
     return self.prompt_tokens + self.max_completion_tokens
+
+  @property
+  def attention_span(self) -> int:
+    """Tokens a trained token attends over, for the learner's attention FLOPs: the mean sample
+    length (packed samples attend within their own segment, not the whole row)."""
+    return round(self.prompt_tokens + float(self.lengths().mean()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +120,7 @@ def costs(c: Cluster, num_learner: int) -> costs_lib.CostModel:
   """The analytic `CostModel` of one engine and a `num_learner`-chip learner."""
   return costs_lib.analytic_cost_model(c.shape, c.chip, sampler_tp=c.sampler_tp,
                                        learner_devices=num_learner,
-                                       train_row_len=c.workload.row_len,
+                                       train_row_len=c.workload.attention_span,
                                        assumptions=c.assumptions)
 
 

@@ -64,21 +64,18 @@ def test_admission_rule_by_hand():
   assert st.batch_size(1, 0, 2) is None
 
 
-def test_ledger_events_cost_no_walk_of_the_live_set():
-  # 20k live groups: admissions and retirements stay O(log n) (a tuple copy per event, the old
-  # representation, took seconds here).
-  import time  # pylint: disable=import-outside-toplevel
-  cfg = st.StalenessConfig("block", max_lag=None)
+def test_ledger_oldest_version_and_due_at_scale():
+  # 20k live groups over 20 versions (the cost per event is measured by bench_pipeline.py
+  # --suite=control_plane, not here).
+  cfg = st.StalenessConfig("learner-wait", max_lag=3)
   s = st.AdmissionLedger()
   for g in range(20000):
     s.admit(g, g // 1000, cfg)
-  t0 = time.perf_counter()
   for g in range(20000, 22000):
     s.admit(g, 20, cfg)
     s.retire([g - 20000], trained=True)
-  per_event = (time.perf_counter() - t0) / 4000
-  assert s.oldest_version() == 2 and s.num_live == 20000
-  assert per_event < 2e-4  # generous: a few microseconds expected
+  assert s.oldest_version() == 2 and s.num_live == 20000 and s.num_trained == 2000
+  assert s.due(5, cfg) == list(range(2000, 3000))  # versions <= 5 - 3
 
 
 def test_areal_rule_counterexample_and_ours():
