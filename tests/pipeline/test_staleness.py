@@ -67,7 +67,7 @@ def test_admission_rule_by_hand():
 def test_ledger_oldest_version_and_due_at_scale():
   # 20k live groups over 20 versions (the cost per event is measured by bench_pipeline.py
   # --suite=control_plane, not here).
-  cfg = st.StalenessConfig("learner-wait", max_lag=3)
+  cfg = st.StalenessConfig("learner-wait", max_lag=3, groups_per_step=1000)
   s = st.AdmissionLedger()
   for g in range(20000):
     s.admit(g, g // 1000, cfg)
