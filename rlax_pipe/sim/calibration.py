@@ -148,12 +148,14 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
       micro_batches=micro_batches, push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]))
 
 
-def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0
-             ) -> dict[str, float]:
+def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0,
+             span_window: bool = True) -> dict[str, float]:
   """The numbers `SimResult` predicts, measured on a run over the same window.
 
   Window: from the end of step `warmup_steps` (its row's time_s; 0 when warmup_steps is 0) to
-  the last train row's time_s.
+  the last train row's time_s. The spans' idle fractions and occupancy use the same window when
+  `span_window` (reproducible runs: rows and spans share the virtual clock); else the whole
+  timeline (threaded runs: the spans' clock is perf_counter, the rows' is run time).
 
   Returns:
     dict with tokens_per_s, samples_per_s, token_lag_mean / token_lag_max (per token, from
@@ -172,7 +174,7 @@ def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_st
   hist = np.zeros(max(len(r["lag_hist"]) for r in kept), np.int64)
   for r in kept:
     hist[:len(r["lag_hist"])] += np.asarray(r["lag_hist"], np.int64)
-  summary = timeline_lib.summarize(spans, window=(lo, hi))
+  summary = timeline_lib.summarize(spans, window=(lo, hi) if span_window else None)
   nz = np.nonzero(hist)[0]
   samples = sum(r["samples"] for r in kept)
   return {"tokens_per_s": sum(r["completion_tokens"] for r in kept) / (hi - lo),
