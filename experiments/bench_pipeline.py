@@ -5,7 +5,7 @@
   python3 experiments/bench_pipeline.py --suite=accuracy --target_accuracy=0.6
 
 --suite=drivers (default, experiments/lib/bench_drivers.py): each driver's threaded run in a
-fresh process (compile_s apart, steady state = compile-free steps after --warmup_steps), one cost
+fresh process (compile_s apart, steady state = compile-free steps after --steady_warmup_steps), one cost
 model fitted to their timed operations (out_dir/cost_fit.json), the virtual clock and the
 simulator with that model against the measurements, and the accelerator prediction.
 --suite=accuracy: the reproducible runs' time to a target held-out accuracy (virtual clock).
@@ -32,7 +32,8 @@ _OUT = flags.DEFINE_string("out_dir", "runs/bench_pipeline", "Parent of the run 
 _TARGET = flags.DEFINE_float("target_accuracy", -1.0, "--suite=accuracy: held-out accuracy to "
                              "reach; < 0 = 90% of the lowest best accuracy over the drivers.")
 _DRIVERS = flags.DEFINE_list("drivers", ["sync", "async-batch", "pipeline"], "Drivers to run.")
-_WARMUP = flags.DEFINE_integer("warmup_steps", 3, "Learner steps left out of the steady state.")
+_WARMUP = flags.DEFINE_integer("steady_warmup_steps", 3, "Learner steps left out of the "
+                              "steady state.")
 _SEEDS = flags.DEFINE_integer("sim_seeds", 4, "Simulator length seeds averaged.")
 _LIVE = flags.DEFINE_integer("live_groups", 10_000, "--suite=control_plane: live groups.")
 _CONFIG = config_cli.define_rl_flags()

@@ -13,7 +13,7 @@ date | tee "$OUT/date.txt"; uptime | tee "$OUT/load_before.txt"
 #    one cost model fitted to their timed operations ($OUT/drivers/cost_fit.json), virtual clock
 #    and simulator against the measurements, accelerator prediction (8B on 8 H200s).
 python3 experiments/bench_pipeline.py --suite=drivers --out_dir="$OUT/drivers" \
-  --config.pipeline.num_steps=20 --config.pipeline.eval_problems=32 --warmup_steps=4 \
+  --config.pipeline.num_steps=20 --config.pipeline.eval_problems=32 --steady_warmup_steps=4 \
   | tail -1 | tee "$OUT/drivers.json"
 
 # 2. Control plane at 10k live groups (admission, retirement, learner host work, timeline).
