@@ -29,21 +29,19 @@ import numpy as np
 
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.sim import calibration, distributions
 from rlax_pipe.sim import simulator as sim_lib
 from rlax_pipe.sim import whatif
 
-COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
-                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/jaxpr_trace_duration")
 MEASURED = "measured.json"
 
 
 class StepClock:
   """Step hook: wall time (the driver's clock) and compile events count at every step end."""
 
-  def __init__(self, compiles: list):
+  def __init__(self, compiles: driver_lib.CompileCounter):
     self._compiles = compiles
     self.rows: list[dict] = []
 
@@ -53,7 +51,7 @@ class StepClock:
             if r.policy_versions.size and not np.isnan(r.reward)]
     now = time_s if job.reproducible else job.timeline.now()  # virtual t_l / perf_counter
     self.rows.append({"now": now, "time_s": time_s,
-                      "compiles": len(self._compiles), "samples": len(result.rollouts),
+                      "compiles": self._compiles.count, "samples": len(result.rollouts),
                       "tokens": result.completion_tokens,
                       "lag_hist": np.asarray(result.metrics["lag_hist"]).tolist(),
                       "sample_lags": lags})
@@ -118,23 +116,15 @@ def steady_state(rows: Sequence[dict], spans, warmup_steps: int, start: float) -
 def _measure(cfg: run_lib.RunConfig, warmup_steps: int) -> dict:
   """Runs `cfg` in this process with compile events counted; writes and returns run_dir/
   measured.json."""
-  import jax  # pylint: disable=import-outside-toplevel
-  compiles: list[float] = []
-
-  def listener(event, duration, **kwargs):
-    del kwargs
-    if event in COMPILE_EVENTS:
-      compiles.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  clock = StepClock(compiles)
-  t_start = time.perf_counter()
-  summary = run_lib.run(cfg, hooks=[clock])
+  with driver_lib.CompileCounter() as compiles:
+    clock = StepClock(compiles)
+    t_start = time.perf_counter()
+    summary = run_lib.run(cfg, hooks=[clock])
   spans = timeline_lib.Timeline.from_jsonl(
       str(pathlib.Path(cfg.run_dir) / "timeline.jsonl")).spans()
   start = t_start if cfg.pipeline.mode == "threaded" else 0.0
   out = {"driver": cfg.pipeline.driver, "mode": cfg.pipeline.mode, "run_dir": cfg.run_dir,
-         "compile_s": float(sum(compiles)), "wall_s": summary["wall_s"],
+         "compile_s": compiles.seconds, "wall_s": summary["wall_s"],
          "final_heldout_accuracy": summary["final_heldout_accuracy"],
          "steady": steady_state(clock.rows, spans, warmup_steps, start)}
   (pathlib.Path(cfg.run_dir) / MEASURED).write_text(json.dumps(out, indent=2))
@@ -194,18 +184,34 @@ def _push_bytes(records_path: pathlib.Path) -> int:
   return int(recs[0].features.get("bytes", 0)) if recs else 0
 
 
+def _errors(res: dict, k: str, m: dict, v: dict, sim: dict, suffix: str) -> None:
+  res[f"virtual_vs_measured_throughput_error{suffix}_{k}"] = (v["samples_per_s"]
+                                                              / m["samples_per_s"] - 1)
+  res[f"sim_vs_measured_throughput_error{suffix}_{k}"] = sim["samples_per_s"] / m["samples_per_s"] - 1
+  res[f"virtual_vs_measured_staleness_error_steps{suffix}_{k}"] = (v["sample_lag_mean"]
+                                                                   - m["sample_lag_mean"])
+  res[f"sim_vs_measured_staleness_error_steps{suffix}_{k}"] = (sim["sample_lag_mean"]
+                                                               - m["sample_lag_mean"])
+
+
 def compare_drivers(base: run_lib.RunConfig, drivers: Sequence[str], out_dir: str,
                     warmup_steps: int = 3, seeds: Sequence[int] = (0, 1, 2, 3),
                     fresh_process: bool = True) -> dict:
   """Steps 1-4 of the module docstring; returns the flat JSON-ready comparison.
 
-  Keys per driver d (dashes as underscores): compile_s_<d>, measured_samples_per_s_<d>,
-  virtual_samples_per_s_<d>, sim_samples_per_s_<d>, {measured,virtual,sim}_sample_lag_mean_<d>
-  and _token_lag_mean_<d>, {measured,virtual,sim}_slot_occupancy_<d>,
+  Two calibrations are compared with each measured run: the cost model fitted to that run's own
+  timed operations (stored with it, run_dir/cost_fit.json; on a machine whose "separate device
+  sets" share CPU cores, it carries the contention that driver's overlap of sampler and learner
+  caused) and one model fitted to all runs pooled (out_dir/cost_fit.json, the machine's average:
+  the gap between the two is contention, which separate accelerators would not have).
+
+  Keys per driver d (dashes as underscores): compile_s_<d>, compile_free_steps_<d>,
+  {measured, virtual, sim}_{samples_per_s, sample_lag_mean, token_lag_mean, slot_occupancy}_<d>
+  (virtual and sim with the run's own fit; `_pooled` variants with the pooled one),
   virtual_vs_measured_throughput_error_<d>, sim_vs_measured_throughput_error_<d> (relative),
-  sim_vs_measured_staleness_error_steps_<d> (per-sample staleness, steps); overall the largest
-  absolute errors over drivers under the names without suffix, and
-  wall_throughput_ratio_pipeline_vs_sync (measured steady-state samples/s).
+  virtual_/sim_vs_measured_staleness_error_steps_<d> (per-sample staleness, steps), each also
+  with `_pooled`; the largest absolute errors over drivers under the names without the driver
+  suffix; wall_throughput_ratio_pipeline_vs_sync (measured steady-state samples/s).
   """
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -216,38 +222,40 @@ def compare_drivers(base: run_lib.RunConfig, drivers: Sequence[str], out_dir: st
     cfg = driver_config(base, d, "threaded", str(out / f"measured_{d}"))
     measured[d] = measure_fresh(cfg, warmup_steps) if fresh_process else _measure(
         cfg, warmup_steps)
-  fit = calibration.calibrate_run([m["run_dir"] for m in measured.values()],
-                                  source=f"measured: threaded bench runs in {out}")
-  fit_path = out / calibration.COST_FIT
-  fit.save(fit_path)
-  res["cost_model"] = fit.cost_model.to_dict()
-  res["cost_fit_path"] = str(fit_path)
+  pooled = calibration.calibrate_run([m["run_dir"] for m in measured.values()],
+                                     source=f"measured: threaded bench runs in {out} (pooled)")
+  pooled_path = out / calibration.COST_FIT
+  pooled.save(pooled_path)
+  res["cost_model_pooled"] = pooled.cost_model.to_dict()
+  res["cost_fit_path"] = str(pooled_path)
   push = _push_bytes(pathlib.Path(measured[drivers[0]]["run_dir"]) / calibration.COST_RECORDS)
-  errs = {"virtual": [], "sim": [], "stale": []}
   for d in drivers:
     k = d.replace("-", "_")
+    run_dir = pathlib.Path(measured[d]["run_dir"])
+    own_path = run_dir / calibration.COST_FIT
+    own = costs_lib.load_cost_model(own_path)
     m = measured[d]["steady"]
-    v = _measure(driver_config(base, d, "reproducible", str(out / f"virtual_{d}"),
-                               str(fit_path)), warmup_steps)["steady"]
-    s = simulate_run(measured[d]["run_dir"], fit.cost_model, warmup_steps, seeds, push)
     res[f"compile_s_{k}"] = measured[d]["compile_s"]
     res[f"compile_free_steps_{k}"] = m["steps_used"]
     res[f"final_heldout_accuracy_{k}"] = measured[d]["final_heldout_accuracy"]
-    for name, src in (("measured", m), ("virtual", v), ("sim", s)):
-      for key in ("samples_per_s", "sample_lag_mean", "token_lag_mean", "slot_occupancy"):
-        res[f"{name}_{key}_{k}"] = src[key]
-    res[f"virtual_vs_measured_throughput_error_{k}"] = v["samples_per_s"] / m["samples_per_s"] - 1
-    res[f"sim_vs_measured_throughput_error_{k}"] = s["samples_per_s"] / m["samples_per_s"] - 1
-    res[f"sim_vs_measured_staleness_error_steps_{k}"] = s["sample_lag_mean"] - m["sample_lag_mean"]
-    res[f"virtual_vs_measured_staleness_error_steps_{k}"] = (v["sample_lag_mean"]
-                                                             - m["sample_lag_mean"])
-    errs["virtual"].append(res[f"virtual_vs_measured_throughput_error_{k}"])
-    errs["sim"].append(res[f"sim_vs_measured_throughput_error_{k}"])
-    errs["stale"].append(res[f"sim_vs_measured_staleness_error_steps_{k}"])
-  for key, name in (("virtual", "virtual_vs_measured_throughput_error"),
-                    ("sim", "sim_vs_measured_throughput_error"),
-                    ("stale", "sim_vs_measured_staleness_error_steps")):
-    res[name] = max(errs[key], key=abs)
+    res[f"cost_model_{k}"] = own.to_dict()
+    for suffix, model, path in (("", own, own_path), ("_pooled", pooled.cost_model,
+                                                       pooled_path)):
+      v = _measure(driver_config(base, d, "reproducible", str(out / f"virtual{suffix}_{d}"),
+                                 str(path)), warmup_steps)["steady"]
+      sim = simulate_run(str(run_dir), model, warmup_steps, seeds, push)
+      for name, src in (("virtual", v), ("sim", sim)):
+        for key in ("samples_per_s", "sample_lag_mean", "token_lag_mean", "slot_occupancy"):
+          res[f"{name}_{key}{suffix}_{k}"] = src[key]
+      _errors(res, k, m, v, sim, suffix)
+    for key in ("samples_per_s", "sample_lag_mean", "token_lag_mean", "slot_occupancy"):
+      res[f"measured_{key}_{k}"] = m[key]
+  for suffix in ("", "_pooled"):
+    for name in ("virtual_vs_measured_throughput_error", "sim_vs_measured_throughput_error",
+                 "virtual_vs_measured_staleness_error_steps",
+                 "sim_vs_measured_staleness_error_steps"):
+      res[name + suffix] = max((res[f"{name}{suffix}_{d.replace('-', '_')}"] for d in drivers),
+                               key=abs)
   if "pipeline" in drivers and "sync" in drivers:
     res["wall_throughput_ratio_pipeline_vs_sync"] = (res["measured_samples_per_s_pipeline"]
                                                      / res["measured_samples_per_s_sync"])

@@ -11,7 +11,9 @@ the `CostModel` with, per coefficient, its standard error and a 95% confidence i
   CI_j = beta_j +- t_{0.975, n-p} se_j        (e.g. Seber & Lee, "Linear Regression Analysis",
                                                2003, Sec. 5.1).
 
-Identifiability is reported, not hidden: a feature never seen (all zero) or equal to a
+Records flagged with a positive `compiles` count (XLA compiled something while the operation
+ran, on any thread) are left out and counted (`OpFit.excluded`): compile time is reported apart,
+never fitted into an operation's cost. Identifiability is reported, not hidden: a feature never seen (all zero) or equal to a
 combination of earlier ones (e.g. dispatches == decode steps when every dispatch runs one step)
 gets coefficient 0 with status "not observed" / "aliased with ..." (its time is carried by the
 earlier ones, which is exact for predictions at the same K); a coefficient estimated below 0 is
@@ -20,6 +22,7 @@ removed (status "dropped: negative") and the regression refitted, so durations s
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -55,12 +58,15 @@ class CostRecord:
   Attributes:
     op: a key of `REGRESSIONS`.
     duration_s: measured wall-clock seconds.
-    features: the operation's counts (names as in `REGRESSIONS`; missing ones are 0).
+    features: the operation's counts (names as in `REGRESSIONS`; missing ones are 0;
+      "compiles" > 0 marks an operation that overlapped an XLA compile).
+    start_s: start on the recorder's clock (seconds), or None.
   """
 
   op: str
   duration_s: float
   features: dict[str, int] = dataclasses.field(default_factory=dict)
+  start_s: float | None = None
 
   def __post_init__(self):
     if self.op not in REGRESSIONS:
@@ -69,37 +75,67 @@ class CostRecord:
       raise ValueError(f"CostRecord.duration_s={self.duration_s} must be finite and >= 0.")
 
   def to_dict(self) -> dict[str, Any]:
-    return {"op": self.op, "duration_s": self.duration_s, **self.features}
+    return {"op": self.op, "duration_s": self.duration_s, "start_s": self.start_s,
+            **self.features}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> CostRecord:
     d = dict(d)
-    return cls(d.pop("op"), float(d.pop("duration_s")), {k: int(v) for k, v in d.items()})
+    op, duration, start = d.pop("op"), float(d.pop("duration_s")), d.pop("start_s", None)
+    return cls(op, duration, {k: int(v) for k, v in d.items()}, start)
 
 
 class CostRecorder:
-  """Thread-safe list of `CostRecord`s (the sampler and learner threads both record).
+  """Thread-safe list of `CostRecord`s (the sampler and learner threads both record) and of the
+  compile intervals seen meanwhile; `records()` flags every record that overlaps one.
 
   Example:
     rec = CostRecorder()
-    rec.record("push", 0.004, bytes=1_000_000)
+    rec.record("push", 0.004, start_s=t0, bytes=1_000_000)
+    rec.add_compile(t_end - 2.5, t_end)          # e.g. from a jax.monitoring listener
     fit = fit_cost_model(rec.records(), source="measured: my run")
   """
 
   def __init__(self):
     self._records: list[CostRecord] = []
+    self._compiles: list[tuple[float, float]] = []
     self._lock = threading.Lock()
 
-  def record(self, op: str, duration_s: float, **features: int) -> None:
-    """Adds one timed operation."""
-    r = CostRecord(op, float(duration_s), {k: int(v) for k, v in features.items()})
+  def record(self, op: str, duration_s: float, start_s: float | None = None,
+             **features: int) -> None:
+    """Adds one timed operation (started at `start_s` on the clock of `add_compile`)."""
+    r = CostRecord(op, float(duration_s), {k: int(v) for k, v in features.items()}, start_s)
     with self._lock:
       self._records.append(r)
 
-  def records(self) -> list[CostRecord]:
-    """A copy of the records so far."""
+  def add_compile(self, start_s: float, end_s: float) -> None:
+    """Notes that XLA compiled from `start_s` to `end_s` (seconds, the records' clock)."""
     with self._lock:
-      return list(self._records)
+      self._compiles.append((float(start_s), float(end_s)))
+
+  def records(self) -> list[CostRecord]:
+    """The records so far; "compiles" counts the compile intervals each one overlaps."""
+    with self._lock:
+      records, compiles = list(self._records), sorted(self._compiles)
+    if not compiles:
+      return records
+    starts = [a for a, _ in compiles]
+    longest = max(b - a for a, b in compiles)
+    out = []
+    for r in records:
+      if r.start_s is None:
+        out.append(r)
+        continue
+      lo, hi = r.start_s, r.start_s + r.duration_s
+      # intervals starting before hi and after lo - longest may overlap [lo, hi]
+      i = bisect.bisect_left(starts, lo - longest)
+      j = bisect.bisect_right(starts, hi)
+      n = sum(1 for a, b in compiles[i:j] if b > lo and a < hi)
+      if n:
+        r = dataclasses.replace(r, features={**r.features,
+                                             "compiles": r.features.get("compiles", 0) + n})
+      out.append(r)
+    return out
 
   def to_jsonl(self, path: str | pathlib.Path) -> None:
     """Writes one JSON object per record."""
@@ -140,12 +176,14 @@ class OpFit:
     mean_s: mean duration.
     rel_rmse: root-mean-square residual / mean duration.
     r2: coefficient of determination (None when the durations do not vary).
+    excluded: records left out because something compiled during them.
   """
 
   n: int
   mean_s: float
   rel_rmse: float
   r2: float | None
+  excluded: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +296,12 @@ def fit_cost_model(records: Iterable[CostRecord], source: str,
     The `CostFit`; its `cost_model` holds the estimates (quantized) and `source`.
   """
   by_op: dict[str, list[CostRecord]] = {op: [] for op in REGRESSIONS}
+  excluded = dict.fromkeys(REGRESSIONS, 0)
   for r in records:
-    by_op[r.op].append(r)
+    if r.features.get("compiles", 0) > 0:
+      excluded[r.op] += 1
+    else:
+      by_op[r.op].append(r)
   coefs: dict[str, Coefficient] = {}
   op_fits: dict[str, OpFit] = {}
   for op in ops:
@@ -272,7 +314,8 @@ def fit_cost_model(records: Iterable[CostRecord], source: str,
     cols = {intercept: np.ones(len(recs))}
     for feat, name in feats:
       cols[name] = np.asarray([r.features.get(feat, 0) for r in recs], np.float64)
-    c, op_fits[op] = fit_ols(cols, np.asarray([r.duration_s for r in recs]))
+    c, f = fit_ols(cols, np.asarray([r.duration_s for r in recs]))
+    op_fits[op] = dataclasses.replace(f, excluded=excluded[op])
     coefs.update(c)
   return CostFit(_model(coefs, source), coefs, op_fits)
 

@@ -16,7 +16,8 @@ Two modes, same components (`RolloutWorker`, `Trainer`, `WeightChannel`, `Rollou
   wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured interval
   between batches) whose error says what was awaited; an exception on any side stops all and is
   re-raised in the caller with its original traceback. With a `CostRecorder` it times every
-  operation for the measured cost model (`rlax_pipe.costs.fit`).
+  operation for the measured cost model (`rlax_pipe.costs.fit`); an operation during which XLA
+  compiled anything (any thread, `CompileCounter`) is flagged and left out of the fit.
 
 Both record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push) and call `on_step(result, now)` after every learner step
@@ -35,6 +36,7 @@ import time
 from typing import Callable
 
 from absl import logging
+import jax
 
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
@@ -46,6 +48,41 @@ from rlax_pipe.pipeline.trainer import StepResult, Trainer
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 OnStep = Callable[[StepResult, float], None]
+
+# jax.monitoring events whose durations are XLA compile work (tracing, lowering, compiling).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/jaxpr_trace_duration")
+
+
+class CompileCounter:
+  """Counts compile events of this process (any thread) and their seconds while active, and
+  hands each one's interval [end - duration, end] (perf_counter seconds) to `on_compile`.
+
+  Example:
+    with CompileCounter() as compiles:
+      ...                      # compiles.count, compiles.seconds
+  """
+
+  def __init__(self, on_compile: Callable[[float, float], None] | None = None):
+    self.count, self.seconds = 0, 0.0
+    self._on_compile = on_compile
+
+  def _listener(self, event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+      self.count += 1
+      self.seconds += duration
+      if self._on_compile is not None:
+        end = time.perf_counter()
+        self._on_compile(end - duration, end)
+
+  def __enter__(self) -> CompileCounter:
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listener)
 
 # Limit of the first waits of a run whose wait_timeout_s is None (they include XLA compiles).
 STARTUP_WAIT_S = 900.0
@@ -293,7 +330,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
           grader.submit(finished)
           if recorder is not None:
             f = engine_features(before, after, installs)
-            recorder.record("engine_step", time.perf_counter() - t0,
+            recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
                             **dataclasses.asdict(f))
         else:
           t_wait = clock()
@@ -303,6 +340,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
       errors.append(e)
       trainer.queue.close()
 
+  compiles = CompileCounter(recorder.add_compile if recorder is not None else None).__enter__()
   thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
   thread.start()
   intervals: collections.deque[float] = collections.deque(maxlen=20)
@@ -328,11 +366,12 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
       on_step(result, t2)
       t3 = clock()
       timeline.record("learner", "hooks", t2, t3)
-      if recorder is not None:
-        recorder.record("train_step", result.train_s, tokens=result.rows * cfg.seq_len,
-                        micro_batches=result.micro_batches)
-        recorder.record("push", result.push_s, bytes=result.push_bytes)
-        recorder.record("learner_host", result.build_s + (t3 - t2))
+      if recorder is not None:  # (the timeline's clock is perf_counter in threaded mode)
+        recorder.record("train_step", result.train_s, start_s=t1 + result.build_s,
+                        tokens=result.rows * cfg.seq_len, micro_batches=result.micro_batches)
+        recorder.record("push", result.push_s, start_s=t2 - result.push_s,
+                        bytes=result.push_bytes)
+        recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
       if errors:
         raise errors[0]
   finally:
@@ -342,4 +381,5 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
     if thread.is_alive():
       logging.error("sampler thread did not stop within %.0f s", limit)
     grader.close(timeout=limit)
+    compiles.__exit__()
   return clock()

@@ -128,3 +128,14 @@ def test_analytic_model_of_llama3_8b_on_h200():
   assert slots == int((0.9 * 141e9 - shape.weight_bytes) // (131072 * 2048))
   with pytest.raises(ValueError, match="raise sampler_tp"):
     costs.analytic_cost_model(shape, "TPU-v5e", sampler_tp=1, learner_devices=1, train_row_len=1)
+
+
+def test_records_overlapping_a_compile_are_left_out():
+  rec = costs.CostRecorder()
+  for i in range(20):  # one record per second; step 3..5 overlaps a 2.5 s compile
+    rec.record("push", 0.01 if i not in (3, 4, 5) else 3.0, start_s=float(i), bytes=10)
+  rec.add_compile(3.5, 6.0)
+  flagged = [r.start_s for r in rec.records() if r.features.get("compiles")]
+  assert flagged == [3.0, 4.0, 5.0]
+  fit = costs.fit_cost_model(rec.records(), source="x")
+  assert fit.cost_model.push_s == pytest.approx(0.01) and fit.ops["push"].excluded == 3

@@ -16,11 +16,13 @@ def test_compare_drivers_measures_calibrates_and_predicts(tmp_path, tiny_init, t
                                       warmup_steps=1, seeds=(0,), fresh_process=False)
   json.dumps(res)
   assert pathlib.Path(res["cost_fit_path"]).exists()
-  assert res["cost_model"]["source"].startswith("measured: threaded bench runs")
+  assert res["cost_model_pooled"]["source"].startswith("measured: threaded bench runs")
+  assert res["cost_model_sync"]["source"].startswith("measured: threaded sync run")
   for key in ("wall_throughput_ratio_pipeline_vs_sync", "virtual_vs_measured_throughput_error",
               "sim_vs_measured_throughput_error", "sim_vs_measured_staleness_error_steps",
               "compile_s_sync", "compile_s_pipeline", "measured_sample_lag_mean_pipeline",
-              "measured_token_lag_mean_pipeline", "virtual_slot_occupancy_sync"):
+              "measured_token_lag_mean_pipeline", "virtual_slot_occupancy_sync",
+              "virtual_vs_measured_throughput_error_pooled", "sim_samples_per_s_pooled_sync"):
     assert math.isfinite(res[key]), key
   assert res["compile_s_sync"] > 0  # the first process compiled everything
   assert res["measured_sample_lag_mean_sync"] == 0.0 == res["sim_sample_lag_mean_sync"]
