@@ -88,6 +88,7 @@ class RolloutWorker:
     # Requests handed to the engine and not returned: sample id -> (group id, prompt index,
     # prompt ids); checked against the engine for lost samples.
     self._outstanding: dict[int, tuple[int, int, Any]] = {}
+    self._detached: set[int] = set()  # given-up samples the engine may still be running
     self._stale_checked_version = -1
 
   @property
@@ -208,9 +209,10 @@ class RolloutWorker:
       The lost sample ids (sorted), re-dispatched or discarded with their group.
     """
     e = self.engine
-    if e.num_active + e.num_waiting >= len(self._outstanding):
+    if e.num_active + e.num_waiting - len(self._detached) >= len(self._outstanding):
       return []
     held = e.unfinished()
+    self._detached &= held.keys()
     lost = sorted(sid for sid in self._outstanding if sid not in held)
     if not lost:
       return []
@@ -257,14 +259,16 @@ class RolloutWorker:
 
   def _abandon_group(self, gid: int, reason: str) -> None:
     """Gives up a group: the queue counts it (and its late samples) as waste of `reason`; its
-    requests still in the engine are aborted when the engine can abort one request."""
+    requests still in the engine are aborted when the engine can abort one request, else they
+    run on detached (no longer outstanding; counted by the queue when they finish)."""
     self.queue.discard_group(gid, reason)
     abort = getattr(self.engine, "abort", None)
-    if abort is None:
-      return
     for sid in [s for s, (g, _, _) in self._outstanding.items() if g == gid]:
+      del self._outstanding[sid]
+      if abort is None:
+        self._detached.add(sid)
+        continue
       rollout = abort(sid)
-      self._outstanding.pop(sid, None)
       if rollout is not None:
         self.queue.put(rollout)
 
@@ -313,6 +317,7 @@ class RolloutWorker:
     finished = self.engine.step()
     for r in finished:
       self._outstanding.pop(r.sample_id, None)
+      self._detached.discard(r.sample_id)
     return finished
 
   def step(self) -> list[Rollout]:

@@ -133,6 +133,9 @@ def test_drop_aborts_groups_that_became_too_stale_in_flight(can_abort):
     assert worker.queue.stats().waste.stale_groups == n
     assert worker.pop_metrics()["groups_aborted_stale"] == n
     assert worker.abort_too_stale() == 0  # checked once per version
+    worker.queue.set_learner_version(3)
+    assert worker.abort_too_stale() == 0  # given-up groups are not given up twice
+    assert worker.queue.stats().waste.stale_groups == n
     if can_abort:  # the engine stopped them; their partial rollouts were counted
       assert sorted(worker.engine.aborted) == list(range(6)) and not worker.engine.running
       assert worker.queue.stats().waste.stale_samples == 6
