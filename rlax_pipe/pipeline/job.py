@@ -298,6 +298,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       worker_state["round_open"] = 0  # and their round with them: a new round starts
       worker_state["truncated"] = []
       worker_state["outstanding"] = []
+      worker_state["detached"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   rd.write_config(cfg)

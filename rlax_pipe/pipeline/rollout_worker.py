@@ -332,7 +332,8 @@ class RolloutWorker:
     return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open,
             "truncated": truncated,
             "outstanding": [[sid, g, p, [int(t) for t in ids]]
-                            for sid, (g, p, ids) in self._outstanding.items()]}
+                            for sid, (g, p, ids) in self._outstanding.items()],
+            "detached": sorted(self._detached)}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`."""
@@ -341,3 +342,4 @@ class RolloutWorker:
     self._truncated = {int(s) for s in state.get("truncated", ())}
     self._outstanding = {int(sid): (int(g), int(p), np.asarray(ids, np.int32))
                          for sid, g, p, ids in state.get("outstanding", ())}
+    self._detached = {int(s) for s in state.get("detached", ())}
