@@ -91,6 +91,8 @@ class TrainLog:
         "idle_learner": summary.idle.get("learner", float("nan")),
         "slot_occupancy": summary.slot_occupancy,
         "wasted_tokens": stats.waste.wasted_tokens,
+        "rejected_samples": stats.rejected_samples,  # duplicates / foreign samples, whole run
+        "lost_groups": stats.waste.lost_groups,
         "eta_s": wall / max(self.steps_this_session, 1) * remaining,
     }
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
