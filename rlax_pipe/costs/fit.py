@@ -75,11 +75,13 @@ class CostRecord:
       raise ValueError(f"CostRecord.duration_s={self.duration_s} must be finite and >= 0.")
 
   def to_dict(self) -> dict[str, Any]:
+    """JSON-ready flat dict (features at the top level)."""
     return {"op": self.op, "duration_s": self.duration_s, "start_s": self.start_s,
             **self.features}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> CostRecord:
+    """Inverse of `to_dict`."""
     d = dict(d)
     op, duration, start = d.pop("op"), float(d.pop("duration_s")), d.pop("start_s", None)
     return cls(op, duration, {k: int(v) for k, v in d.items()}, start)

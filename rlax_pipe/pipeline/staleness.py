@@ -13,8 +13,10 @@ Policies (`StalenessConfig.policy`):
     safe, see `can_admit`): the sampler does not start a group that could break the bound.
     Nothing needs dropping.
   * ``drop``: groups whose oldest token is already too stale for the version they would be
-    trained at are discarded (prime-rl style), at put time, at batch time, and in flight
-    (`is_too_stale` tells the sampler to abort them).
+    trained at are discarded (prime-rl style), at put time, at batch time, and in flight:
+    `RolloutWorker.abort_too_stale` applies `is_too_stale` to each running sample's first token
+    when the learner's version changes and gives up its group (aborting its requests when the
+    engine can abort one).
   * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work
     ahead of the learner) plus a learner-side gate: the learner never takes a step that would
     leave behind a live group whose tokens would then exceed max_lag; it waits for such a
