@@ -7,8 +7,58 @@ valid ranges, and validated once in `__post_init__`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A RoPE context-extension scaling (static, hashable); formulas in `model.rope`.
+
+  Attributes:
+    rope_type: one of ROPE_TYPES.
+    factor: context extension factor f (> 0; > 1 extends).
+    original_max_position_embeddings: pre-training context L0 (tokens; llama3 and yarn).
+    low_freq_factor: llama3's a (> 0).
+    high_freq_factor: llama3's b (> a).
+    beta_fast: yarn's rotations bounding extrapolation (default 32).
+    beta_slow: yarn's rotations bounding interpolation (default 1).
+    attention_factor: yarn's cos / sin multiplier; None = derived from factor (and mscale).
+    mscale: yarn's numerator coefficient of the derived attention factor (optional).
+    mscale_all_dim: yarn's denominator coefficient (optional; with mscale).
+    truncate: yarn rounds the correction range to whole dimensions (transformers' default).
+  """
+
+  rope_type: str
+  factor: float
+  original_max_position_embeddings: int | None = None
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f"RopeScaling.rope_type={self.rope_type!r}; choose one of {ROPE_TYPES}.")
+    if not (math.isfinite(self.factor) and self.factor > 0):
+      raise ValueError(f"RopeScaling.factor={self.factor} must be finite and > 0.")
+    if self.rope_type in ("llama3", "yarn") and not (
+        isinstance(self.original_max_position_embeddings, int)
+        and self.original_max_position_embeddings >= 1):
+      raise ValueError(f"RopeScaling.original_max_position_embeddings="
+                       f"{self.original_max_position_embeddings!r} must be an int >= 1 for "
+                       f"rope_type={self.rope_type!r}.")
+    if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+      raise ValueError(f"RopeScaling: need 0 < low_freq_factor ({self.low_freq_factor}) < "
+                       f"high_freq_factor ({self.high_freq_factor}) for llama3.")
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +74,8 @@ class ModelConfig:
     head_dim: per-head width D (even, for rotary embeddings).
     d_ff: SwiGLU hidden width F.
     rope_theta: rotary embedding base (Llama-3 uses 500000, Qwen 1e6, tiny defaults 10000).
+    rope_scaling: None (plain RoPE) or a `RopeScaling` (linear / llama3 / yarn context
+      extension, as in Llama 3.1-3.3 and Qwen2.5 / Qwen3 configs).
     rms_eps: epsilon inside RMSNorm.
     qkv_bias: add biases to the q/k/v projections (Qwen2).
     qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
@@ -31,6 +83,8 @@ class ModelConfig:
     param_dtype: dtype in which parameters are stored ("float32", "bfloat16", "float16").
     compute_dtype: dtype of activations and matmuls; logits are always float32.
     max_seq_len: longest sequence (tokens, prompt + completion) the model will be asked to run.
+    eos_token_ids: token ids that end a completion (any of them), e.g. from an HF checkpoint's
+      config.json and generation_config.json; () = none declared here.
   """
 
   vocab_size: int = 256
@@ -48,6 +102,8 @@ class ModelConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   max_seq_len: int = 512
+  rope_scaling: RopeScaling | None = None
+  eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -65,3 +121,10 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {DTYPES}.")
     if self.rope_theta <= 0 or self.rms_eps <= 0:
       raise ValueError("ModelConfig.rope_theta and rms_eps must be > 0.")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise TypeError(f"ModelConfig.rope_scaling must be a RopeScaling or None; got "
+                      f"{type(self.rope_scaling).__name__}.")
+    if not isinstance(self.eos_token_ids, tuple) or not all(
+        isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
+      raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of "
+                       f"token ids in [0, vocab_size={self.vocab_size}).")

@@ -118,3 +118,119 @@ def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig):
     tokens = jax.random.categorical(rng, logp, axis=-1)
   tokens = tokens.astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain):
+  """Log-prob of each target under the processed distribution of one chunk's logits, and the
+  distribution's entropy (gradient stopped). float32 [B, C] each."""
+  logits = jnp.einsum("bce,ev->bcv", h_BCE.astype(jnp.float32), head_EV.astype(jnp.float32))
+  logits = constrain(logits, ("batch", "length", "vocab"))
+  logp_all = processed_logprobs(logits, cfg)
+  # A select-and-sum over V instead of a gather: with V split over tensor-parallel devices it
+  # reduces to a [B, C] all-reduce, never an all-gather of the logits.
+  hit = jnp.arange(logp_all.shape[-1], dtype=jnp.int32)[None, None, :] == targets_BC[..., None]
+  logp = jnp.sum(jnp.where(hit, logp_all, 0.0), axis=-1)
+  return logp, entropy(jax.lax.stop_gradient(logp_all))
+
+
+def _chunked(h_BTE, head_EV, targets_BT, cfg, chunk_len, constrain):
+  """`_chunk_logprobs` over T in chunks of `chunk_len` (scan, rematerialised body)."""
+  b, t, e = h_BTE.shape
+  if chunk_len is None or chunk_len >= t:
+    return _chunk_logprobs(h_BTE, head_EV, targets_BT, cfg, constrain)
+  n = -(-t // chunk_len)
+  pad = n * chunk_len - t
+  h = jnp.pad(h_BTE, ((0, 0), (0, pad), (0, 0)))
+  tg = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+  h = jnp.swapaxes(h.reshape(b, n, chunk_len, e), 0, 1)  # [n, B, C, E]
+  tg = jnp.swapaxes(tg.reshape(b, n, chunk_len), 0, 1)
+  body = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, head_EV, tc, cfg, constrain))
+  _, (logp, ent) = jax.lax.scan(lambda c, x: (c, body(*x)), None, (h, tg))
+  unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, n * chunk_len)[:, :t]
+  return unchunk(logp), unchunk(ent)
+
+
+def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Array,
+                        cfg: SamplingConfig, *, chunk_len: int | None = None,
+                        batch_groups: int = 1, constrain=None) -> tuple[jax.Array, jax.Array]:
+  """log pi(token t | tokens < t) and the entropy at t - 1, from hidden states, in chunks.
+
+  The logits at t - 1 (fp32: h @ head) go through `processed_logprobs`, exactly as in the
+  sampler. With `chunk_len`, positions are processed `chunk_len` at a time in a `lax.scan`
+  whose body is rematerialised (`jax.checkpoint`): the forward keeps only [B, T] results and
+  the backward recomputes each chunk's logits, so no [B, T, V] array is ever held (peak
+  logits memory ~ [B, chunk_len, V] fp32 instead of [B, T, V]; the idea of the chunked /
+  "fused" cross-entropy losses of large-vocabulary trainers).
+
+  With `batch_groups` G > 1 the rows are split into G groups computed under `jax.vmap`, the
+  group axis constrained to the "batch" logical axis: with rows sharded over G devices each
+  device then accumulates the head's gradient over all chunks for its own rows only (a [G, E, V]
+  carry split over G) and the cross-device sum happens once, after the last chunk, instead of
+  once per chunk.
+
+  Args:
+    h_BTE: [B, T, E] final (normalised) hidden states, any float dtype.
+    head_EV: [E, V] output projection (the transposed embedding when tied).
+    tokens_BT: int32 [B, T] token ids.
+    cfg: the sampler's SamplingConfig.
+    chunk_len: positions per chunk (>= 1); None = one chunk, no remat (the naive
+      full-logits computation). T is padded up to a multiple of it internally.
+    batch_groups: G >= 1 row groups (the number of devices rows are split over); must divide
+      B, else 1 is used.
+    constrain: optional `constrain(x, logical_axes) -> x` sharding hook (logical names
+      batch, length, embed, vocab); None = no constraint.
+
+  Returns:
+    (logp_BT float32, differentiable; entropy_BT float32 nats, gradient stopped). Position 0
+    has no predecessor and gets 0 in both.
+
+  Raises:
+    ValueError: on shape mismatch or chunk_len < 1.
+  """
+  if h_BTE.ndim != 3 or tokens_BT.shape != h_BTE.shape[:2] or head_EV.shape[0] != h_BTE.shape[2]:
+    raise ValueError(f"hidden {h_BTE.shape}, head {head_EV.shape}, tokens {tokens_BT.shape}: "
+                     "need [B, T, E], [E, V], [B, T].")
+  if chunk_len is not None and chunk_len < 1:
+    raise ValueError(f"chunk_len={chunk_len} must be >= 1 or None.")
+  constrain = constrain or (lambda x, *_, **__: x)
+  b, t, e = h_BTE.shape
+  targets = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((b, 1), tokens_BT.dtype)], axis=1)
+  if batch_groups > 1 and b % batch_groups == 0:
+    g = batch_groups
+    h = constrain(h_BTE.reshape(g, b // g, t, e), ("batch", None, "length", "embed"))
+    tg = constrain(targets.reshape(g, b // g, t), ("batch", None, "length"))
+    # One copy of the head per group (each device already holds the gathered head, so this is
+    # local): its cotangent is then per group, accumulated locally over the chunks, and summed
+    # over the groups once, by the transpose of this broadcast.
+    head = constrain(jnp.broadcast_to(head_EV, (g,) + head_EV.shape), ("batch", "embed", "vocab"))
+    no_constraint = lambda x, *_, **__: x  # the vmapped group axis must stay split
+    logp, ent = jax.vmap(
+        lambda hg, wg, tgg: _chunked(hg, wg, tgg, cfg, chunk_len, no_constraint))(h, head, tg)
+    logp, ent = (constrain(x.reshape(b, t), ("batch", "length")) for x in (logp, ent))
+  else:
+    logp, ent = _chunked(h_BTE, head_EV, targets, cfg, chunk_len, constrain)
+  zero = jnp.zeros((b, 1), jnp.float32)
+  return (jnp.concatenate([zero, logp[:, :-1]], axis=1),
+          jnp.concatenate([zero, ent[:, :-1]], axis=1))
+
+
+def next_token_logprobs_from_logits(logits_BTV: jax.Array, tokens_BT: jax.Array,
+                                    cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+  """`next_token_logprobs` from full logits [B, T, V] (for models without hidden states).
+
+  Returns:
+    (logp_BT float32, entropy_BT float32 with gradient stopped); position 0 gets 0 in both.
+
+  Raises:
+    ValueError: if logits are not [B, T, V] over the tokens' [B, T].
+  """
+  if logits_BTV.ndim != 3 or tokens_BT.shape != logits_BTV.shape[:2]:
+    raise ValueError(f"logits {logits_BTV.shape} vs tokens {tokens_BT.shape}: need [B, T, V], "
+                     "[B, T].")
+  logp_all = processed_logprobs(logits_BTV[:, :-1], cfg)
+  hit = (jnp.arange(logp_all.shape[-1], dtype=jnp.int32)[None, None, :]
+         == tokens_BT[:, 1:, None])
+  logp = jnp.sum(jnp.where(hit, logp_all, 0.0), axis=-1)
+  ent = entropy(jax.lax.stop_gradient(logp_all))
+  zero = jnp.zeros((tokens_BT.shape[0], 1), jnp.float32)
+  return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)

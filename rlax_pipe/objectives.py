@@ -1,25 +1,24 @@
-"""Policy-gradient objectives with per-token importance correction and lag rules (rlax style).
+"""Policy-gradient objectives as per-token losses, with importance correction and lag rules.
 
-Every objective is a pure function with one signature,
+Every objective is a pure function with one signature (rlax style),
 
-  fn(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-     prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None) -> (loss, ObjectiveDiagnostics)
+  fn(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None) -> TokenLoss
 
-and is registered by name in `OBJECTIVES` (the single list of valid names). The loss is to be
-minimized; its gradient w.r.t. `logp_BT` is the variant's policy-gradient estimate.
+and is registered by name in `OBJECTIVES` (the single list of valid names). It returns the
+per-token loss to minimize (its gradient w.r.t. `logp_BT` is the variant's policy-gradient
+estimate per token) and which tokens it truncated or rejected. It does not mask, aggregate or
+compute diagnostics: `rlax_pipe.learner.token_loss` does that once, for any objective, from
+values the caller already has (the learner's train step does it per micro-batch;
+`token_loss.objective_loss` is the whole-batch composition).
 
-Shared rules, applied identically to every variant (`_prepare` / `_finish`):
+Inputs must be finite at every position: `token_loss.select_valid` selects masked and too-stale
+positions out with `jnp.where` (never `0 * x`) before any objective sees them. Shared rules:
   * ratios are formed in log space and clipped to [-log_ratio_clamp, log_ratio_clamp] before exp;
-  * a token enters the loss only if mask > 0 and lag <= max_lag ("valid"); invalid positions are
-    replaced by zeros *before* any arithmetic and selected out with `jnp.where`, so they give
-    exact zeros in loss and gradient whatever their values (-inf, NaN, 1e30);
-  * truncation levels are multiplied by s(lag) from `offpolicy.lag_truncation_scale`;
-  * the per-token loss is reduced by `aggregate_loss` (token_mean / sequence_mean / constant);
-  * diagnostics come from `offpolicy.compute_diagnostics`.
+  * truncation levels are multiplied by s(lag) from `offpolicy.lag_truncation_scale`.
 
 Example:
   >>> cfg = ObjectiveConfig(name="tis_pg", truncation=2.0, max_lag=8)
-  >>> loss, diag = get_objective(cfg.name)(logp, mu_logp, adv, mask, lag, cfg)
+  >>> loss, diag = token_loss.objective_loss(logp, mu_logp, adv, mask, lag, cfg)
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from rlax_pipe import offpolicy
-from rlax_pipe.offpolicy import ObjectiveDiagnostics
 
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "constant")
+IS_MASK_RATIOS: tuple[str, ...] = ("behavior", "proximal")
 # Largest admissible log_ratio_clamp: exp(80) ~ 5.5e34 is still finite in float32.
 _MAX_LOG_RATIO_CLAMP = 80.0
 
@@ -55,6 +54,12 @@ class ObjectiveConfig:
     clip_eps_high: upper clip epsilon > 0 (DAPO clip-higher, e.g. 0.28), None = clip_eps.
     is_mask_low: a >= 0, `is_mask` drops tokens with r < a (IcePop band; default 0.5).
     is_mask_high: b >= 1 (and b > a), `is_mask` drops tokens with r > b (default 5.0).
+    is_mask_ratio: which ratio `is_mask`'s band [a, b] applies to: "behavior" (r = pi_theta /
+      mu, the behaviour ratio: staleness, in-batch updates and engine mismatch together; the
+      token-level MIS of Liu et al. 2025) or "proximal" (pi_prox / mu, pi_prox = the learner's
+      policy before this batch's first update: on tokens of samples generated entirely by the
+      current version this is exactly the engine mismatch at equal weights that IcePop's band
+      targets, Ant Ling 2025; on stale tokens it also carries their staleness).
     behavior_trunc: None (off) or a level >= 1 for a truncation of the behavior ratio:
       in `ppo_clip` the dual-clip bound max(surrogate, c_b * A) for A < 0 (Ye et al. 2020 eq. 5);
       in `decoupled_ppo` the weight min(pi_prox/mu, c_b) (Yao et al. 2025 TIS for PPO). Only
@@ -65,12 +70,14 @@ class ObjectiveConfig:
       level used for a token of lag l is level * s(l), with s(l) = d**l or s(l) =
       table[min(l, len - 1)] (see `offpolicy.lag_truncation_scale`). It scales `truncation` in
       tis_pg/cispo and `behavior_trunc` in ppo_clip/decoupled_ppo, and is only valid there.
-    aggregation: how per-token losses are reduced, one of AGGREGATIONS: "token_mean" (sum over
-      valid tokens / their count; DAPO token-level), "sequence_mean" (mean over each sample's
-      valid tokens, then over samples; GRPO; needs segment_ids_BT), "constant" (sum over
-      valid tokens / constant_normalizer; Dr. GRPO, Liu et al. 2025).
-    constant_normalizer: positive divisor for "constant" aggregation, e.g. the batch's token
-      capacity B * max completion length; required for "constant", invalid otherwise.
+    aggregation: how per-token losses are reduced, one of AGGREGATIONS (normalisers per batch,
+      see `token_loss.normalizer`): "token_mean" (sum over valid tokens / their count; DAPO
+      token-level, Yu et al. 2025 eq. 8), "sequence_mean" (mean over each sample's valid
+      tokens, then over samples; GRPO, Shao et al. 2024 eq. 3), "constant" (sum over valid
+      tokens / (samples x max_completion_len); Dr. GRPO, Liu et al. 2025 Sec. 3.2).
+    max_completion_len: the Dr. GRPO constant's per-sample length (tokens, >= 1): the
+      longest completion the sampler may generate (its max_new_tokens). Required for
+      "constant", invalid otherwise.
     log_ratio_clamp: bound in nats on |log ratio| before exp, in (0, 80] (default 20.0).
     hist_bins: number K >= 2 of lag histogram bins; bins 0..K-2 count lags exactly, bin K-1
       counts lag >= K-1 (default 17).
@@ -82,11 +89,12 @@ class ObjectiveConfig:
   clip_eps_high: float | None = None
   is_mask_low: float = 0.5
   is_mask_high: float = 5.0
+  is_mask_ratio: str = "behavior"
   behavior_trunc: float | None = None
   max_lag: int | None = None
   lag_truncation: float | tuple[float, ...] | None = None
   aggregation: str = "token_mean"
-  constant_normalizer: float | None = None
+  max_completion_len: int | None = None
   log_ratio_clamp: float = 20.0
   hist_bins: int = 17
 
@@ -105,6 +113,12 @@ class ObjectiveConfig:
             and self.is_mask_high > self.is_mask_low):
       raise ValueError(f"ObjectiveConfig.is_mask_high={self.is_mask_high} must be finite, >= 1 "
                        f"and > is_mask_low={self.is_mask_low}.")
+    if self.is_mask_ratio not in IS_MASK_RATIOS:
+      raise ValueError(f"ObjectiveConfig.is_mask_ratio={self.is_mask_ratio!r}; choose one of "
+                       f"{IS_MASK_RATIOS}.")
+    if self.is_mask_ratio != "behavior" and self.name != "is_mask":
+      raise ValueError(f"ObjectiveConfig.is_mask_ratio={self.is_mask_ratio!r} has no effect with "
+                       f"name={self.name!r}; it is read by is_mask only.")
     if self.behavior_trunc is not None:
       if self.name not in _USES_BEHAVIOR_TRUNC:
         raise ValueError(
@@ -121,14 +135,14 @@ class ObjectiveConfig:
       raise ValueError(
           f"ObjectiveConfig.aggregation={self.aggregation!r}; choose one of {AGGREGATIONS}.")
     if self.aggregation == "constant":
-      if self.constant_normalizer is None or not (
-          math.isfinite(self.constant_normalizer) and self.constant_normalizer > 0):
+      if (isinstance(self.max_completion_len, bool) or not isinstance(self.max_completion_len, int)
+          or self.max_completion_len < 1):
         raise ValueError(
-            f"ObjectiveConfig.constant_normalizer={self.constant_normalizer} must be a finite "
-            "number > 0 when aggregation='constant'.")
-    elif self.constant_normalizer is not None:
+            f"ObjectiveConfig.max_completion_len={self.max_completion_len!r} must be an int >= 1 "
+            "(the sampler's max_new_tokens) when aggregation='constant'.")
+    elif self.max_completion_len is not None:
       raise ValueError(
-          f"ObjectiveConfig.constant_normalizer={self.constant_normalizer} is only used with "
+          f"ObjectiveConfig.max_completion_len={self.max_completion_len} is only used with "
           f"aggregation='constant' (got aggregation={self.aggregation!r}); set it to None.")
     if not 0 < self.log_ratio_clamp <= _MAX_LOG_RATIO_CLAMP:
       raise ValueError(f"ObjectiveConfig.log_ratio_clamp={self.log_ratio_clamp} must be in "
@@ -167,109 +181,32 @@ class ObjectiveConfig:
 _USES_BEHAVIOR_TRUNC = ("ppo_clip", "decoupled_ppo")
 
 
-def aggregate_loss(loss_BT: jax.Array, valid_BT: jax.Array, cfg: ObjectiveConfig,
-                   segment_ids_BT: jax.Array | None = None) -> jax.Array:
-  """Reduces per-token losses to a scalar with `cfg.aggregation` (loss 0.0 if nothing is valid).
+class TokenLoss(NamedTuple):
+  """What an objective returns, per token (all [B, T]).
 
-  * token_mean: sum_valid l / N_valid (DAPO, Yu et al. 2025 eq. 8 token-level average).
-  * sequence_mean: (1/S) sum_s (1/|s|) sum_{t in s} l_t over the S samples that have a valid
-    token; a sample is a (row, segment id) pair, so packed rows hold several samples
-    (GRPO, Shao et al. 2024 eq. 3).
-  * constant: sum_valid l / cfg.constant_normalizer (Dr. GRPO, Liu et al. 2025 Sec. 3.2).
-
-  Args:
-    loss_BT: float[B, T] per-token loss; any value at invalid positions is ignored.
-    valid_BT: bool[B, T] tokens that count (numerator and normalizer).
-    cfg: ObjectiveConfig (reads aggregation and constant_normalizer).
-    segment_ids_BT: int[B, T] sample id within each row, values in [0, T]; required for
-      "sequence_mean" (pass ones for unpacked rows).
-
-  Returns:
-    scalar loss in loss_BT's dtype.
-
-  Raises:
-    ValueError: on shape mismatch, or sequence_mean without segment ids.
-    TypeError: if segment ids are not integer.
+  Attributes:
+    loss_BT: float per-token loss to minimize (nats-weighted advantage units); finite wherever
+      the inputs are finite. Only valid positions are ever read.
+    truncated_BT: bool, tokens whose weight or ratio was truncated or clipped (the objective's
+      docstring says which event counts).
+    kept_BT: bool tokens kept by an importance-ratio mask (their loss is already 0 where not
+      kept, but they stay in the normaliser), or None when the objective rejects no token.
   """
-  shape = offpolicy.check_token_shapes(loss_BT=loss_BT, valid_BT=valid_BT)
-  loss_BT = jnp.where(valid_BT, loss_BT, 0.0)
-  if cfg.aggregation == "constant":
-    return jnp.sum(loss_BT) / jnp.asarray(cfg.constant_normalizer, loss_BT.dtype)
-  if cfg.aggregation == "token_mean":
-    count = jnp.sum(valid_BT)
-    return jnp.sum(loss_BT) / jnp.maximum(count, 1).astype(loss_BT.dtype)
-  if segment_ids_BT is None:
-    raise ValueError("aggregation='sequence_mean' needs segment_ids_BT (sample id per token; "
-                     "use ones for rows that hold a single sample).")
-  if jnp.shape(segment_ids_BT) != shape:
-    raise ValueError(f"segment_ids_BT shape {jnp.shape(segment_ids_BT)} != token shape {shape}.")
-  if not jnp.issubdtype(segment_ids_BT.dtype, jnp.integer):
-    raise TypeError(f"segment_ids_BT must be integer; got dtype {segment_ids_BT.dtype}.")
-  b, t = shape
-  # One id per (row, segment) pair; static number of ids keeps this jit-friendly and O(B*T).
-  sample_BT = jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + jnp.clip(
-      segment_ids_BT.astype(jnp.int32), 0, t)
-  sums = jax.ops.segment_sum(loss_BT.reshape(-1), sample_BT.reshape(-1), num_segments=b * (t + 1))
-  counts = jax.ops.segment_sum(valid_BT.astype(loss_BT.dtype).reshape(-1), sample_BT.reshape(-1),
-                               num_segments=b * (t + 1))
-  present = counts > 0
-  per_sample = jnp.where(present, sums / jnp.where(present, counts, 1.0), 0.0)
-  return jnp.sum(per_sample) / jnp.maximum(jnp.sum(present), 1).astype(loss_BT.dtype)
+
+  loss_BT: jax.Array
+  truncated_BT: jax.Array
+  kept_BT: jax.Array | None = None
 
 
-class _Prepared(NamedTuple):
-  """Sanitized inputs shared by all objectives (zeros at invalid positions)."""
-  logp_BT: jax.Array
-  behavior_logp_BT: jax.Array
-  adv_BT: jax.Array
-  prox_logp_BT: jax.Array | None
-  valid_BT: jax.Array
-  log_ratio_BT: jax.Array  # clamped log(pi / mu)
-  scale_BT: jax.Array  # lag-dependent truncation multiplier s(lag)
+def _ratio(logp_BT, other_logp_BT, cfg):
+  return jnp.exp(offpolicy.clamped_log_ratio(logp_BT, other_logp_BT, cfg.log_ratio_clamp))
 
 
-def _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg,
-             prox_logp_BT) -> _Prepared:
-  """Checks rank/shape/dtype, applies the lag rule and sanitizes invalid positions."""
+def _check(cfg, logp_BT, lag_BT):
   if not isinstance(cfg, ObjectiveConfig):
     raise TypeError(f"cfg must be an ObjectiveConfig; got {type(cfg).__name__}.")
-  arrays = dict(logp_BT=logp_BT, behavior_logp_BT=behavior_logp_BT,
-                advantages_BT=advantages_BT, mask_BT=mask_BT, lag_BT=lag_BT)
-  if prox_logp_BT is not None:
-    arrays["prox_logp_BT"] = prox_logp_BT
-  offpolicy.check_token_shapes(**arrays)
-  for name, x in arrays.items():
-    if name != "lag_BT" and not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be a floating array; got dtype {x.dtype}.")
-  dtype = jnp.promote_types(logp_BT.dtype, jnp.float32)
-  valid = offpolicy.lag_keep_mask(mask_BT, lag_BT, cfg.max_lag)
-
-  def clean(x):
-    return jnp.where(valid, x.astype(dtype), jnp.zeros((), dtype))
-
-  logp, mu = clean(logp_BT), clean(behavior_logp_BT)
-  return _Prepared(
-      logp_BT=logp,
-      behavior_logp_BT=mu,
-      adv_BT=jax.lax.stop_gradient(clean(advantages_BT)),
-      prox_logp_BT=None if prox_logp_BT is None else clean(prox_logp_BT),
-      valid_BT=valid,
-      log_ratio_BT=offpolicy.clamped_log_ratio(logp, mu, cfg.log_ratio_clamp),
-      scale_BT=offpolicy.lag_truncation_scale(lag_BT, cfg.lag_truncation, dtype),
-  )
-
-
-def _finish(objective_BT, p: _Prepared, mask_BT, lag_BT, cfg, *, truncated_BT, used_BT=None,
-            segment_ids_BT=None, entropy_BT=None):
-  """Per-token objective (to maximize) -> (aggregated loss, diagnostics)."""
-  used = p.valid_BT if used_BT is None else p.valid_BT & used_BT
-  loss_BT = jnp.where(used, -objective_BT, 0.0)
-  loss = aggregate_loss(loss_BT, p.valid_BT, cfg, segment_ids_BT)
-  diag = offpolicy.compute_diagnostics(
-      log_ratio_BT=p.log_ratio_BT, logp_BT=p.logp_BT, behavior_logp_BT=p.behavior_logp_BT,
-      mask_BT=mask_BT, lag_BT=lag_BT, valid_BT=p.valid_BT, used_BT=used,
-      truncated_BT=truncated_BT & used, hist_bins=cfg.hist_bins, entropy_BT=entropy_BT)
-  return loss, diag
+  return offpolicy.lag_truncation_scale(lag_BT, cfg.lag_truncation,
+                                        jnp.promote_types(logp_BT.dtype, jnp.float32))
 
 
 _ARGS_DOC = """
@@ -277,20 +214,18 @@ _ARGS_DOC = """
     logp_BT: float[B, T] log pi_theta(a_t|s_t) of the current policy (nats; differentiable).
     behavior_logp_BT: float[B, T] log mu(a_t|s_t) recorded by the sampler (nats).
     advantages_BT: float[B, T] per-token advantage (held constant).
-    mask_BT: float[B, T] loss mask in {0, 1} (completion tokens).
     lag_BT: int[B, T] learner version minus the token's policy version (>= 0).
     cfg: ObjectiveConfig.
-    prox_logp_BT: optional float[B, T] log pi_prox (weights before this optimizer step); read
-      only by decoupled_ppo.
-    segment_ids_BT: optional int[B, T] sample id per token; required for sequence_mean.
-    entropy_BT: optional float[B, T] per-token policy entropy (nats), for diagnostics only.
+    prox_logp_BT: optional float[B, T] log pi_prox, the policy before this batch's first
+      update (None = stop_gradient(logp_BT)); read by decoupled_ppo and by is_mask with
+      is_mask_ratio="proximal".
+    All inputs must be finite at every position (see `token_loss.select_valid`).
 
   Returns:
-    (loss, ObjectiveDiagnostics): scalar loss to minimize, diagnostics (see offpolicy).
+    TokenLoss (per-token loss, truncated and kept flags).
 
   Raises:
-    ValueError: on rank/shape mismatch or sequence_mean without segment ids.
-    TypeError: on non-floating inputs, non-integer lag, or a cfg of the wrong type.
+    TypeError: on a non-integer lag or a cfg of the wrong type.
 """
 
 
@@ -301,164 +236,150 @@ def _with_args_doc(fn):
 
 
 @_with_args_doc
-def tis_pg(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-           prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def tis_pg(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """Truncated importance-weighted policy gradient (PipelineRL default).
 
-  loss = -agg_t( sg(min(r_t, c(lag_t))) * A_t * log pi_theta(a_t|s_t) ),  r_t = pi_theta / mu,
+  l_t = -sg(min(r_t, c(lag_t))) * A_t * log pi_theta(a_t|s_t),  r_t = pi_theta / mu,
   with c(lag) = cfg.truncation * s(lag). This is the policy-gradient term of IMPALA with the
   truncated weight rho_t = min(rho_bar, r_t) (Espeholt et al. 2018 eq. 1 and Sec. 4.2) and the
   TIS correction of Yao et al. 2025; PipelineRL (Piche et al. 2025 Sec. 5) clamps at 5.
-  frac_truncated counts tokens with r_t > c(lag_t).
+  truncated counts tokens with r_t > c(lag_t).
   """
   del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  ratio = jnp.exp(p.log_ratio_BT)
-  level = cfg.truncation * p.scale_BT
+  scale = _check(cfg, logp_BT, lag_BT)
+  ratio = _ratio(logp_BT, behavior_logp_BT, cfg)
+  level = cfg.truncation * scale
   weight = jax.lax.stop_gradient(jnp.minimum(ratio, level))
-  return _finish(weight * p.adv_BT * p.logp_BT, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=ratio > level, segment_ids_BT=segment_ids_BT,
-                 entropy_BT=entropy_BT)
+  return TokenLoss(-weight * jax.lax.stop_gradient(advantages_BT) * logp_BT, ratio > level)
 
 
 @_with_args_doc
-def cispo(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-          prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def cispo(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """Clipped IS-weight policy optimization, CISPO (MiniMax-M1, 2025 eq. 4).
 
-  loss = -agg_t( sg(min(r_t, eps_max)) * A_t * log pi_theta(a_t|s_t) ),  r_t = pi_theta / mu,
+  l_t = -sg(min(r_t, eps_max)) * A_t * log pi_theta(a_t|s_t),  r_t = pi_theta / mu,
   eps_max = cfg.truncation * s(lag), no lower bound (MiniMax-M1 leaves eps_low unset; ScaleRL,
   Khatri et al. 2025 Sec. 3.2, writes it sg(min(rho, eps_max)) and uses eps_max in 4-8).
   Unlike PPO, tokens beyond the trust region still receive gradient, with a capped weight.
-  With the same truncation the estimator equals `tis_pg`; it is registered separately so
-  ablation tables name the recipe (set truncation to ScaleRL's 4-8 for CISPO).
-  frac_truncated counts tokens with r_t > eps_max.
+  With the same truncation the estimator is `tis_pg`'s, so this calls it; it is registered
+  separately so ablation tables name the recipe (set truncation to ScaleRL's 4-8 for CISPO).
   """
-  del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  ratio = jnp.exp(p.log_ratio_BT)
-  eps_max = cfg.truncation * p.scale_BT
-  weight = jax.lax.stop_gradient(jnp.minimum(ratio, eps_max))
-  return _finish(weight * p.adv_BT * p.logp_BT, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=ratio > eps_max, segment_ids_BT=segment_ids_BT,
-                 entropy_BT=entropy_BT)
+  return tis_pg(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg,
+                prox_logp_BT=prox_logp_BT)
 
 
 @_with_args_doc
-def ppo_clip(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-             prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def ppo_clip(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """PPO clipped surrogate with the behavior policy as the old policy.
 
-  loss = -agg_t( min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t) ),  r_t = pi_theta / mu
+  l_t = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps_high) A_t),  r_t = pi_theta / mu
   (Schulman et al. 2017 eq. 7; asymmetric clip-higher of DAPO, Yu et al. 2025). This is the
   "naive PPO" of AReaL (Fu et al. 2025 eq. 4) when tokens are stale.
   With cfg.behavior_trunc = c_b, for A_t < 0 the surrogate becomes
   max(min(...), c A_t) with c = max(c_b * s(lag), 1 + eps_high): dual-clip PPO (Ye et al. 2020
   eq. 5), which truncates the otherwise unbounded ratio of negative-advantage tokens at c.
-  frac_truncated counts tokens whose clip (or dual clip) changes the surrogate's value.
+  truncated counts tokens whose clip (or dual clip) changes the surrogate's value.
   """
   del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  ratio = jnp.exp(p.log_ratio_BT)
-  adv = p.adv_BT
+  scale = _check(cfg, logp_BT, lag_BT)
+  ratio = _ratio(logp_BT, behavior_logp_BT, cfg)
+  adv = jax.lax.stop_gradient(advantages_BT)
   low, high = 1.0 - cfg.clip_eps, 1.0 + cfg.eps_high
   surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv)
   clipped = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
   if cfg.behavior_trunc is not None:
-    level = jnp.maximum(cfg.behavior_trunc * p.scale_BT, high)
+    level = jnp.maximum(cfg.behavior_trunc * scale, high)
     dual = (adv < 0) & (ratio > level)
     surrogate = jnp.where(adv < 0, jnp.maximum(surrogate, level * adv), surrogate)
     clipped = clipped | dual
-  return _finish(surrogate, p, mask_BT, lag_BT, cfg, truncated_BT=clipped,
-                 segment_ids_BT=segment_ids_BT, entropy_BT=entropy_BT)
+  return TokenLoss(-surrogate, clipped)
 
 
 @_with_args_doc
-def decoupled_ppo(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-                  prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def decoupled_ppo(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """Decoupled PPO with a proximal policy (AReaL, Fu et al. 2025 eq. 5).
 
-  loss = -agg_t( sg(w_t) * min(u_t A_t, clip(u_t, 1 - eps, 1 + eps_high) A_t) ),
+  l_t = -sg(w_t) * min(u_t A_t, clip(u_t, 1 - eps, 1 + eps_high) A_t),
   u_t = pi_theta / pi_prox,  w_t = pi_prox / mu, or min(w_t, behavior_trunc * s(lag)) when
   cfg.behavior_trunc is set (TIS applied to PPO's old/behavior ratio, Yao et al. 2025).
-  pi_prox is the policy before this optimizer step; with prox_logp_BT=None it is
-  stop_gradient(logp_BT), so u_t = 1 and the gradient is sg(w_t) A_t grad log pi_theta.
-  Both ratios are clamped in log space. frac_truncated counts tokens where w_t was truncated
-  or the clip of u_t changes the surrogate.
+  pi_prox is the policy before this batch's first update (`LearnerConfig.num_minibatches` > 1
+  gives later minibatches a u_t != 1); with prox_logp_BT=None it is stop_gradient(logp_BT), so
+  u_t = 1 and the gradient is sg(w_t) A_t grad log pi_theta (the truncated-IS limit).
+  Both ratios are clamped in log space. truncated counts tokens where w_t was truncated or the
+  clip of u_t changes the surrogate.
   """
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, prox_logp_BT)
-  prox = jax.lax.stop_gradient(p.logp_BT if p.prox_logp_BT is None else p.prox_logp_BT)
-  behavior_weight = jnp.exp(offpolicy.clamped_log_ratio(prox, p.behavior_logp_BT,
-                                                        cfg.log_ratio_clamp))
+  scale = _check(cfg, logp_BT, lag_BT)
+  prox = jax.lax.stop_gradient(logp_BT if prox_logp_BT is None else prox_logp_BT)
+  behavior_weight = _ratio(prox, behavior_logp_BT, cfg)
   truncated = jnp.zeros(behavior_weight.shape, bool)
   if cfg.behavior_trunc is not None:
-    level = cfg.behavior_trunc * p.scale_BT
+    level = cfg.behavior_trunc * scale
     truncated = behavior_weight > level
     behavior_weight = jnp.minimum(behavior_weight, level)
-  u = jnp.exp(offpolicy.clamped_log_ratio(p.logp_BT, prox, cfg.log_ratio_clamp))
-  adv = p.adv_BT
+  u = _ratio(logp_BT, prox, cfg)
+  adv = jax.lax.stop_gradient(advantages_BT)
   low, high = 1.0 - cfg.clip_eps, 1.0 + cfg.eps_high
   surrogate = jnp.minimum(u * adv, jnp.clip(u, low, high) * adv)
   clipped = ((adv > 0) & (u > high)) | ((adv < 0) & (u < low))
-  return _finish(jax.lax.stop_gradient(behavior_weight) * surrogate, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=truncated | clipped, segment_ids_BT=segment_ids_BT,
-                 entropy_BT=entropy_BT)
+  return TokenLoss(-jax.lax.stop_gradient(behavior_weight) * surrogate, truncated | clipped)
 
 
 @_with_args_doc
-def is_mask(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-            prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def is_mask(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """Importance-ratio masking (IcePop, Ant Ling 2025; token-level MIS, Liu et al. 2025).
 
-  loss = -agg_t( 1[a <= r_t <= b] * sg(r_t) * A_t * log pi_theta(a_t|s_t) ),  r_t = pi_theta/mu,
-  [a, b] = [cfg.is_mask_low, cfg.is_mask_high]. Kept tokens carry the importance weight r_t
-  itself (bounded by b, so the estimator is unbiased on the kept set with bounded variance);
-  rejected tokens give exact zeros but stay in the normalizer (IcePop's objective divides by
-  the full token count), and are counted in frac_masked. frac_truncated is always 0.
+  l_t = -1[a <= rho_t <= b] * sg(r_t) * A_t * log pi_theta(a_t|s_t),  r_t = pi_theta / mu,
+  [a, b] = [cfg.is_mask_low, cfg.is_mask_high]; the band's ratio rho_t is r_t with
+  is_mask_ratio="behavior", or pi_prox / mu with "proximal" (the engine mismatch at equal
+  weights on tokens of samples the current version generated, see `ObjectiveConfig`).
+  Kept tokens carry the importance weight r_t (unbiased on the kept set); rejected tokens give
+  exact zeros but stay in the normalizer (IcePop's objective divides by the full token count),
+  and are counted in frac_masked. truncated is always False.
   """
-  del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  ratio = jnp.exp(p.log_ratio_BT)
-  inside = (ratio >= cfg.is_mask_low) & (ratio <= cfg.is_mask_high)
+  del lag_BT
+  _check(cfg, logp_BT, jnp.zeros(logp_BT.shape, jnp.int32))
+  ratio = _ratio(logp_BT, behavior_logp_BT, cfg)
+  if cfg.is_mask_ratio == "proximal":
+    prox = jax.lax.stop_gradient(logp_BT if prox_logp_BT is None else prox_logp_BT)
+    band_ratio = _ratio(prox, behavior_logp_BT, cfg)
+  else:
+    band_ratio = ratio
+  inside = (band_ratio >= cfg.is_mask_low) & (band_ratio <= cfg.is_mask_high)
   weight = jax.lax.stop_gradient(ratio)
-  return _finish(weight * p.adv_BT * p.logp_BT, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=jnp.zeros(ratio.shape, bool), used_BT=inside,
-                 segment_ids_BT=segment_ids_BT, entropy_BT=entropy_BT)
+  loss = -weight * jax.lax.stop_gradient(advantages_BT) * logp_BT
+  return TokenLoss(jnp.where(inside, loss, 0.0), jnp.zeros(ratio.shape, bool), inside)
 
 
 @_with_args_doc
-def no_correction(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-                  prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def no_correction(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None):
   """REINFORCE that treats stale tokens as on-policy (no IS correction).
 
-  loss = -agg_t( A_t * log pi_theta(a_t|s_t) ) (Williams 1992 eq. 11 with a baseline folded
-  into A_t). The baseline of the staleness ablations; mu only enters the diagnostics.
+  l_t = -A_t * log pi_theta(a_t|s_t) (Williams 1992 eq. 11 with a baseline folded into A_t).
+  The baseline of the staleness ablations; mu only enters the diagnostics.
   """
-  del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  return _finish(p.adv_BT * p.logp_BT, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=jnp.zeros(p.logp_BT.shape, bool), segment_ids_BT=segment_ids_BT,
-                 entropy_BT=entropy_BT)
+  del behavior_logp_BT, prox_logp_BT
+  _check(cfg, logp_BT, lag_BT)
+  loss = -jax.lax.stop_gradient(advantages_BT) * logp_BT
+  return TokenLoss(loss, jnp.zeros(loss.shape, bool))
 
 
 @_with_args_doc
-def untruncated_is(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, *,
-                   prox_logp_BT=None, segment_ids_BT=None, entropy_BT=None):
+def untruncated_is(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *,
+                   prox_logp_BT=None):
   """Per-token importance-weighted policy gradient without truncation.
 
-  loss = -agg_t( sg(r_t) * A_t * log pi_theta(a_t|s_t) ),  r_t = pi_theta / mu (the unbiased
+  l_t = -sg(r_t) * A_t * log pi_theta(a_t|s_t),  r_t = pi_theta / mu (the unbiased
   per-decision IS estimator, Precup et al. 2000; "vanilla-IS" of Yao et al. 2025, their
   high-variance baseline). The only bound is log_ratio_clamp (r_t <= e^clamp).
   """
   del prox_logp_BT
-  p = _prepare(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg, None)
-  weight = jax.lax.stop_gradient(jnp.exp(p.log_ratio_BT))
-  return _finish(weight * p.adv_BT * p.logp_BT, p, mask_BT, lag_BT, cfg,
-                 truncated_BT=jnp.zeros(weight.shape, bool), segment_ids_BT=segment_ids_BT,
-                 entropy_BT=entropy_BT)
+  _check(cfg, logp_BT, lag_BT)
+  weight = jax.lax.stop_gradient(_ratio(logp_BT, behavior_logp_BT, cfg))
+  loss = -weight * jax.lax.stop_gradient(advantages_BT) * logp_BT
+  return TokenLoss(loss, jnp.zeros(loss.shape, bool))
 
 
-Objective = Callable[..., tuple[jax.Array, ObjectiveDiagnostics]]
+Objective = Callable[..., TokenLoss]
 
 OBJECTIVES: dict[str, Objective] = {
     "tis_pg": tis_pg,
@@ -469,7 +390,6 @@ OBJECTIVES: dict[str, Objective] = {
     "no_correction": no_correction,
     "untruncated_is": untruncated_is,
 }
-
 
 def get_objective(name: str) -> Objective:
   """Looks up an objective by its registry name.

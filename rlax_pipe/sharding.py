@@ -6,6 +6,8 @@ one small rules table per role maps each logical axis to an ordered tuple of mes
 (MaxText-style logical axis rules, kept small):
 
   `LEARNER_RULES`   params, optimizer state and batches on the learner mesh (FSDP x tp)
+  `LEARNER_COMPUTE_RULES`  how the learner's forward / backward computes (`compute_constraint`):
+                    each layer's weights gathered over fsdp, activations split over the batch
   `SAMPLER_RULES`   params and slot batches on the sampler mesh (data replicas x tp)
   `CACHE_RULES`     the paged KV pool, on whichever mesh its engine runs (sampler or eval)
 
@@ -69,6 +71,13 @@ LEARNER_RULES: Rules = types.MappingProxyType({
     LAYERS: (),
 })
 
+# How the learner computes (FSDP = ZeRO-3, plus data and Megatron tensor parallelism): inside the
+# forward pass a weight is used with the embed dim whole (its fsdp shards all-gathered, one layer
+# at a time inside the layer scan; the backward reduce-scatters its gradient back to the stored
+# `LEARNER_RULES` layout) and tp splits heads / mlp / vocab; activations are split over the
+# batch axes (data, fsdp) only, so no activation ever needs a collective over fsdp.
+LEARNER_COMPUTE_RULES: Rules = types.MappingProxyType({**LEARNER_RULES, EMBED: ()})
+
 # Data replicas x tensor parallel: weights replicated over data and split over tp; decode slots
 # (batch) split over data. The KV pool has its own table, `CACHE_RULES`.
 SAMPLER_RULES: Rules = types.MappingProxyType({
@@ -83,10 +92,13 @@ SAMPLER_RULES: Rules = types.MappingProxyType({
     LAYERS: (),
 })
 
-# The paged KV pool [layers, K, P, S, D]: only kv heads are split (over tp, like the k / v
-# projections in `SAMPLER_RULES`, so attention needs no reshard). Pages stay whole: a block table
-# indexes pages of the whole pool, so splitting pages over devices would turn every gather into a
-# cross-device gather; the pool is replicated over any data axis.
+# The paged KV pool (`rlax_pipe.sampler.page_pool`: layers folded into pages, [K, L*P, S, D] k
+# and v, or one [L*P, S, 2K, D] for the TPU ragged kernel): only kv heads are split (over tp,
+# like the k / v projections in `SAMPLER_RULES`, so attention needs no reshard; Pallas kernels
+# run per tp shard under shard_map). Pages stay whole: a block table indexes pages of the whole
+# pool, so splitting pages over devices would turn every gather into a cross-device gather. A
+# "data" axis means independent replicas, each with its own pool on its own sub-mesh
+# (`replica_meshes`), so the pool never spans data.
 CACHE_RULES: Rules = types.MappingProxyType({
     LAYERS: (),
     KV_HEADS: (TP,),
@@ -215,6 +227,44 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+  """The sampler's data replicas: one mesh per index of `mesh`'s "data" axis, over the remaining
+  axes (a one-device "tp" mesh when "data" is the only axis); `[mesh]` without a data axis.
+
+  Each replica runs its own engine slots and KV pool on its sub-mesh, so two replicas decode
+  disjoint sequences.
+  """
+  names = list(mesh.axis_names)
+  if DATA not in names:
+    return [mesh]
+  axis = names.index(DATA)
+  rest = tuple(n for n in names if n != DATA)
+  out = []
+  for i in range(mesh.shape[DATA]):
+    sub = np.take(np.asarray(mesh.devices), i, axis=axis)
+    if rest:
+      out.append(Mesh(sub, rest, axis_types=(AxisType.Auto,) * len(rest)))
+    else:
+      out.append(Mesh(sub.reshape(1), (TP,), axis_types=(AxisType.Auto,)))
+  return out
+
+
+def replica_view(x: jax.Array, sub: Mesh) -> jax.Array:
+  """`x` (on a sampler mesh, replicated over "data") as an array on replica mesh `sub`, built
+  from its shards on `sub`'s devices (no copy, same per-device layout). An array laid out
+  otherwise (e.g. split over data, or on other devices) is copied onto `sub`, replicated."""
+  sharding = x.sharding
+  if isinstance(sharding, NamedSharding) and DATA not in jax.tree.leaves(tuple(sharding.spec)):
+    devices = set(sub.devices.flat)
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    try:
+      return jax.make_array_from_single_device_arrays(
+          x.shape, NamedSharding(sub, sharding.spec), shards)
+    except ValueError:
+      pass
+  return jax.device_put(x, NamedSharding(sub, PartitionSpec()))
+
+
 # ---- logical axes -> shardings -----------------------------------------------------------------
 def logical_to_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None,
                     mesh: Mesh, rules: Rules, *, canonical: bool = False) -> PartitionSpec:
@@ -338,3 +388,46 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: An
         tx, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
+                       stored_rules: Rules = LEARNER_RULES):
+  """A sharding hook `constrain(x, logical_axes, weight=False) -> x` for a model's forward.
+
+  Activations are constrained to `rules`. A weight (`weight=True`) is constrained to its
+  `rules` layout in the forward pass (with `LEARNER_COMPUTE_RULES`: all-gathered over fsdp) and
+  its cotangent to the weight's *stored* layout (`stored_rules`) in the backward pass, through a
+  custom VJP: the partial per-device gradient then goes straight to a reduce-scatter into the
+  shard each device stores, not through an all-reduce of the whole gradient first. A dimension
+  whose size the rule's mesh axes do not divide stays whole (`logical_to_spec`).
+
+  Args:
+    mesh: the mesh the model runs on.
+    rules: compute layout table.
+    stored_rules: layout the parameters are stored in.
+
+  Returns:
+    constrain(x, logical_axes, weight=False).
+  """
+  def sharding(x, axes, table):
+    return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, table))
+
+  def gather(x, axes):
+    @jax.custom_vjp
+    def use(w):
+      return jax.lax.with_sharding_constraint(w, sharding(w, axes, rules))
+
+    def use_fwd(w):
+      return use(w), None
+
+    def use_bwd(_, ct):
+      return (jax.lax.with_sharding_constraint(ct, sharding(ct, axes, stored_rules)),)
+
+    use.defvjp(use_fwd, use_bwd)
+    return use(x)
+
+  def constrain(x: jax.Array, logical_axes: Sequence[str | None], weight: bool = False):
+    if weight:
+      return gather(x, tuple(logical_axes))
+    return jax.lax.with_sharding_constraint(x, sharding(x, logical_axes, rules))
+  return constrain

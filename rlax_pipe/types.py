@@ -11,8 +11,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-FinishReason = Literal["eos", "length", "aborted"]
-FINISH_REASONS: tuple[str, ...] = ("eos", "length", "aborted")
+# Why a completion ended: "eos" = a token of the sampler's stop set (EOS or any other stop id;
+# kept as the last token, nothing sampled after it); "length" = the completion budget
+# (max_new_tokens) was reached; "capacity" = prompt + completion reached the sampler's sequence
+# capacity (max_seq_len) before the budget; "aborted" = stopped from outside (abort, shutdown).
+# "length" and "capacity" are both truncations (`Rollout.truncated`).
+FinishReason = Literal["eos", "length", "capacity", "aborted"]
+FINISH_REASONS: tuple[str, ...] = ("eos", "length", "capacity", "aborted")
+TRUNCATED_REASONS: tuple[str, ...] = ("length", "capacity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,11 +29,13 @@ class Rollout:
     sample_id: unique id of this sample within a run.
     group_id: id of the prompt group this sample belongs to (GRPO group).
     prompt_tokens: int32[P] prompt token ids (BOS included when the tokenizer adds one).
-    completion_tokens: int32[T] generated token ids (EOS included when generation stopped on it).
+    completion_tokens: int32[T] generated token ids (the stop id included when generation
+      stopped on one; never a token after it).
     behavior_logprobs: float32[T] log mu(a_t | s_t) under the distribution actually sampled from
       (after temperature / top-k / top-p processing, renormalised, fp32).
     policy_versions: int32[T] version of the weights that produced token t, stamped at decode time.
-    finish_reason: one of "eos", "length", "aborted".
+    finish_reason: one of FINISH_REASONS: "eos" (a stop id), "length" (completion budget),
+      "capacity" (max_seq_len reached first), "aborted".
     reward: scalar reward given by the task's verifier (0.0 until graded; NaN when the sample has
       no reward: its verifier call failed or the overlong policy masked it, see
       `rlax_pipe.grading`).
@@ -67,7 +75,14 @@ class Rollout:
 
   @property
   def num_completion_tokens(self) -> int:
+    """T, the number of completion tokens."""
     return int(self.completion_tokens.shape[0])
+
+  @property
+  def truncated(self) -> bool:
+    """Whether the completion was cut by a limit ("length" or "capacity"), not ended by the
+    model (a stop id) or aborted."""
+    return self.finish_reason in TRUNCATED_REASONS
 
   def oldest_version(self) -> int:
     """Smallest policy version among the completion tokens (or a large number if empty)."""

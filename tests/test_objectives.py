@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from rlax_pipe import objectives
+from rlax_pipe import offpolicy
+from rlax_pipe.learner import token_loss
 from rlax_pipe.objectives import ObjectiveConfig
 
 NAMES = tuple(objectives.OBJECTIVES)
@@ -22,10 +24,11 @@ def _value_and_grad(name, cfg, jit):
   Cached per (name, cfg, jit): tests that share shapes (B, T) = (2, 4), config and argument
   structure share one compilation, which keeps the file fast on a small CPU.
   """
-  fn = objectives.get_objective(name)
+  assert cfg.name == name
 
   def f(logp, mu, adv, mask, lag, prox, seg):
-    return fn(logp, mu, adv, mask, lag, cfg, prox_logp_BT=prox, segment_ids_BT=seg)
+    return token_loss.objective_loss(logp, mu, adv, mask, lag, cfg, prox_logp_BT=prox,
+                                     segment_ids_BT=seg)
 
   vg = jax.value_and_grad(f, has_aux=True)
   return jax.jit(vg) if jit else vg
@@ -122,7 +125,8 @@ def test_decoupled_ppo_golden_with_prox(behavior_trunc, loss, frac_trunc, jit):
 
 def test_golden_diagnostics():
   entropy = jnp.asarray([[0.5, 1.0, 1.5, 2.0], [_NAN, _INF, 9.0, 9.0]])
-  _, d = objectives.tis_pg(*_golden_inputs(), _shared_cfg("tis_pg"), entropy_BT=entropy)
+  _, d = token_loss.objective_loss(*_golden_inputs(), _shared_cfg("tis_pg"),
+                                   entropy_BT=entropy)
   # r = [3, .5, 1, 2]: mean 1.625, var 3.5625 - 1.625^2, ESS = 6.5^2 / (4 * 14.25).
   np.testing.assert_allclose(d.ratio_mean, 1.625, rtol=1e-6)
   np.testing.assert_allclose(d.ratio_var, 0.921875, rtol=1e-5)
@@ -167,7 +171,7 @@ def test_finite_difference_gradient(name):
     lag = np.array([[0, 1, 0], [2, 0, 5]], np.int32)
     cfg = ObjectiveConfig(name=name, max_lag=3, truncation=1.3,
                           is_mask_low=0.4, is_mask_high=2.0)
-    fn = objectives.get_objective(name)
+    fn = token_loss.objective_loss
     kwargs = {"prox_logp_BT": jnp.asarray(prox)} if name == "decoupled_ppo" else {}
     frozen = name in ("tis_pg", "cispo", "is_mask", "untruncated_is")
 
@@ -195,13 +199,36 @@ AGG_SEGMENTS = np.array([[1, 1, 2, 2, 3], [1, 1, 1, 2, 0]], np.int32)
     # samples (0,1): {1,2} -> 1.5; (0,2): {3} -> 3; (0,3) no valid token -> ignored;
     # (1,1): {5,7} -> 6 (same id as row 0's sample 1, but another sample); (1,2): {8} -> 8.
     ("sequence_mean", None, (1.5 + 3.0 + 6.0 + 8.0) / 4.0),
-    ("constant", 10.0, 2.6),  # 26 / 10
+    # Dr. GRPO: 4 samples with a valid token x max completion length 5 = 20.
+    ("constant", 5, 26.0 / 20.0),
 ])
 def test_aggregation(aggregation, normalizer, expected, jit):
-  cfg = ObjectiveConfig(aggregation=aggregation, constant_normalizer=normalizer)
-  agg = lambda l, v, s: objectives.aggregate_loss(l, v, cfg, s)
+  cfg = ObjectiveConfig(aggregation=aggregation, max_completion_len=normalizer)
+  agg = lambda l, v, s: token_loss.aggregate_loss(l, v, cfg, s)
   out = (jax.jit(agg) if jit else agg)(AGG_LOSS, AGG_VALID, AGG_SEGMENTS)
   np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_dr_grpo_constant_counts_every_completion_and_is_invariant_to_batch_size():
+  """Denominator = samples x max completion length (Dr. GRPO); a sample whose only loss-mask
+  token is too stale still counts as a sample of the batch. Doubling the batch (the same
+  samples twice, as a learner-wait batch may grow) leaves every aggregation's loss unchanged."""
+  mask = AGG_VALID.astype(np.float32).copy()
+  mask[0, 4] = 1.0  # sample (0, 3): a completion token, but not valid (e.g. lag > max_lag)
+  cfg = ObjectiveConfig(aggregation="constant", max_completion_len=384)
+  out = token_loss.aggregate_loss(AGG_LOSS, AGG_VALID, cfg, AGG_SEGMENTS, mask_BT=mask)
+  np.testing.assert_allclose(out, 26.0 / (5 * 384), rtol=1e-6)
+  # The example of the issue: 64 samples of a 384-token budget -> 24576.
+  n_samples = jnp.float32(64)
+  counts = token_loss.Counts(tokens=jnp.float32(1000), samples=n_samples, completions=n_samples)
+  assert float(token_loss.normalizer(counts, cfg)) == 24576.0
+  twice = lambda x: np.concatenate([x, x])
+  for aggregation, extra in (("token_mean", None), ("sequence_mean", None), ("constant", 7)):
+    c = ObjectiveConfig(aggregation=aggregation, max_completion_len=extra)
+    one = token_loss.aggregate_loss(AGG_LOSS, AGG_VALID, c, AGG_SEGMENTS, mask_BT=mask)
+    two = token_loss.aggregate_loss(twice(AGG_LOSS), twice(AGG_VALID), c, twice(AGG_SEGMENTS),
+                                    mask_BT=twice(mask))
+    np.testing.assert_allclose(two, one, rtol=1e-6, err_msg=aggregation)
 
 
 def test_sequence_mean_weights_samples_equally_in_objective():
@@ -219,7 +246,10 @@ def test_sequence_mean_weights_samples_equally_in_objective():
 def test_sequence_mean_requires_segment_ids():
   cfg = ObjectiveConfig(aggregation="sequence_mean")
   with pytest.raises(ValueError, match="segment_ids_BT"):
-    objectives.tis_pg(*_golden_inputs(), cfg)
+    token_loss.objective_loss(*_golden_inputs(), cfg)
+  with pytest.raises(ValueError, match="segment_ids_BT"):
+    token_loss.objective_loss(*_golden_inputs(), ObjectiveConfig(aggregation="constant",
+                                                                 max_completion_len=4))
 
 
 def _stale_batch():
@@ -266,8 +296,8 @@ def test_max_lag_removes_stale_tokens_from_loss_and_gradient(name, jit):
 def test_max_lag_zero_keeps_only_fresh_tokens_and_none_keeps_all():
   _, (logp, mu, adv, mask, lag), _ = _stale_batch()
   mask = jnp.ones_like(mask)
-  _, d0 = objectives.tis_pg(logp, mu, adv, mask, lag, ObjectiveConfig(max_lag=0))
-  _, dn = objectives.tis_pg(logp, mu, adv, mask, lag, ObjectiveConfig(max_lag=None))
+  _, d0 = token_loss.objective_loss(logp, mu, adv, mask, lag, ObjectiveConfig(max_lag=0))
+  _, dn = token_loss.objective_loss(logp, mu, adv, mask, lag, ObjectiveConfig(max_lag=None))
   assert int(d0.tokens) == 2 and int(dn.tokens) == 8
 
 
@@ -283,10 +313,12 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient(name):
                                       cfg=_shared_cfg(name))
   assert float(loss) == 0.0
   np.testing.assert_array_equal(grad, np.zeros((2, 4)))
-  for value in diag:
-    assert np.all(np.isfinite(value))
-  assert int(diag.tokens) == 0 and float(diag.ess) == 0.0
-  assert float(diag.frac_masked) == 1.0
+  # Statistics of an empty token set are absent (NaN), never a fake 0; counts say why.
+  assert int(diag.tokens) == int(diag.valid_tokens) == int(diag.mismatch_tokens) == 0
+  for field, count in offpolicy.DIAGNOSTIC_COUNTS.items():
+    value = getattr(diag, field)
+    assert np.isnan(value) if int(getattr(diag, count)) == 0 else np.isfinite(value), field
+  assert float(diag.frac_masked) == 1.0 and int(diag.mask_tokens) == 2
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -303,21 +335,27 @@ def test_extreme_log_probs_stay_finite(name):
   assert grad[0, 3] == 0.0 and grad[1, 3] == 0.0
   np.testing.assert_allclose(diag.ratio_max, math.exp(20.0), rtol=1e-5)
   np.testing.assert_allclose(diag.ratio_min, math.exp(-20.0), rtol=1e-5)
-  for value in diag:
-    assert np.all(np.isfinite(value))
+  for field, value in zip(diag._fields, diag):
+    assert np.all(np.isfinite(value)) or field == "entropy", field  # no entropy given: NaN
 
 
 # The remaining small tests run eagerly on (2, 4) arrays, reusing the op cache of the eager runs
 # above instead of compiling a program each.
 
 
+def _per_token(cfg, logp, mu, adv, lag):
+  """(d sum_t l_t / d logp, truncated) of the per-token objective itself (no masking)."""
+  fn = objectives.get_objective(cfg.name)
+  grad = jax.grad(lambda x: jnp.sum(fn(x, mu, adv, lag, cfg).loss_BT))(logp)
+  return grad, fn(logp, mu, adv, lag, cfg).truncated_BT
+
+
 def test_log_ratio_clamp_caps_untruncated_weight():
   logp = jnp.full((2, 4), -1.0)
   mu = jnp.asarray([[-40.0, -1.0, 38.0, -3.0], [-1.0, -1.0, -1.0, -1.0]])
   one, zero = jnp.ones((2, 4)), jnp.zeros((2, 4), jnp.int32)
-  cfg = ObjectiveConfig(name="untruncated_is", log_ratio_clamp=3.0, aggregation="constant",
-                        constant_normalizer=1.0)
-  _, g = _loss_and_grad("untruncated_is", False, logp, mu, one, one, zero, cfg=cfg)
+  cfg = ObjectiveConfig(name="untruncated_is", log_ratio_clamp=3.0)
+  g, _ = _per_token(cfg, logp, mu, one, zero)
   np.testing.assert_allclose(-g[0], [math.exp(3.0), 1.0, math.exp(-3.0), math.exp(2.0)],
                              rtol=1e-6)
 
@@ -332,11 +370,10 @@ def test_lag_dependent_truncation_level(lag_truncation, levels):
   mu = logp - jnp.log(4.0)
   one = jnp.ones((2, 4))
   lag = jnp.asarray([[0, 1, 2, 3], [0, 1, 2, 3]], jnp.int32)
-  cfg = ObjectiveConfig(truncation=2.0, lag_truncation=lag_truncation,
-                        aggregation="constant", constant_normalizer=1.0)
-  (_, diag), g = _loss_and_grad("tis_pg", False, logp, mu, one, one, lag, cfg=cfg)
+  cfg = ObjectiveConfig(truncation=2.0, lag_truncation=lag_truncation)
+  g, truncated = _per_token(cfg, logp, mu, one, lag)
   np.testing.assert_allclose(-g, [levels, levels], rtol=1e-6)
-  assert float(diag.frac_truncated) == 1.0
+  assert bool(jnp.all(truncated))
 
 
 def test_lag_truncation_scales_behavior_trunc_in_decoupled_ppo():
@@ -344,17 +381,16 @@ def test_lag_truncation_scales_behavior_trunc_in_decoupled_ppo():
   mu = logp - jnp.log(4.0)
   one = jnp.ones((2, 4))
   lag = jnp.asarray([[0, 2, 1, 9], [0, 0, 0, 0]], jnp.int32)
-  cfg = ObjectiveConfig(name="decoupled_ppo", behavior_trunc=3.0, lag_truncation=0.5,
-                        aggregation="constant", constant_normalizer=1.0)
-  _, g = _loss_and_grad("decoupled_ppo", False, logp, mu, one, one, lag, cfg=cfg)
+  cfg = ObjectiveConfig(name="decoupled_ppo", behavior_trunc=3.0, lag_truncation=0.5)
+  g, _ = _per_token(cfg, logp, mu, one, lag)
   # w = min(4, 3 * .5 ** lag) = [3, .75, 1.5, 3 / 512]
   np.testing.assert_allclose(-g[0], [3.0, 0.75, 1.5, 3.0 / 512], rtol=1e-6)
 
 
 def test_cispo_equals_tis_pg_with_same_truncation():
   _, clean, _ = _stale_batch()
-  a = objectives.tis_pg(*clean, ObjectiveConfig(name="tis_pg", truncation=1.1))
-  b = objectives.cispo(*clean, ObjectiveConfig(name="cispo", truncation=1.1))
+  a = token_loss.objective_loss(*clean, ObjectiveConfig(name="tis_pg", truncation=1.1))
+  b = token_loss.objective_loss(*clean, ObjectiveConfig(name="cispo", truncation=1.1))
   np.testing.assert_array_equal(a[0], b[0])
 
 
@@ -363,8 +399,7 @@ def test_on_policy_objectives_agree():
   _, (logp, _, adv, mask, lag), _ = _stale_batch()
   grads = {}
   for name in NAMES:
-    fn = objectives.get_objective(name)
-    grads[name] = jax.grad(lambda x, fn=fn, name=name: fn(
+    grads[name] = jax.grad(lambda x, name=name: token_loss.objective_loss(
         x, jax.lax.stop_gradient(x), adv, mask, lag, ObjectiveConfig(name=name))[0])(logp)
   for name in NAMES:
     np.testing.assert_allclose(grads[name], grads["no_correction"], rtol=1e-6, atol=1e-7)
@@ -399,8 +434,11 @@ def test_registry_and_typo():
     ({"name": "no_correction", "lag_truncation": 0.5}, "lag_truncation"),
     ({"name": "ppo_clip", "lag_truncation": 0.5}, "lag_truncation"),
     ({"aggregation": "mean"}, "aggregation"),
-    ({"aggregation": "constant"}, "constant_normalizer"),
-    ({"constant_normalizer": 4.0}, "constant_normalizer"),
+    ({"aggregation": "constant"}, "max_completion_len"),
+    ({"aggregation": "constant", "max_completion_len": 4.5}, "max_completion_len"),
+    ({"max_completion_len": 4}, "max_completion_len"),
+    ({"is_mask_ratio": "engine"}, "is_mask_ratio"),
+    ({"is_mask_ratio": "proximal"}, "is_mask_ratio"),  # tis_pg has no ratio band
     ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
     ({"log_ratio_clamp": 100.0}, "log_ratio_clamp"),
     ({"hist_bins": 1}, "hist_bins"),
@@ -430,4 +468,4 @@ def test_input_checks(bad, error):
   args = dict(logp_BT=logp, behavior_logp_BT=mu, advantages_BT=adv, mask_BT=mask, lag_BT=lag)
   args.update(bad)
   with pytest.raises(error):
-    objectives.tis_pg(**args, cfg=ObjectiveConfig())
+    token_loss.objective_loss(**args, cfg=ObjectiveConfig())

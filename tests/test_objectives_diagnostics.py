@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe import objectives
+from rlax_pipe.learner import token_loss
 from rlax_pipe import offpolicy
 from rlax_pipe.objectives import ObjectiveConfig
 
@@ -23,8 +24,8 @@ def _batch(seed=0):
 def test_on_policy_ess_is_one_and_nothing_is_truncated(name):
   logp, _, adv = _batch()
   mask = jnp.asarray([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-  _, d = objectives.get_objective(name)(logp, logp, adv, mask, jnp.zeros((2, 4), jnp.int32),
-                                        ObjectiveConfig(name=name))
+  _, d = token_loss.objective_loss(logp, logp, adv, mask, jnp.zeros((2, 4), jnp.int32),
+                                   ObjectiveConfig(name=name))
   assert float(d.ess) == 1.0
   assert float(d.ratio_mean) == 1.0 and float(d.ratio_var) == 0.0
   assert float(d.kl_k3) == 0.0 and float(d.logp_mismatch_max) == 0.0
@@ -58,7 +59,8 @@ def test_lag_histogram_bins_and_overflow_bin():
 def test_lag_histogram_through_objective_uses_hist_bins():
   logp, mu, adv = _batch()
   lag = jnp.asarray([[0, 0, 1, 5], [2, 2, 2, 30]], jnp.int32)
-  _, d = objectives.tis_pg(logp, mu, adv, jnp.ones((2, 4)), lag, ObjectiveConfig(hist_bins=3))
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)), lag,
+                                   ObjectiveConfig(hist_bins=3))
   np.testing.assert_array_equal(d.lag_hist, [2, 1, 5])
 
 
@@ -70,7 +72,7 @@ def test_frac_masked_and_tokens_count_lag_and_ratio_masks():
   mask = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
   lag = jnp.asarray([[0, 0, 2, 0], [1, 0, 0, 0]], jnp.int32)
   cfg = ObjectiveConfig(name="is_mask", is_mask_low=0.5, is_mask_high=2.0, max_lag=1)
-  _, d = objectives.is_mask(logp, mu, jnp.ones((2, 4)), mask, lag, cfg)
+  _, d = token_loss.objective_loss(logp, mu, jnp.ones((2, 4)), mask, lag, cfg)
   assert int(d.tokens) == 4
   np.testing.assert_allclose(d.frac_masked, 3 / 7, rtol=1e-6)
   # Ratio statistics cover the 6 valid tokens (lag mask applied, ratio mask not).
@@ -78,23 +80,56 @@ def test_frac_masked_and_tokens_count_lag_and_ratio_masks():
   np.testing.assert_allclose(d.ratio_min, 0.25, rtol=1e-6)
 
 
-def test_logp_mismatch_uses_only_fresh_tokens():
+def test_logp_mismatch_uses_only_equal_weight_samples():
+  """The engine mismatch is measured on samples the current version generated end to end.
+
+  Row 0 holds samples 1 (lags 0, 0) and 2 (lags 1, 0): sample 2's last token has lag 0 but its
+  context was encoded by older weights (stale KV under kv_policy="keep"), so it is excluded
+  although its gap (0.7) is the largest. Row 1: sample 1 (lags 0, 0, 0) counts, sample 2
+  (lag 3) does not. The mismatch compares mu with pi_prox (the policy before the batch's first
+  update), not with pi_theta.
+  """
   logp = jnp.zeros((2, 4))
-  mu = jnp.asarray([[0.1, -0.2, 5.0, 0.0], [0.0, 0.0, 0.3, 9.0]])
-  lag = jnp.asarray([[0, 0, 1, 0], [0, 0, 0, 3]], jnp.int32)  # big gaps only at lag > 0
-  _, d = objectives.tis_pg(logp, mu, jnp.ones((2, 4)), jnp.ones((2, 4)), lag, ObjectiveConfig())
+  prox = jnp.full((2, 4), -0.5)
+  mu = jnp.asarray([[-0.4, -0.7, 5.0, 0.2], [-0.5, -0.5, -0.2, 9.0]])
+  lag = jnp.asarray([[0, 0, 1, 0], [0, 0, 0, 3]], jnp.int32)
+  seg = jnp.asarray([[1, 1, 2, 2], [1, 1, 1, 2]], jnp.int32)
+  one = jnp.ones((2, 4))
+  _, d = token_loss.objective_loss(logp, mu, one, one, lag, ObjectiveConfig(), prox_logp_BT=prox,
+                                   segment_ids_BT=seg)
+  # |prox - mu| on tokens (0,0), (0,1), (1,0), (1,1), (1,2) = .1, .2, 0, 0, .3
+  assert int(d.mismatch_tokens) == 5
   np.testing.assert_allclose(d.logp_mismatch_max, 0.3, rtol=1e-6)
-  np.testing.assert_allclose(d.logp_mismatch_mean, 0.6 / 6, rtol=1e-6)
+  np.testing.assert_allclose(d.logp_mismatch_mean, 0.6 / 5, rtol=1e-6)
+  # The behaviour ratio pi_theta / mu covers every valid token, stale ones included.
+  assert int(d.valid_tokens) == 8
+  np.testing.assert_allclose(d.ratio_max, np.exp(0.7), rtol=1e-6)
+
+
+def test_is_mask_band_on_the_proximal_ratio():
+  """is_mask_ratio="proximal" bands pi_prox / mu (engine mismatch), "behavior" pi_theta / mu."""
+  logp = jnp.zeros((1, 4))  # pi_theta / mu = 1 / mu
+  mu = jnp.log(jnp.asarray([[1.0, 0.25, 1.0, 1.0]]))
+  prox = jnp.log(jnp.asarray([[1.0, 0.25, 4.0, 0.1]]))  # pi_prox / mu = [1, 1, 4, .1]
+  one, zero = jnp.ones((1, 4)), jnp.zeros((1, 4), jnp.int32)
+  kept = {}
+  for ratio in ("behavior", "proximal"):
+    cfg = ObjectiveConfig(name="is_mask", is_mask_low=0.5, is_mask_high=2.0, is_mask_ratio=ratio)
+    out = objectives.is_mask(logp, mu, one, zero, cfg, prox_logp_BT=prox)
+    kept[ratio] = np.asarray(out.kept_BT)[0].tolist()
+    _, d = token_loss.objective_loss(logp, mu, one, one, zero, cfg, prox_logp_BT=prox)
+    assert int(d.tokens) == sum(kept[ratio])
+  assert kept == {"behavior": [True, False, True, True], "proximal": [True, True, False, False]}
 
 
 def test_k3_is_non_negative_and_entropy_defaults_to_zero():
   logp, mu, adv = _batch(seed=3)
-  _, d = objectives.ppo_clip(logp, mu, adv, jnp.ones((2, 4)), jnp.zeros((2, 4), jnp.int32),
-                             ObjectiveConfig(name="ppo_clip"))
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)),
+                                   jnp.zeros((2, 4), jnp.int32), ObjectiveConfig(name="ppo_clip"))
   log_r = np.asarray(logp - mu, np.float64)
   np.testing.assert_allclose(d.kl_k3, np.mean(np.expm1(log_r) - log_r), rtol=1e-5)
   assert float(d.kl_k3) > 0.0
-  assert float(d.entropy) == 0.0
+  assert np.isnan(d.entropy)  # no per-token entropy given: absent, not 0
 
 
 def test_lag_rules_helpers():
@@ -126,12 +161,15 @@ def test_clamped_log_ratio():
 
 def test_diagnostics_is_a_namedtuple_of_arrays_with_documented_fields():
   logp, mu, adv = _batch()
-  _, d = objectives.tis_pg(logp, mu, adv, jnp.ones((2, 4)), jnp.zeros((2, 4), jnp.int32),
-                           ObjectiveConfig())
+  _, d = token_loss.objective_loss(logp, mu, adv, jnp.ones((2, 4)),
+                                   jnp.zeros((2, 4), jnp.int32), ObjectiveConfig())
   assert d._fields == ("ratio_mean", "ratio_var", "ratio_min", "ratio_max", "ess",
                        "frac_truncated", "frac_masked", "lag_hist", "kl_k3", "entropy", "tokens",
-                       "logp_mismatch_mean", "logp_mismatch_max")
+                       "logp_mismatch_mean", "logp_mismatch_max", "mask_tokens", "valid_tokens",
+                       "mismatch_tokens")
+  assert set(offpolicy.DIAGNOSTIC_COUNTS.values()) <= set(d._fields)
   for field, value in zip(d._fields, d):
     assert field in offpolicy.ObjectiveDiagnostics.__doc__
     assert value.shape == ((17,) if field == "lag_hist" else ())
-  assert d.tokens.dtype == jnp.int32 and d.lag_hist.dtype == jnp.int32
+  for field in ("tokens", "lag_hist", "mask_tokens", "valid_tokens", "mismatch_tokens"):
+    assert getattr(d, field).dtype == jnp.int32

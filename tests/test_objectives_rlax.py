@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe import objectives
+from rlax_pipe.learner import token_loss
 from rlax_pipe.objectives import ObjectiveConfig
 
 rlax = pytest.importorskip("rlax")
@@ -51,10 +52,12 @@ def _compare_loss_and_grad(ours, reference, pi_logits):
 
 
 def _ours(name, cfg, pi_logits, mu_logits, actions, adv, mask):
-  """Our loss as a function of the policy logits, and its diagnostics."""
+  """Our loss as a function of the policy logits, and its diagnostics (one sample per row)."""
+  assert cfg.name == name
   mu_logp = _logp(mu_logits, actions)
   lag = jnp.zeros((B, T), jnp.int32)
-  return objectives.get_objective(name)(_logp(pi_logits, actions), mu_logp, adv, mask, lag, cfg)
+  return token_loss.objective_loss(_logp(pi_logits, actions), mu_logp, adv, mask, lag, cfg,
+                                   segment_ids_BT=jnp.ones((B, T), jnp.int32))
 
 
 def test_ppo_clip_matches_rlax_clipped_surrogate():
@@ -105,11 +108,11 @@ def test_tis_pg_matches_rlax_vtrace_pg_advantage():
 
 
 def test_no_correction_matches_rlax_policy_gradient_loss_with_weights():
-  """rlax averages loss * w over all T steps: our "constant" aggregation with normalizer B*T."""
+  """rlax averages loss * w over all B*T steps: our Dr. GRPO "constant" aggregation with B
+  samples (one per row, each with a completion token) of max completion length T."""
   pi_logits, mu_logits, actions, adv = _batch(seed=2)
   mask = jnp.ones((B, T)).at[1, 0].set(0.0)
-  cfg = ObjectiveConfig(name="no_correction", aggregation="constant",
-                        constant_normalizer=float(B * T))
+  cfg = ObjectiveConfig(name="no_correction", aggregation="constant", max_completion_len=T)
 
   def ours(logits):
     return _ours("no_correction", cfg, logits, mu_logits, actions, adv, mask)[0]
@@ -128,9 +131,9 @@ def test_ratio_and_entropy_diagnostics_match_rlax():
   @jax.jit
   def diagnostics_and_references(pi_logits, mu_logits):
     entropy_BT = -jnp.sum(jax.nn.softmax(pi_logits) * jax.nn.log_softmax(pi_logits), axis=-1)
-    diag = objectives.tis_pg(_logp(pi_logits, actions), _logp(mu_logits, actions), adv, mask,
-                             jnp.zeros((B, T), jnp.int32), ObjectiveConfig(),
-                             entropy_BT=entropy_BT)[1]
+    diag = token_loss.objective_loss(_logp(pi_logits, actions), _logp(mu_logits, actions), adv,
+                                     mask, jnp.zeros((B, T), jnp.int32), ObjectiveConfig(),
+                                     entropy_BT=entropy_BT)[1]
     rho = rlax.categorical_importance_sampling_ratios(
         pi_logits.reshape(B * T, V), mu_logits.reshape(B * T, V), actions.reshape(-1))
     # rlax.entropy_loss = -mean_t(H_t * w_t).
@@ -163,8 +166,8 @@ def test_k3_is_unbiased_for_rlax_categorical_kl():
     logp = jax.nn.log_softmax(pi_logits)[jnp.arange(positions)[None, :], actions]
     mu_logp = jax.nn.log_softmax(mu_logits)[jnp.arange(positions)[None, :], actions]
     ones, zeros = jnp.ones((n, positions)), jnp.zeros((n, positions), jnp.int32)
-    _, diag = objectives.no_correction(logp, mu_logp, ones, ones, zeros,
-                                       ObjectiveConfig(name="no_correction"))
+    _, diag = token_loss.objective_loss(logp, mu_logp, ones, ones, zeros,
+                                        ObjectiveConfig(name="no_correction"))
     exact = jax.vmap(rlax.categorical_kl_divergence)(mu_logits, pi_logits)
     return diag.kl_k3, jnp.mean(exact), logp - mu_logp
 

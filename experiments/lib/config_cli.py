@@ -37,7 +37,7 @@ RL_RENAMED: Mapping[str, str] = {
     "queue_capacity_groups": "--config.pipeline.staleness.queue_capacity_groups",
     "objective": "--config.objective.name",
     "aggregation": "--config.objective.aggregation (with 'constant' also "
-                   "--config.objective.constant_normalizer)",
+                   "--config.objective.max_completion_len, the sampler's max_new_tokens)",
     "truncation": "--config.objective.truncation",
     "advantage": "--config.pipeline.advantage",
     "learning_rate": "--config.learner.optimizer.learning_rate",

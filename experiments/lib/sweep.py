@@ -44,7 +44,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
   samples = sum(r["samples"] for r in train)
 
   def train_mean(key: str) -> float | None:
-    return float(np.mean([r[key] for r in train])) if train else None
+    # A step logs a statistic only when it had tokens it describes (learner metrics are absent,
+    # not 0, otherwise): average over the steps that have it.
+    values = [r[key] for r in train if key in r]
+    return float(np.mean(values)) if values else None
 
   return {
       "max_lag": lag_name(max_lag), "objective": objective, "run_dir": run_dir,

@@ -4,21 +4,24 @@ checkpoints, `Learner`. Mesh building and the generic sharding helpers live in
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
-from rlax_pipe.learner.config import SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig
-from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays
+from rlax_pipe.learner.config import (
+    BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
+from rlax_pipe.learner.learner import (
+    Learner, NonFiniteError, batch_arrays, lower_accumulate, plan_micro_batches)
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import batch_sharding, learner_mesh, param_shardings
+from rlax_pipe.learner import token_loss
 from rlax_pipe.learner.train_state import (
     TrainState, abstract_state, init_state, sharded_abstract_state, state_shardings)
 from rlax_pipe.learner.train_step import (
-    BATCH_FIELDS, completion_mask, make_train_step, normalizer_count, shifted_token_logprobs)
+    BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "CheckpointConfig", "CheckpointError", "Checkpointer", "Learner",
-    "LearnerConfig", "OptimizerConfig",
-    "NonFiniteError", "Restored", "SCHEDULES", "TrainState", "abstract_state", "batch_arrays",
-    "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
-    "learning_rate", "make_optimizer", "make_train_step", "normalizer_count",
-    "param_shardings", "run_benchmark",
-    "sharded_abstract_state", "shifted_token_logprobs", "state_shardings", "synthetic_batch",
+    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig", "CheckpointError",
+    "Checkpointer", "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "OptimizerConfig",
+    "REMAT_POLICIES", "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_state",
+    "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state",
+    "learner_mesh", "learning_rate", "lower_accumulate", "make_optimizer", "make_step_fns",
+    "param_shardings", "plan_micro_batches", "run_benchmark", "sharded_abstract_state",
+    "state_shardings", "synthetic_batch", "token_loss",
 ]

@@ -7,6 +7,9 @@ import dataclasses
 import math
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
+# Mesh axes that split batch rows (data parallelism); weights are split over fsdp only.
+BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +104,26 @@ class LearnerConfig:
       (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device).
     optimizer: clipping, AdamW and the learning-rate schedule (`OptimizerConfig`).
     checkpoint: where and how the learner state is checkpointed (`CheckpointConfig`).
-    micro_batches: k >= 1; the batch of B rows is split into k micro-batches of B / k rows
-      (row r goes to micro-batch r mod k) whose gradients are accumulated inside one jitted
-      step, then applied once. B must be a multiple of k.
-    remat: rematerialize each transformer block in the backward pass (less memory, ~1/3 more
-      compute).
+    micro_batch_rows: R >= 1, rows of every micro-batch (the fixed token budget R x L of one
+      compiled forward/backward). A batch of any B rows is split into ceil(B / R) micro-batches
+      per minibatch (the last padded with empty rows) whose gradients are accumulated by one
+      compiled program, so batches of any size reuse the same executables (zero recompiles).
+      Must be a multiple of the batch-splitting mesh axes' product (data x fsdp).
+    num_minibatches: m >= 1 optimizer updates per learner batch (PPO-style epochs of one pass):
+      row r goes to minibatch r mod m. The behaviour log-probs stay the sampler's; the proximal
+      log-probs (decoupled PPO) are those of the params before the batch's first update; the
+      policy version advances once per batch, whatever m. m > 1 costs one extra forward pass
+      over minibatches 1..m-1 (their proximal log-probs, before any update).
+    logits_chunk_len: positions per chunk of the LM head and log-prob computation, processed
+      with rematerialisation so no [R, L, V] fp32 logits are held (>= 1); None = full logits
+      at once (the naive computation, for comparison).
+    attention_block_len: queries per attention block in the training forward (the fp32
+      scores of one block, [rows, heads, block, L], are the largest attention temporary instead
+      of [rows, heads, L, L]; `transformer.blockwise_attention`), >= 1; None = dense.
+    remat: transformer-block rematerialisation policy, one of REMAT_POLICIES: "none" (keep all
+      activations), "full" (recompute each block in the backward pass: least memory, ~1/3 more
+      compute), "dots_saveable" (keep matmul outputs, recompute elementwise ops). True / False
+      are accepted as "full" / "none".
     max_consecutive_nonfinite: after this many consecutive optimizer steps with a non-finite
       loss or gradient (each one skipped), the learner saves a checkpoint (if it has a
       checkpoint directory) and raises `NonFiniteError`. >= 1.
@@ -119,8 +137,11 @@ class LearnerConfig:
   mesh_axes: tuple[tuple[str, int], ...] = (("fsdp", 1), ("tp", 1))
   optimizer: OptimizerConfig = OptimizerConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
-  micro_batches: int = 1
-  remat: bool = False
+  micro_batch_rows: int = 16
+  num_minibatches: int = 1
+  logits_chunk_len: int | None = 256
+  attention_block_len: int | None = 512
+  remat: str = "none"
   max_consecutive_nonfinite: int = 3
   seed: int = 0
   compiler_options: tuple[tuple[str, str | int | float | bool], ...] = ()
@@ -134,8 +155,7 @@ class LearnerConfig:
           "(axis name, size >= 1) pairs, e.g. (('fsdp', 2), ('tp', 2)).")
     if len({name for name, _ in self.mesh_axes}) != len(self.mesh_axes):
       raise ValueError(f"LearnerConfig.mesh_axes={self.mesh_axes!r} repeats an axis name.")
-    if self.micro_batches < 1:
-      raise ValueError(f"LearnerConfig.micro_batches={self.micro_batches} must be >= 1.")
+    self._validate_accumulation()
     if self.max_consecutive_nonfinite < 1:
       raise ValueError(
           f"LearnerConfig.max_consecutive_nonfinite={self.max_consecutive_nonfinite} must be "
@@ -144,6 +164,33 @@ class LearnerConfig:
                for p in self.compiler_options):
       raise ValueError(f"LearnerConfig.compiler_options={self.compiler_options!r} must be a "
                        "tuple of (option name, value) pairs.")
+
+  def _validate_accumulation(self):
+    """Checks micro-batch rows against the batch axes, minibatches, chunking and remat."""
+    if isinstance(self.remat, bool):  # the old boolean spelling
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"LearnerConfig.remat={self.remat!r}; choose one of {REMAT_POLICIES}.")
+    if self.micro_batch_rows < 1:
+      raise ValueError(f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be >= 1.")
+    split = self.batch_shards
+    if self.micro_batch_rows % split:
+      raise ValueError(
+          f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be a multiple of the "
+          f"batch-splitting mesh axes (data x fsdp = {split} in mesh_axes={self.mesh_axes}) so "
+          "every device holds an equal share of each micro-batch; round it up to a multiple "
+          f"of {split}.")
+    if self.num_minibatches < 1:
+      raise ValueError(f"LearnerConfig.num_minibatches={self.num_minibatches} must be >= 1.")
+    for name in ("logits_chunk_len", "attention_block_len"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"LearnerConfig.{name}={value} must be >= 1 or None (no chunking).")
+
+  @property
+  def batch_shards(self) -> int:
+    """Number of devices batch rows are split over (product of the data and fsdp axes)."""
+    return math.prod(size for name, size in self.mesh_axes if name in BATCH_MESH_AXES)
 
   @property
   def mesh_shape(self) -> dict[str, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from absl import logging
 import jax
@@ -33,23 +33,99 @@ class NonFiniteError(RuntimeError):
   """Raised after `max_consecutive_nonfinite` skipped (non-finite) optimizer steps in a row."""
 
 
+class _Compiled(NamedTuple):
+  """Jitted step programs for one configuration, mesh and row length L."""
+  prox: Any
+  accumulate: Any
+  apply: Any
+  init: Any
+  micro_sharding: dict[str, NamedSharding]
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_step(model: Model, step_cfg: LearnerConfig,
                    objective_cfg: objectives.ObjectiveConfig,
                    sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
-                   shape: tuple[int, int]):
-  """The jitted step for one configuration, mesh and batch shape (shared between learners)."""
+                   seq_len: int) -> _Compiled:
+  """The jitted step programs for one configuration, mesh and row length (shared between
+  learners). Their inputs have fixed shapes ([micro_batch_rows, seq_len] micro-batches), so a
+  batch of any number of rows reuses them."""
   tx = optimizer.make_optimizer(step_cfg.optimizer)
   state_sh = train_state_lib.state_shardings(model, tx, mesh)
-  b, l = shape
-  micro = NamedSharding(mesh, sharding_lib.microbatch_spec(mesh, (b // step_cfg.micro_batches, l)))
-  fn = train_step_lib.make_train_step(model, step_cfg, objective_cfg, sampling_cfg, tx,
-                                      micro, state_sh.params)
-  batch_sh = {name: sharding_lib.batch_sharding(mesh, shape)
-              for name in train_step_lib.BATCH_FIELDS}
-  return jax.jit(fn, in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0,
-                 compiler_options=dict(step_cfg.compiler_options) or None), batch_sh
+  fns = train_step_lib.make_step_fns(model, step_cfg, objective_cfg, sampling_cfg, tx,
+                                     sharding_lib.compute_constraint(mesh))
+  rows = (step_cfg.micro_batch_rows, seq_len)
+  tok_sh = sharding_lib.batch_sharding(mesh, rows)
+  micro_sh = {name: tok_sh for name in train_step_lib.BATCH_FIELDS}
+  rep = sharding_lib.replicated(mesh)
+  abstract = model.abstract_params()
+  bins = objective_cfg.hist_bins
+  make_acc = lambda: (train_step_lib.init_accum(abstract), train_step_lib.init_stats(bins))
+  acc_abstract, stats_abstract = jax.eval_shape(make_acc)
+  acc_sh = acc_abstract._replace(grads=state_sh.params, numerator=rep,
+                                 counts=jax.tree.map(lambda _: rep, acc_abstract.counts), used=rep)
+  stats_sh = jax.tree.map(lambda _: rep, stats_abstract)
+  opts = dict(step_cfg.compiler_options) or None
+  jit = functools.partial(jax.jit, compiler_options=opts)
+  return _Compiled(
+      prox=jit(fns.prox, in_shardings=(state_sh, micro_sh), out_shardings=tok_sh),
+      accumulate=jit(fns.accumulate,
+                     in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep),
+                     out_shardings=(acc_sh, stats_sh), donate_argnums=(1, 2)),
+      apply=jit(fns.apply, in_shardings=(state_sh, acc_sh, stats_sh, rep),
+                out_shardings=(state_sh, acc_sh, stats_sh, rep), donate_argnums=(0, 1, 2)),
+      init=jit(make_acc, out_shardings=(acc_sh, stats_sh)),
+      micro_sharding=micro_sh)
+
+
+def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
+                     objective_cfg: objectives.ObjectiveConfig,
+                     sampling_cfg: logprobs_lib.SamplingConfig, mesh: Mesh,
+                     seq_len: int) -> jax.stages.Lowered:
+  """The learner's micro-batch program (forward, log-probs, loss, gradient accumulation) for
+  [micro_batch_rows, seq_len] micro-batches, lowered from abstract inputs (nothing allocated):
+  `.compile()` it and read `memory_analysis()`, `cost_analysis()` or `as_text()` (the HLO).
+  """
+  step_cfg, model = cfg.step_slice(), as_model(model)
+  fns = _compiled_step(model, step_cfg, objective_cfg, sampling_cfg, mesh, seq_len)
+  tx = optimizer.make_optimizer(step_cfg.optimizer)
+  state = train_state_lib.sharded_abstract_state(model, tx, mesh)
+  acc, stats = jax.eval_shape(fns.init)
+  shape = (step_cfg.micro_batch_rows, seq_len)
+  mb = {name: jax.ShapeDtypeStruct(shape, train_step_lib.BATCH_DTYPES[name],
+                                   sharding=fns.micro_sharding[name])
+        for name in train_step_lib.BATCH_FIELDS}
+  prox = jax.ShapeDtypeStruct(shape, np.float32, sharding=fns.micro_sharding["tokens"])
+  return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_))
+
+
+def plan_micro_batches(num_rows: int, micro_batch_rows: int,
+                       num_minibatches: int) -> list[list[np.ndarray]]:
+  """Row indices of every micro-batch of every minibatch (host-side batch split).
+
+  Row r goes to minibatch r mod m; a minibatch's rows are cut into micro-batches of exactly
+  `micro_batch_rows` rows, the last one padded with -1 (an empty row). A minibatch with no row
+  gets no micro-batch (its update is skipped as having no data).
+
+  Returns:
+    m lists of int64 [micro_batch_rows] index arrays.
+  """
+  plan = []
+  for j in range(num_minibatches):
+    rows = np.arange(j, num_rows, num_minibatches)
+    n = -(-len(rows) // micro_batch_rows)
+    padded = np.full(n * micro_batch_rows, -1, np.int64)
+    padded[:len(rows)] = rows
+    plan.append([padded[i * micro_batch_rows:(i + 1) * micro_batch_rows] for i in range(n)])
+  return plan
+
+
+def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
+  """The given rows of every field; index -1 gives an all-zero row (padding, no loss)."""
+  pad = rows < 0
+  idx = np.where(pad, 0, rows)
+  return {name: np.where(pad[:, None], np.zeros((), x.dtype), x[idx])
+          for name, x in arrays.items()}
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,8 +144,9 @@ def _compiled_init(model: Model, step_cfg: LearnerConfig, mesh: Mesh, from_param
                  in_shardings=(rep,), out_shardings=state_sh, compiler_options=opts)
 
 
-def batch_arrays(batch: TrainBatch | dict) -> dict[str, Any]:
-  """TrainBatch (or dict) -> dict of [B, L] arrays; host arrays are cast to the contract dtypes."""
+def batch_arrays(batch: TrainBatch | dict) -> dict[str, np.ndarray]:
+  """TrainBatch (or dict) -> dict of host [B, L] arrays in the contract dtypes (device arrays
+  are fetched explicitly: the batch is cut into micro-batches on the host)."""
   if isinstance(batch, TrainBatch):
     batch = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   out = {}
@@ -77,7 +154,8 @@ def batch_arrays(batch: TrainBatch | dict) -> dict[str, Any]:
     if name not in batch:
       raise ValueError(f"batch lacks {name!r}; fields are {train_step_lib.BATCH_FIELDS}.")
     x = batch[name]
-    out[name] = x if isinstance(x, jax.Array) else np.asarray(x, np.dtype(dtype))
+    out[name] = np.asarray(jax.device_get(x) if isinstance(x, jax.Array) else x,
+                           np.dtype(dtype))
   return out
 
 
@@ -136,7 +214,12 @@ class Learner:
       self._checkpointer = checkpoint_lib.Checkpointer(ckpt.directory, keep=ckpt.keep,
                                                        async_save=ckpt.async_save)
     self._pending = None  # device metrics of the last dispatched step, not yet checked
-    self._step_fn = None
+    self._compiled: _Compiled | None = None
+    self._accum = None  # (GradAccum, BatchStats) device buffers, zero between batches
+    rep = sharding_lib.replicated(mesh)
+    # Device constants passed to the step programs (explicit transfers, made once).
+    self._flags = {v: jax.device_put(np.bool_(v), rep) for v in (False, True)}
+    self._zeros_cache: dict[tuple[int, ...], jax.Array] = {}
     self.restored_extra: dict | None = None
     logging.info("Learner: mesh %s on devices %s; initial state from %s.", dict(mesh.shape),
                  [d.id for d in mesh.devices.flat],
@@ -180,37 +263,76 @@ class Learner:
   def checkpointer(self) -> checkpoint_lib.Checkpointer | None:
     return self._checkpointer
 
+  def compile_counts(self) -> dict[str, int]:
+    """Compiled variants of each step program so far ({} before the first step). One each
+    after any number of steps with any batch sizes of one row length."""
+    if self._compiled is None:
+      return {}
+    return {name: getattr(self._compiled, name)._cache_size()  # pylint: disable=protected-access
+            for name in ("prox", "accumulate", "apply")}
+
   def compile_count(self) -> int:
-    """Number of compiled variants of the train step (1 after any number of same-shape steps)."""
-    if self._step_fn is None:
-      return 0
-    return self._step_fn._cache_size()  # pylint: disable=protected-access
+    """Compiled variants of the train step's accumulation program (1 after any number of steps
+    of one row length, whatever their batch sizes)."""
+    return self.compile_counts().get("accumulate", 0)
 
   # ---- training -------------------------------------------------------------------------------
 
   def train_step(self, batch: TrainBatch | dict) -> dict[str, np.ndarray] | None:
-    """Dispatches one optimizer step on `batch`; returns the PREVIOUS step's metrics.
+    """Dispatches one learner batch (num_minibatches updates, one version); returns the
+    PREVIOUS step's metrics.
+
+    The batch (any number of rows B) is cut on the host into micro-batches of
+    `micro_batch_rows` rows (`plan_micro_batches`); each is placed on the mesh and run
+    through the fixed-shape programs of `train_step.make_step_fns`, so no batch size ever
+    triggers a compile once the first step of a row length has compiled.
 
     Args:
       batch: TrainBatch (host numpy) or a dict with the same [B, L] fields (host or device).
 
     Returns:
-      Host (numpy) metrics of the previous step (see `train_step.make_train_step`), or None on
-      the first call. Use `flush()` for the metrics of the step just dispatched.
+      Host (numpy) metrics of the previous step (see `train_step.make_step_fns`; metrics with
+      nothing to describe are left out, see `train_step.ABSENT_WITHOUT`), or None on the
+      first call. Use `flush()` for the metrics of the step just dispatched.
 
     Raises:
       NonFiniteError: when the previous step made `max_consecutive_nonfinite` skipped steps
         in a row (a checkpoint is saved first when a checkpoint directory is configured).
     """
     arrays = batch_arrays(batch)
-    shape = tuple(arrays["tokens"].shape)
-    step_fn, batch_sh = _compiled_step(self.model, self._step_cfg, self.objective_cfg,
-                                       self.sampling_cfg, self.mesh, shape)
-    self._step_fn = step_fn
-    device_batch = jax.device_put(arrays, batch_sh)
-    self._state, metrics = step_fn(self._state, device_batch)
+    num_rows, seq_len = arrays["tokens"].shape
+    fns = _compiled_step(self.model, self._step_cfg, self.objective_cfg,
+                         self.sampling_cfg, self.mesh, seq_len)
+    if fns is not self._compiled:
+      self._compiled, self._accum = fns, fns.init()
+    cfg = self._step_cfg
+    plan = plan_micro_batches(num_rows, cfg.micro_batch_rows, cfg.num_minibatches)
+    micro = [[jax.device_put(_take_rows(arrays, rows), fns.micro_sharding) for rows in mb]
+             for mb in plan]
+    no_prox = fns.micro_sharding["tokens"]
+    prox = {}
+    if cfg.num_minibatches > 1:  # proximal log-probs: the params before the first update
+      prox = {(j, i): fns.prox(self._state, mb) for j in range(1, len(micro))
+              for i, mb in enumerate(micro[j])}
+    acc, stats = self._accum
+    for j, minibatch in enumerate(micro):
+      for i, mb in enumerate(minibatch):
+        p = prox.get((j, i))
+        if p is None:
+          p = self._zeros(no_prox, mb["tokens"].shape)
+        acc, stats = fns.accumulate(self._state, acc, stats, mb, p,
+                                    self._flags[(j, i) in prox])
+      self._state, acc, stats, metrics = fns.apply(self._state, acc, stats,
+                                                   self._flags[j == len(micro) - 1])
+    self._accum = (acc, stats)
     previous, self._pending = self._pending, metrics
     return None if previous is None else self._check(previous)
+
+  def _zeros(self, sharding, shape):
+    """A cached device array of zeros (the placeholder proximal log-probs)."""
+    if shape not in self._zeros_cache:
+      self._zeros_cache[shape] = jax.device_put(np.zeros(shape, np.float32), sharding)
+    return self._zeros_cache[shape]
 
   def flush(self) -> dict[str, np.ndarray] | None:
     """Waits for the last dispatched step and returns (and checks) its host metrics."""
@@ -219,6 +341,13 @@ class Learner:
 
   def _check(self, device_metrics: dict) -> dict[str, np.ndarray]:
     m = jax.device_get(device_metrics)
+    for name, count in train_step_lib.ABSENT_WITHOUT.items():
+      if int(m[count]) == 0:  # nothing to describe: absent, never a fake 0
+        del m[name]
+    if int(m["minibatches_with_data"]) == 0:
+      logging.info("Learner: step %d had no token that contributes to the loss; no update "
+                   "(params, optimizer state and version %d unchanged).", int(m["step"]),
+                   int(m["version"]))
     if bool(m["is_finite"]):
       return m
     bad = [name for name in ("loss_finite", "grad_finite", "logp_finite", "inputs_finite")
@@ -227,7 +356,7 @@ class Learner:
     logging.warning(
         "Learner: step %d skipped (update not applied, version stays %d): non-finite %s; "
         "loss=%s grad_norm=%s; %d in a row, %d in total.", int(m["step"]), int(m["version"]),
-        ", ".join(n.replace("_finite", "") for n in bad), m["loss"], m["grad_norm"],
+        ", ".join(n.replace("_finite", "") for n in bad), m.get("loss"), m.get("grad_norm"),
         consecutive, int(m["nonfinite_total"]))
     if consecutive >= self.cfg.max_consecutive_nonfinite:
       where = "no checkpoint saved (LearnerConfig.checkpoint.directory is None)"
@@ -241,7 +370,7 @@ class Learner:
       raise NonFiniteError(
           f"{consecutive} consecutive optimizer steps (steps {first}..{int(m['step'])}) had a "
           f"non-finite {' / '.join(n.replace('_finite', '') for n in bad)} (last loss="
-          f"{m['loss']}, grad_norm={m['grad_norm']}); max_consecutive_nonfinite="
+          f"{m.get('loss')}, grad_norm={m.get('grad_norm')}); max_consecutive_nonfinite="
           f"{self.cfg.max_consecutive_nonfinite}. Their updates were skipped (params, optimizer "
           f"state and version {int(m['version'])} unchanged); {where}.")
     return m
@@ -267,7 +396,7 @@ class Learner:
     """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
 
     Raises:
-      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      ValueError: if `LearnerConfig.checkpoint.directory` is None.
       TypeError: if `extra` is not JSON-serializable.
     """
     if self._checkpointer is None:
@@ -285,7 +414,7 @@ class Learner:
       The JSON extra dict saved with it.
 
     Raises:
-      ValueError: if `LearnerConfig.checkpoint_dir` is None.
+      ValueError: if `LearnerConfig.checkpoint.directory` is None.
       checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable).
     """
     if self._checkpointer is None:

@@ -3,20 +3,23 @@
 Params follow the model's logical axes through `rlax_pipe.sharding.LEARNER_RULES` (FSDP on embed,
 tensor parallel on heads / mlp / vocab); optimizer moments inherit their parameter's sharding
 (`rlax_pipe.sharding.opt_state_shardings`); scalars are replicated; batch rows are split over the
-(data, fsdp) axes.
+(data, fsdp) axes. The forward / backward computes with `rlax_pipe.sharding.compute_constraint`
+(`LEARNER_COMPUTE_RULES`): weights gathered per layer, gradients reduce-scattered, activations
+split over the batch axes only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import ModelLike, as_model
 # One definition each, in rlax_pipe.sharding; re-exported for the learner's modules.
-from rlax_pipe.sharding import opt_state_shardings, replicated  # pylint: disable=unused-import
+from rlax_pipe.sharding import (  # pylint: disable=unused-import
+    compute_constraint, opt_state_shardings, replicated)
 
 BATCH_AXES: tuple[str, str] = (sharding_lib.BATCH, sharding_lib.LENGTH)
 
@@ -43,9 +46,3 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, int],
                    rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> NamedSharding:
   """Sharding of one [B, L] batch array: rows over (data, fsdp) when they divide B."""
   return NamedSharding(mesh, sharding_lib.logical_to_spec(BATCH_AXES, shape, mesh, rules))
-
-
-def microbatch_spec(mesh: Mesh, shape: tuple[int, int],
-                    rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> PartitionSpec:
-  """PartitionSpec of a [B / k, L] micro-batch (used as a sharding constraint in the scan)."""
-  return sharding_lib.logical_to_spec(BATCH_AXES, shape, mesh, rules)

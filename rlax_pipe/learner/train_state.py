@@ -20,10 +20,13 @@ class TrainState(NamedTuple):
     params: model parameter tree (`Model.abstract_params()` layout), learner-sharded.
     opt_state: optax state of `optimizer.make_optimizer(cfg)`.
     version: int32 scalar policy version of `params`: initial weights are version 0 and every
-      applied optimizer step makes v + 1 (a skipped non-finite step leaves it unchanged).
+      learner batch with at least one applied optimizer update makes v + 1, however many
+      minibatch updates it made (a batch whose updates were all skipped, for non-finite values
+      or for having no token that contributes to the loss, leaves it unchanged).
     rng: uint32[2] raw PRNG key data, fold_in(key(seed), 1) at init (random init of the params
-      uses key(seed) itself); advanced once per step; reserved for stochastic parts.
-    step: int32 scalar number of `train_step` calls, applied or skipped (checkpoint step id).
+      uses key(seed) itself); advanced with the version; reserved for stochastic parts.
+    step: int32 scalar number of `train_step` calls (learner batches), applied or skipped
+      (checkpoint step id).
     nonfinite_consecutive: int32 scalar, skipped steps in a row up to now (0 after a good step).
     nonfinite_total: int32 scalar, skipped steps since initialization.
   """

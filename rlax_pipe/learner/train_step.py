@@ -1,37 +1,42 @@
-"""The pure learner step: recompute log-probs, objective, accumulate gradients, apply or skip.
+"""The pure learner step, as three fixed-shape functions the `Learner` drives batch by batch.
 
-One call = one optimizer step (policy version v -> v + 1). The [B, L] batch is split into k
-micro-batches (row r -> micro-batch r mod k) scanned with `jax.lax.scan`, so the compiled program
-does not depend on k beyond the scan length. Each micro-batch loss is rescaled so that the sum
-over micro-batches equals the objective of the whole batch:
+A learner batch of any number of rows is cut on the host into minibatches (row r -> minibatch
+r mod m, `LearnerConfig.num_minibatches`) and each minibatch into micro-batches of exactly
+R = `micro_batch_rows` rows (the last one padded with empty rows). Three jitted programs, each
+compiled once for a given row length L, do the rest:
 
-  token_mean:    L = sum_m (N_m / N) L_m,  N_m valid tokens of micro-batch m, N = sum_m N_m;
-  sequence_mean: L = sum_m (S_m / S) L_m,  S_m samples with a valid token (rows are never split,
-                 so a sample lies in one micro-batch);
-  constant:      L = sum_m L_m            (each L_m is already divided by the fixed constant).
+  `prox(state, mb)`: log-probs of the params before the batch's first update (the proximal
+      policy of decoupled PPO), for minibatches 2..m only;
+  `accumulate(state, acc, stats, mb, prox, use_prox)`: forward, chunked log-probs, the
+      objective's per-token loss, masking and aggregation terms, gradient; adds the gradient of
+      the loss numerator and the normaliser counts into `acc` and the diagnostics' sufficient
+      statistics into `stats`;
+  `apply(state, acc, stats, final)`: divides by the minibatch's normaliser (so the result is
+      exactly the minibatch's loss gradient, whatever the micro-batching: `token_loss`), clips,
+      AdamW; skips the update when the minibatch has no token that contributes to the loss or
+      when its loss or gradient is not finite. With `final` it closes the batch: the policy
+      version advances once if any update was applied, and the metrics are produced.
 
-Diagnostics are those of the objective evaluated once on the whole batch (from the per-token
-log-probs and entropies the scan returns), so they do not depend on k either.
-
-Letters: B batch rows, L tokens per row, V vocab, k micro-batches.
+Masking, aggregation and diagnostics happen once per token, in `accumulate`, from values it
+already has (no second evaluation of the objective). Letters: R rows, L tokens per row, V vocab.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 import optax
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe import objectives
 from rlax_pipe import offpolicy
+from rlax_pipe.learner import token_loss
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.train_state import TrainState
-from rlax_pipe.model import ModelLike, as_model
+from rlax_pipe.model import HiddenStatesModel, ModelLike, as_model
+from rlax_pipe.objectives import ObjectiveConfig
 
 Batch = dict[str, jax.Array]
 
@@ -65,31 +70,6 @@ def check_batch(batch: Batch) -> tuple[int, int]:
   return shape
 
 
-def shifted_token_logprobs(logits_BLV: jax.Array, tokens_BL: jax.Array,
-                           sampling_cfg: logprobs_lib.SamplingConfig):
-  """Log-prob and entropy of token t under the processed distribution of the logits at t - 1.
-
-  Uses `logprobs.processed_logprobs` (the sampler's processing: temperature, top-k, top-p),
-  gathered exactly as `logprobs.token_logprobs` does. Position 0 has no predecessor and gets 0.
-
-  Args:
-    logits_BLV: float32 [B, L, V] model logits (position t predicts token t + 1).
-    tokens_BL: int32 [B, L] token ids.
-    sampling_cfg: the sampler's SamplingConfig.
-
-  Returns:
-    (logp_BL float32, differentiable; entropy_BL float32 in nats, gradient stopped).
-  """
-  if logits_BLV.ndim != 3 or tokens_BL.shape != logits_BLV.shape[:2]:
-    raise ValueError(f"logits {logits_BLV.shape} vs tokens {tokens_BL.shape}: need [B, L, V], "
-                     "[B, L].")
-  logp_all = logprobs_lib.processed_logprobs(logits_BLV[:, :-1], sampling_cfg)
-  logp = jnp.take_along_axis(logp_all, tokens_BL[:, 1:, None], axis=-1)[..., 0]
-  ent = logprobs_lib.entropy(jax.lax.stop_gradient(logp_all))
-  pad = jnp.zeros((tokens_BL.shape[0], 1), jnp.float32)
-  return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, ent], axis=1)
-
-
 def completion_mask(loss_mask_BL: jax.Array, segment_ids_BL: jax.Array) -> jax.Array:
   """Loss mask restricted to tokens scored within their own (non-padding) segment.
 
@@ -103,178 +83,267 @@ def completion_mask(loss_mask_BL: jax.Array, segment_ids_BL: jax.Array) -> jax.A
   return keep.astype(jnp.float32)
 
 
-def num_samples(valid_BL: jax.Array, segment_ids_BL: jax.Array) -> jax.Array:
-  """Number of (row, segment id) samples that hold at least one valid token (int32 scalar)."""
-  b, l = valid_BL.shape
-  ids = jnp.arange(b, dtype=jnp.int32)[:, None] * (l + 1) + jnp.clip(segment_ids_BL, 0, l)
-  counts = jax.ops.segment_sum(valid_BL.astype(jnp.int32).reshape(-1), ids.reshape(-1),
-                               num_segments=b * (l + 1))
-  return jnp.sum(counts > 0).astype(jnp.int32)
+class GradAccum(NamedTuple):
+  """Sums over the micro-batches of one minibatch (reset by `apply`).
 
-
-def normalizer_count(mask_BL: jax.Array, lag_BL: jax.Array, segment_ids_BL: jax.Array,
-                     cfg: objectives.ObjectiveConfig) -> jax.Array:
-  """The count the objective divides by (float32 scalar): see the module docstring.
-
-  token_mean: valid tokens; sequence_mean: samples with a valid token; constant: 1 (each
-  micro-batch loss is already absolute, so micro-batch losses simply add up).
+  Attributes:
+    grads: float32 tree like the params: sum of d(loss numerator) / d params.
+    numerator: float32 scalar, sum of the loss numerators (`token_loss.loss_sums`).
+    counts: `token_loss.Counts`, summed.
+    used: int32 scalar, tokens that contribute to the loss.
   """
-  valid = offpolicy.lag_keep_mask(mask_BL, lag_BL, cfg.max_lag)
-  if cfg.aggregation == "token_mean":
-    return jnp.sum(valid).astype(jnp.float32)
-  if cfg.aggregation == "sequence_mean":
-    return num_samples(valid, segment_ids_BL).astype(jnp.float32)
-  return jnp.float32(1.0)
+
+  grads: Any
+  numerator: jax.Array
+  counts: token_loss.Counts
+  used: jax.Array
 
 
-def _split(x_BL: jax.Array, k: int) -> jax.Array:
-  """[B, L] -> [k, B/k, L] with row r in micro-batch r mod k (keeps row sharding local)."""
-  b = x_BL.shape[0]
-  return jnp.swapaxes(x_BL.reshape((b // k, k) + x_BL.shape[1:]), 0, 1)
+class BatchStats(NamedTuple):
+  """Sums over the whole learner batch (all minibatches; reset by the final `apply`).
+
+  Attributes:
+    sums: `offpolicy.DiagnosticSums` of every token of the batch.
+    loss_sum / grad_norm_sum: sums over minibatches with data of their loss and pre-clip
+      gradient norm; update_norm_sum: over applied updates.
+    with_data: minibatches with a token that contributes to the loss.
+    updates: applied optimizer updates.
+    nonfinite: minibatches with data whose loss or gradient was not finite (skipped).
+    loss_finite / grad_finite: all minibatches with data had a finite loss / gradient.
+    tokens_processed: non-padding tokens; negative_lag_tokens: completion tokens stamped with a
+      version newer than the learner's (a pipeline bug; treated as lag 0 by the objectives).
+    inputs_finite: advantages and behaviour log-probs finite at every completion token;
+    logp_finite: recomputed log-probs finite at every completion token.
+  """
+
+  sums: offpolicy.DiagnosticSums
+  loss_sum: jax.Array
+  grad_norm_sum: jax.Array
+  update_norm_sum: jax.Array
+  with_data: jax.Array
+  updates: jax.Array
+  nonfinite: jax.Array
+  loss_finite: jax.Array
+  grad_finite: jax.Array
+  tokens_processed: jax.Array
+  negative_lag_tokens: jax.Array
+  inputs_finite: jax.Array
+  logp_finite: jax.Array
 
 
-def _merge(x_kML: jax.Array) -> jax.Array:
-  """Inverse of `_split`: [k, B/k, L] -> [B, L]."""
-  k, m = x_kML.shape[:2]
-  return jnp.swapaxes(x_kML, 0, 1).reshape((k * m,) + x_kML.shape[2:])
+def init_accum(params: Any) -> GradAccum:
+  """Zero gradient accumulator for `params` (float32 leaves)."""
+  zero = jnp.zeros((), jnp.float32)
+  return GradAccum(grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+                   numerator=zero, counts=token_loss.Counts(zero, zero, zero),
+                   used=jnp.zeros((), jnp.int32))
 
 
-def _inputs(batch: Batch, version: jax.Array):
-  """(mask, lag) for the objective: completion tokens and lag = version - policy version."""
-  mask = completion_mask(batch["loss_mask"], batch["segment_ids"])
-  lag = (version - batch["policy_versions"]).astype(jnp.int32)
-  return mask, lag
+def init_stats(hist_bins: int) -> BatchStats:
+  """Batch statistics of an empty batch."""
+  zero_f, zero_i, true = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+                          jnp.ones((), bool))
+  return BatchStats(
+      sums=offpolicy.empty_sums(hist_bins), loss_sum=zero_f, grad_norm_sum=zero_f,
+      update_norm_sum=zero_f, with_data=zero_i, updates=zero_i, nonfinite=zero_i,
+      loss_finite=true, grad_finite=true, tokens_processed=zero_i, negative_lag_tokens=zero_i,
+      inputs_finite=true, logp_finite=true)
 
 
-def make_train_step(model: ModelLike, learner_cfg: LearnerConfig,
-                    objective_cfg: objectives.ObjectiveConfig,
-                    sampling_cfg: logprobs_lib.SamplingConfig, tx: optax.GradientTransformation,
-                    microbatch_sharding: NamedSharding | None = None,
-                    params_sharding: Any = None) -> Callable[[TrainState, Batch], Any]:
-  """Builds `step(state, batch) -> (state, metrics)`, a pure function to jit (and donate state).
+class StepFns(NamedTuple):
+  """The three pure functions of a learner step (see the module docstring); jit each once."""
 
-  The step (policy version v = state.version):
-    1. splits the batch into `learner_cfg.micro_batches` micro-batches and, for each, runs the
-       forward pass, recomputes log pi of every token with the sampler's logit processing,
-       lag = v - policy_versions, and differentiates the rescaled objective (see module doc).
-       The proximal policy of decoupled PPO is the policy at the start of this optimizer step;
-       every micro-batch is evaluated with those same params, so prox log-probs are the
-       stop-gradient of the recomputed log-probs (no second forward pass is needed);
-    2. evaluates the objective's diagnostics on the whole batch;
-    3. if the loss and the gradient global norm are finite, applies clip + AdamW and sets
-       version v + 1; otherwise keeps params, optimizer state and version unchanged (skip),
-       and counts the skip.
+  prox: Callable[[TrainState, Batch], jax.Array]
+  accumulate: Callable[..., tuple[GradAccum, BatchStats]]
+  apply: Callable[..., tuple[TrainState, GradAccum, BatchStats, dict]]
+
+
+def _schedule_step(opt_state: Any) -> jax.Array | None:
+  """Index of the last applied update, read from the optimizer state's last `count` leaf (the
+  learning-rate schedule's, in `optimizer.make_optimizer`), or None if it has none."""
+  counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+            if path and getattr(path[-1], "name", None) == "count"]
+  return None if not counts else counts[-1] - 1
+
+
+def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
+                  objective_cfg: ObjectiveConfig, sampling_cfg: logprobs_lib.SamplingConfig,
+                  tx: optax.GradientTransformation, constrain: Any = None) -> StepFns:
+  """Builds the step's pure functions for one configuration.
 
   Args:
-    model: the model (`rlax_pipe.model.Model` or a `ModelConfig` of the built-in one; its
-      cache-free forward is used).
-    learner_cfg: learner configuration (micro_batches, remat, schedule).
+    model: the model (`rlax_pipe.model.Model`, or a `ModelConfig` of the built-in one; there
+      param_dtype = master params and optimizer state, compute_dtype = activations and
+      matmuls). A `HiddenStatesModel` gets chunked log-probs, the remat policy, blockwise
+      attention and the sharding hook; any other model is run through `forward` (full
+      logits, remat on unless "none").
+    learner_cfg: learner configuration (remat, logits_chunk_len, schedule).
     objective_cfg: objective configuration; `objective_cfg.name` picks the objective.
     sampling_cfg: the sampler's logit processing (temperature, top-k, top-p).
     tx: optimizer from `optimizer.make_optimizer(learner_cfg.optimizer)`.
-    microbatch_sharding: optional sharding constraint for [B/k, L] micro-batch arrays.
-    params_sharding: optional sharding tree of the params (constrains the gradient sum).
+    constrain: sharding hook `constrain(x, logical_axes, weight=False)` for the forward pass
+      (`rlax_pipe.sharding.compute_constraint`: weights gathered per layer, activations split
+      over the batch axes); None = no constraints.
 
   Returns:
-    step(state: TrainState, batch: dict of [B, L] arrays with `BATCH_FIELDS`) ->
-    (TrainState, metrics dict of device scalars and `lag_hist` int32[hist_bins]). Metric
-    names: the `ObjectiveDiagnostics` fields, plus loss, grad_norm (before clipping),
-    update_norm, param_norm, learning_rate, tokens_processed (non-padding tokens),
-    negative_lag_tokens (completion tokens stamped with a version newer than the learner's:
-    a pipeline bug, treated as lag 0 by the objectives),
-    is_finite, loss_finite, grad_finite, inputs_finite (advantages and behavior log-probs at
-    completion tokens), logp_finite (recomputed log-probs at completion tokens), version and
-    step (after the step), nonfinite_consecutive, nonfinite_total.
+    StepFns(prox, accumulate, apply):
+      prox(state, mb) -> float32 [R, L] log-probs (gradient stopped);
+      accumulate(state, acc, stats, mb, prox_logp [R, L], use_prox bool) -> (acc, stats);
+      apply(state, acc, stats, final bool) -> (state, zeroed acc, stats, metrics). Metrics
+      (meaningful when final): the `ObjectiveDiagnostics` fields; loss and grad_norm (mean over
+      minibatches with data; NaN if none), update_norm (mean over applied updates; NaN if
+      none), param_norm, learning_rate (of the last applied update; NaN if none),
+      tokens_processed, negative_lag_tokens, updates_applied, minibatches_with_data, is_finite,
+      loss_finite, grad_finite, inputs_finite, logp_finite, version and step (after the step),
+      nonfinite_consecutive, nonfinite_total.
   """
-  objective = objectives.get_objective(objective_cfg.name)
   model = as_model(model)
-  k = learner_cfg.micro_batches
+  c = constrain or (lambda x, *_, **__: x)
 
-  def constrain(x, sharding):
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+  def token_logprobs(params, mb):
+    if not isinstance(model, HiddenStatesModel):  # forward only: full logits
+      logits, _ = model.forward(params, mb["tokens"], mb["positions"],
+                                segment_ids_BT=mb["segment_ids"],
+                                remat=learner_cfg.remat != "none")
+      return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"], sampling_cfg)
+    h = model.hidden_states(params, mb["tokens"], mb["positions"],
+                            segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
+                            constrain=constrain,
+                            attention_block_len=learner_cfg.attention_block_len)
+    head = c(model.output_head(params), ("embed", "vocab"), weight=True)
+    return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,
+                                            chunk_len=learner_cfg.logits_chunk_len,
+                                            batch_groups=learner_cfg.batch_shards,
+                                            constrain=constrain)
 
-  def microbatch_loss(params, mb, version, total):
-    mb = {name: constrain(x, microbatch_sharding) for name, x in mb.items()}
-    logits, _ = model.forward(params, mb["tokens"], mb["positions"],
-                              segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat)
-    logp, ent = shifted_token_logprobs(logits, mb["tokens"], sampling_cfg)
-    mask, lag = _inputs(mb, version)
-    loss, _ = objective(logp, mb["behavior_logprobs"], mb["advantages"], mask, lag,
-                        objective_cfg, prox_logp_BT=jax.lax.stop_gradient(logp),
-                        segment_ids_BT=mb["segment_ids"], entropy_BT=ent)
-    weight = normalizer_count(mask, lag, mb["segment_ids"], objective_cfg)
-    if objective_cfg.aggregation != "constant":
-      weight = weight / jnp.maximum(total, 1.0)
-    return loss * weight, (logp, ent)
-
-  grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
-
-  def step(state: TrainState, batch: Batch):
-    b, _ = check_batch(batch)
-    if b % k:
-      raise ValueError(f"batch rows B={b} are not a multiple of micro_batches={k}.")
-    version = state.version
-    mask, lag = _inputs(batch, version)
-    total = normalizer_count(mask, lag, batch["segment_ids"], objective_cfg)
-    params = state.params
-
-    def body(carry, mb):
-      grad_acc, loss_acc = carry
-      (loss, aux), grads = grad_fn(params, mb, version, total)
-      grad_acc = jax.tree.map(jnp.add, grad_acc, grads)
-      grad_acc = grad_acc if params_sharding is None else jax.tree.map(
-          jax.lax.with_sharding_constraint, grad_acc, params_sharding)
-      return (grad_acc, loss_acc + loss), aux
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), (logp_k, ent_k) = jax.lax.scan(
-        body, (zeros, jnp.float32(0.0)), {n: _split(x, k) for n, x in batch.items()})
-    logp, ent = _merge(logp_k), _merge(ent_k)
-
-    _, diag = objective(logp, batch["behavior_logprobs"], batch["advantages"], mask, lag,
-                        objective_cfg, prox_logp_BT=logp, segment_ids_BT=batch["segment_ids"],
-                        entropy_BT=ent)
-
-    grad_norm = optax.tree.norm(grads)
-    loss_finite = jnp.isfinite(loss)
-    grad_finite = jnp.isfinite(grad_norm)
-    ok = loss_finite & grad_finite
-    updates, new_opt_state = tx.update(grads, state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jnp.where(ok, new, old)
-    bad = jnp.logical_not(ok).astype(jnp.int32)
-    new_state = TrainState(
-        params=jax.tree.map(keep, new_params, params),
-        opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
-        version=version + (1 - bad),
-        rng=jax.random.split(jax.random.wrap_key_data(state.rng))[0],
-        step=state.step + 1,
-        nonfinite_consecutive=(state.nonfinite_consecutive + 1) * bad,
-        nonfinite_total=state.nonfinite_total + bad,
-    )
-    new_state = new_state._replace(rng=jax.random.key_data(new_state.rng))
-
+  def micro_loss(params, mb, prox_logp, use_prox, version):
+    logp, ent = token_logprobs(params, mb)
+    seg = mb["segment_ids"]
+    mask = completion_mask(mb["loss_mask"], seg)
+    lag = (version - mb["policy_versions"]).astype(jnp.int32)
+    prox_logp = jnp.where(use_prox, prox_logp, jax.lax.stop_gradient(logp))
+    sel = token_loss.select_valid(logp, mb["behavior_logprobs"], mb["advantages"], mask, lag,
+                                  objective_cfg, prox_logp)
+    used, out = token_loss.per_token_loss(sel, lag, objective_cfg)
+    numerator, counts = token_loss.loss_sums(out.loss_BT, sel.valid_BT, mask, seg, objective_cfg)
+    sums = token_loss.diagnostic_sums(sel, out, used, mask, lag, seg, objective_cfg, ent)
     completion = mask > 0
     finite_at = lambda x: jnp.all(jnp.where(completion, jnp.isfinite(x), True))
-    metrics = dict(diag._asdict())
-    metrics.update(
-        loss=loss,
-        grad_norm=grad_norm,
-        update_norm=jnp.where(ok, optax.tree.norm(updates), 0.0),
-        param_norm=optax.tree.norm(new_state.params),
-        learning_rate=optimizer.learning_rate(learner_cfg.optimizer, version),
-        tokens_processed=jnp.sum(batch["segment_ids"] > 0).astype(jnp.int32),
-        negative_lag_tokens=jnp.sum(completion & (lag < 0)).astype(jnp.int32),
-        is_finite=ok,
-        loss_finite=loss_finite,
-        grad_finite=grad_finite,
-        inputs_finite=finite_at(batch["advantages"]) & finite_at(batch["behavior_logprobs"]),
-        logp_finite=finite_at(logp),
-        version=new_state.version,
-        step=new_state.step,
-        nonfinite_consecutive=new_state.nonfinite_consecutive,
-        nonfinite_total=new_state.nonfinite_total,
-    )
-    return new_state, metrics
+    extra = dict(
+        used=jnp.sum(used, dtype=jnp.int32),
+        tokens=jnp.sum(seg > 0, dtype=jnp.int32),
+        negative_lag=jnp.sum(completion & (lag < 0), dtype=jnp.int32),
+        inputs_finite=finite_at(mb["advantages"]) & finite_at(mb["behavior_logprobs"]),
+        logp_finite=finite_at(logp))
+    return numerator, (counts, sums, extra)
 
-  return step
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def prox(state: TrainState, mb: Batch) -> jax.Array:
+    return jax.lax.stop_gradient(token_logprobs(state.params, mb)[0])
+
+  def accumulate(state: TrainState, acc: GradAccum, stats: BatchStats, mb: Batch,
+                 prox_logp: jax.Array, use_prox: jax.Array):
+    check_batch(mb)
+    (numerator, (counts, sums, x)), grads = grad_fn(state.params, mb, prox_logp, use_prox,
+                                                    state.version)
+    acc = GradAccum(
+        grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
+        numerator=acc.numerator + numerator,
+        counts=jax.tree.map(jnp.add, acc.counts, counts), used=acc.used + x["used"])
+    stats = stats._replace(
+        sums=offpolicy.combine_sums(stats.sums, sums),
+        tokens_processed=stats.tokens_processed + x["tokens"],
+        negative_lag_tokens=stats.negative_lag_tokens + x["negative_lag"],
+        inputs_finite=stats.inputs_finite & x["inputs_finite"],
+        logp_finite=stats.logp_finite & x["logp_finite"])
+    return acc, stats
+
+  def apply(state: TrainState, acc: GradAccum, stats: BatchStats, final: jax.Array):
+    state, stats = _update(state, acc, stats, objective_cfg, tx)
+    new_state, metrics = _close_batch(state, stats, learner_cfg)
+    pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(final, x, y), a, b)
+    state = state._replace(**{f: pick(getattr(new_state, f), getattr(state, f)) for f in (
+        "version", "rng", "step", "nonfinite_consecutive", "nonfinite_total")})
+    stats = pick(init_stats(objective_cfg.hist_bins), stats)
+    return state, init_accum(state.params), stats, metrics
+
+  return StepFns(prox=prox, accumulate=accumulate, apply=apply)
+
+
+def _update(state: TrainState, acc: GradAccum, stats: BatchStats, objective_cfg: ObjectiveConfig,
+            tx: optax.GradientTransformation) -> tuple[TrainState, BatchStats]:
+  """One optimizer update from a minibatch's sums, or none (no data, or not finite)."""
+  denom = token_loss.normalizer(acc.counts, objective_cfg)
+  scale = jnp.where(denom > 0, 1.0 / jnp.where(denom > 0, denom, 1.0), 0.0)
+  params = state.params
+  grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), acc.grads, params)
+  loss = acc.numerator * scale
+  grad_norm = optax.tree.norm(grads)
+  has_data = acc.used > 0
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  ok = has_data & finite
+  updates, new_opt_state = tx.update(grads, state.opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jnp.where(ok, new, old)
+  state = state._replace(params=jax.tree.map(keep, new_params, params),
+                         opt_state=jax.tree.map(keep, new_opt_state, state.opt_state))
+  data = has_data.astype(jnp.int32)
+  stats = stats._replace(
+      loss_sum=stats.loss_sum + jnp.where(has_data, loss, 0.0),
+      grad_norm_sum=stats.grad_norm_sum + jnp.where(has_data, grad_norm, 0.0),
+      update_norm_sum=stats.update_norm_sum + jnp.where(ok, optax.tree.norm(updates), 0.0),
+      with_data=stats.with_data + data, updates=stats.updates + ok.astype(jnp.int32),
+      nonfinite=stats.nonfinite + (has_data & ~finite).astype(jnp.int32),
+      loss_finite=stats.loss_finite & (jnp.isfinite(loss) | ~has_data),
+      grad_finite=stats.grad_finite & (jnp.isfinite(grad_norm) | ~has_data))
+  return state, stats
+
+
+def _close_batch(state: TrainState, stats: BatchStats,
+                 learner_cfg: LearnerConfig) -> tuple[TrainState, dict]:
+  """Version, counters and metrics at the end of a learner batch."""
+  applied = stats.updates > 0
+  bad = (stats.nonfinite > 0).astype(jnp.int32)
+  consecutive = jnp.where(bad > 0, state.nonfinite_consecutive + 1,
+                          jnp.where(applied, 0, state.nonfinite_consecutive))
+  new_state = state._replace(
+      version=state.version + applied.astype(jnp.int32),
+      rng=jnp.where(applied, jax.random.key_data(
+          jax.random.split(jax.random.wrap_key_data(state.rng))[0]), state.rng),
+      step=state.step + 1, nonfinite_consecutive=consecutive,
+      nonfinite_total=state.nonfinite_total + bad)
+  nan = jnp.float32(jnp.nan)
+  mean = lambda total, n: jnp.where(n > 0, total / jnp.maximum(n, 1).astype(jnp.float32), nan)
+  last = _schedule_step(state.opt_state)
+  metrics = dict(offpolicy.finalize_diagnostics(stats.sums)._asdict())
+  metrics.update(
+      loss=mean(stats.loss_sum, stats.with_data),
+      grad_norm=mean(stats.grad_norm_sum, stats.with_data),
+      update_norm=mean(stats.update_norm_sum, stats.updates),
+      param_norm=optax.tree.norm(state.params),
+      learning_rate=(nan if last is None else jnp.where(
+          applied, optimizer.learning_rate(learner_cfg.optimizer, last), nan)),
+      tokens_processed=stats.tokens_processed,
+      negative_lag_tokens=stats.negative_lag_tokens,
+      updates_applied=stats.updates,
+      minibatches_with_data=stats.with_data,
+      is_finite=bad == 0,
+      loss_finite=stats.loss_finite,
+      grad_finite=stats.grad_finite,
+      inputs_finite=stats.inputs_finite,
+      logp_finite=stats.logp_finite,
+      version=new_state.version,
+      step=new_state.step,
+      nonfinite_consecutive=new_state.nonfinite_consecutive,
+      nonfinite_total=new_state.nonfinite_total,
+  )
+  return new_state, metrics
+
+
+# Metrics that are absent (NaN) when the batch had nothing they describe, with the count that
+# says so: the diagnostics' own counts, plus the step's loss and update statistics.
+ABSENT_WITHOUT: dict[str, str] = {
+    **offpolicy.DIAGNOSTIC_COUNTS, "loss": "minibatches_with_data",
+    "grad_norm": "minibatches_with_data", "update_norm": "updates_applied",
+    "learning_rate": "updates_applied"}

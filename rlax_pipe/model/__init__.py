@@ -6,21 +6,22 @@ Sampler, learner and job receive a `Model` (or a `ModelConfig`, turned into the 
 `as_model`); the KV-cache contract a model honours is written in `rlax_pipe.model.api`.
 """
 
-from rlax_pipe.model.api import Model, attend_with_cache, packed_causal_mask
+from rlax_pipe.model.api import HiddenStatesModel, Model, attend_with_cache, packed_causal_mask
 from rlax_pipe.model.builtin import ModelLike, Transformer, as_model
 from rlax_pipe.model.hf_io import (
-    SUPPORTED_ARCHITECTURES, architecture_for, config_from_hf, config_to_hf, load_hf_checkpoint,
-    save_hf_checkpoint)
+    SUPPORTED_ARCHITECTURES, architecture_for, config_from_hf, config_to_hf, eos_token_ids,
+    load_hf_checkpoint, save_hf_checkpoint)
 from rlax_pipe.model.kv_cache import DenseKVCache, KVCache, gqa_attention
 from rlax_pipe.model.nnx_adapter import NnxModel
 from rlax_pipe.model.transformer import (
-    abstract_params, forward, init_params, param_axes, param_specs, rms_norm, rope)
+    abstract_params, forward, hidden_states, init_params, param_axes, param_specs, rms_norm, rope)
 
 __all__ = [
-    "Model", "ModelLike", "NnxModel", "Transformer", "as_model", "attend_with_cache",
+    "HiddenStatesModel", "Model", "ModelLike", "NnxModel", "Transformer", "as_model",
+    "attend_with_cache",
     "packed_causal_mask",
     "SUPPORTED_ARCHITECTURES", "architecture_for", "config_from_hf", "config_to_hf",
-    "load_hf_checkpoint", "save_hf_checkpoint",
+    "eos_token_ids", "load_hf_checkpoint", "save_hf_checkpoint", "hidden_states",
     "DenseKVCache", "KVCache", "abstract_params", "forward", "gqa_attention", "init_params",
     "param_axes", "param_specs", "rms_norm", "rope",
 ]

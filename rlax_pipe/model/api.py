@@ -23,18 +23,21 @@ modes and returns `(logits float32 [B, T, V], cache or None)`:
   segment 0 is padding, which attends only to padding). `positions_BT` restart at 0 for every
   packed sample and are the positions the model must embed (RoPE or otherwise).
 * **With a cache** (sampling): `cache` is a pytree (the paged cache of `rlax_pipe.sampler` or
-  `kv_cache.DenseKVCache`) whose `k` and `v` arrays hold one slice per layer on their leading
-  axis, `n_layers` of them, each with `n_kv_heads` heads of width `head_dim` (the geometry the
-  model declares; the sampler sizes its page pool from it). For every layer l, in order, the
-  model computes that layer's queries [B, T, H, D] and its new keys / values [B, T, K, D] (with
-  positional encoding already applied to keys) and calls
-  `out_BTHD, cache = attend_with_cache(cache, l, q, k, v, positions_BT, valid_BT)`; then it
-  returns the cache of the last call. The cache writes the keys / values of the tokens where
-  `valid_BT` is True at their `positions_BT` and returns, for each query at position p, attention
+  `kv_cache.DenseKVCache`) that holds the keys and values of `n_layers` layers, each with
+  `n_kv_heads` heads of width `head_dim` (the geometry the model declares; the sampler sizes its
+  page pool from it). For every layer l, in order, the model computes that layer's queries
+  [B, T, H, D] and its new keys / values [B, T, K, D] (with positional encoding already applied
+  to keys) and calls `out_BTHD, cache = attend_with_cache(cache, l, q, k, v, positions_BT,
+  valid_BT)` (= `cache.update_attend(l, q, k, v, positions_BT, valid_BT)`); then it returns the
+  cache of the last call. The cache writes the keys / values of the tokens where `valid_BT` is
+  True at their `positions_BT`, in place, and returns, for each query at position p, attention
   over every cached entry of its row at positions <= p (including the ones just written). Tokens
-  with `valid_BT` False write nothing and their outputs are ignored. T > 1 is a prefill, T == 1 a
-  decode step; the model must not otherwise read or write `cache.k` / `cache.v`, and must not
-  depend on the cache's type, so one model runs on every cache implementation.
+  with `valid_BT` False write nothing and their outputs are ignored. T > 1 is a prefill, T == 1
+  a decode step. The model carries the cache from call to call (a Python loop, or the carry of
+  a `lax.scan` over layers with `l` an int32 scalar) and never reads, slices or rebuilds the
+  cache's arrays itself: slicing one layer out and writing it back would copy that layer of the
+  whole pool on every call (issue #10), and the paged pool folds layers into its page axis. So
+  one model runs on every cache implementation, whatever its layout.
 
 Both modes must give the same logits for the same tokens (the sampler's behaviour log-probs and
 the learner's recomputed ones come from the two modes), and `forward` must be a pure function of
@@ -57,7 +60,7 @@ class Model(Protocol):
   Attributes:
     vocab_size: number of token ids; logits have this last dimension.
     max_seq_len: longest sequence (prompt + completion, tokens) the model may be run on.
-    n_layers: layers of the KV cache (leading axis of `cache.k` / `cache.v`).
+    n_layers: layers of the KV cache (`attend_with_cache` is called once per layer).
     n_kv_heads: key / value heads per layer in the cache.
     head_dim: width of one cached key / value head.
   """
@@ -87,13 +90,40 @@ class Model(Protocol):
     ...
 
 
+@runtime_checkable
+class HiddenStatesModel(Model, Protocol):
+  """Optional, for a learner at scale: the forward split before the output projection.
+
+  A model that also offers these two methods lets the learner (a) compute log-probs from hidden
+  states in chunks of positions, never holding [rows, T, V] logits, and (b) place its weights
+  and activations with a sharding hook (FSDP: weights gathered per layer, activations split over
+  the batch axes). A model with `forward` only is trained from full logits, with XLA's default
+  layouts. `output_head(params) @ hidden_states(...)` must equal `forward`'s logits (float32).
+  """
+
+  def hidden_states(self, params: Any, tokens_BT: jax.Array, positions_BT: jax.Array, *,
+                    segment_ids_BT: jax.Array | None = None, remat: str = "none",
+                    constrain: Any = None,
+                    attention_block_len: int | None = None) -> jax.Array:
+    """Final normalised hidden states [B, T, E] of the cache-free forward.
+
+    `remat` is one of "none", "full", "dots_saveable"; `constrain(x, logical_axes, weight=False)`
+    is a sharding hook called on each weight (weight=True) and on activations;
+    `attention_block_len` bounds the queries attended at once (None = all)."""
+    ...
+
+  def output_head(self, params: Any) -> jax.Array:
+    """The [E, V] output projection (logits = hidden @ head, in float32)."""
+    ...
+
+
 def attend_with_cache(cache: Any, layer: int | jax.Array, q_BTHD: jax.Array, k_BTKD: jax.Array,
                       v_BTKD: jax.Array, positions_BT: jax.Array,
                       valid_BT: jax.Array) -> tuple[jax.Array, Any]:
-  """One layer's cached attention, for models that loop over their layers in Python.
+  """One layer's cached attention: `cache.update_attend(layer, ...)` (see the module docstring).
 
-  Writes the new keys / values of layer `layer` into `cache` and attends over the row's cached
-  entries at positions <= each query's (see the module docstring for the full contract).
+  Writes the new keys / values of layer `layer` into `cache` (in place when the cache is
+  carried and donated) and attends over the row's cached entries at positions <= each query's.
 
   Args:
     cache: a KV cache pytree (`kv_cache.KVCache`: the paged or the dense cache).
@@ -107,9 +137,7 @@ def attend_with_cache(cache: Any, layer: int | jax.Array, q_BTHD: jax.Array, k_B
   Returns:
     (out [B, T, H, D] in q's dtype, the updated cache).
   """
-  out, layer_k, layer_v = cache.update_attend(cache.k[layer], cache.v[layer], q_BTHD, k_BTKD,
-                                              v_BTKD, positions_BT, valid_BT)
-  return out, cache.replace(k=cache.k.at[layer].set(layer_k), v=cache.v.at[layer].set(layer_v))
+  return cache.update_attend(layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT)
 
 
 def packed_causal_mask(segment_ids_BT: jax.Array) -> jax.Array:

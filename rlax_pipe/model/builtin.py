@@ -77,6 +77,18 @@ class Transformer:
     """`transformer.init_params` (truncated-normal matrices, unit norms, zero biases)."""
     return transformer.init_params(self.cfg, rng)
 
+  def hidden_states(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None,
+                    remat="none", constrain=None, attention_block_len=None):
+    """`transformer.hidden_states` (api.HiddenStatesModel): the learner's training path."""
+    return transformer.hidden_states(params, tokens_BT, positions_BT, self.cfg,
+                                     segment_ids_BT=segment_ids_BT, remat=remat,
+                                     constrain=constrain,
+                                     attention_block_len=attention_block_len)
+
+  def output_head(self, params):
+    """`transformer.output_head`: the [E, V] projection (the transposed embedding if tied)."""
+    return transformer.output_head(params, self.cfg)
+
   def forward(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None, cache=None,
               valid_BT=None, remat=False):
     """`transformer.forward`: float32 logits [B, T, V] and the updated cache (api contract)."""

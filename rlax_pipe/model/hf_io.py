@@ -15,11 +15,12 @@ w_gate [E, F], lm_head [V, E] -> lm_head [E, V]. Per-layer tensors are stacked o
 HF's RoPE (`rotate_half`) uses the same half-split convention as `transformer.rope`, so q/k need
 no permutation.
 
-Supported: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) with SiLU MLPs, unscaled RoPE, full
-attention in every layer, tied or untied embeddings. Anything else (rope_scaling such as
-Llama-3.1's "llama3", sliding windows, attention_bias / mlp_bias on Llama or Qwen3, which would
-need o_proj / MLP biases, another activation, quantized weights) raises a ValueError naming the
-field.
+Supported: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) with SiLU MLPs, RoPE unscaled or
+with linear / llama3 / yarn scaling (Llama 3.1-3.3, Qwen2.5 / Qwen3 long-context configs), full
+attention in every layer, tied or untied embeddings; the EOS ids of config.json and
+generation_config.json are carried into `ModelConfig.eos_token_ids` (`hf_config`). Anything else
+(another RoPE type, sliding windows, attention_bias / mlp_bias on Llama or Qwen3, which would need
+o_proj / MLP biases, another activation, quantized weights) raises a ValueError naming the field.
 
 Letters: E embed, H heads, K kv heads, D head dim, F mlp, V vocab, L layers.
 """
@@ -37,18 +38,15 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import numpy as st_numpy
 
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import transformer
+# Config mapping lives in hf_config; re-exported here, the module users import.
+from rlax_pipe.model.hf_config import (  # pylint: disable=unused-import
+    SUPPORTED_ARCHITECTURES, architecture_for, config_from_hf, config_to_hf, eos_token_ids)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
-# HF's class defaults for fields a config.json may omit.
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768,
-                          "Qwen3ForCausalLM": 32768}
 _CONFIG_FILE = "config.json"
+_GENERATION_FILE = "generation_config.json"
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -81,203 +79,6 @@ _LAYER_TENSORS = {
     "w_up": ("mlp.up_proj.weight", 1),
     "w_down": ("mlp.down_proj.weight", 1),
 }
-
-
-# ------------------------------------------------------------------------------------------------
-# Config mapping.
-
-
-def _architecture(hf_config: Mapping[str, Any]) -> str:
-  archs = hf_config.get("architectures")
-  if not isinstance(archs, list) or len(archs) != 1:
-    raise ValueError(f"config.json field 'architectures'={archs!r}: expected exactly one of "
-                     f"{SUPPORTED_ARCHITECTURES}.")
-  if archs[0] not in SUPPORTED_ARCHITECTURES:
-    raise ValueError(f"Unsupported architecture {archs[0]!r} (config.json 'architectures'); "
-                     f"supported: {SUPPORTED_ARCHITECTURES}.")
-  return archs[0]
-
-
-def _rope_theta(hf_config: Mapping[str, Any]) -> float:
-  """The RoPE base, after checking that no scaling is configured (legacy and v5 field names)."""
-  for field in ("rope_scaling", "rope_parameters"):
-    params = hf_config.get(field) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    extra = [k for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")
-             and (k, v) != ("partial_rotary_factor", 1.0)]
-    if rope_type != "default" or extra:
-      raise ValueError(f"config.json field {field!r}={dict(params)}: RoPE scaling (here "
-                       f"rope_type={rope_type!r}) and RoPE options {extra} are not supported; "
-                       "only unscaled 'default' RoPE with a rope_theta.")
-  if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError(f"config.json field 'partial_rotary_factor'="
-                     f"{hf_config['partial_rotary_factor']} is not supported (only 1.0).")
-  nested = (hf_config.get("rope_parameters") or {}).get("rope_theta")
-  top = hf_config.get("rope_theta")
-  if nested is not None and top is not None and float(nested) != float(top):
-    raise ValueError(f"config.json disagrees with itself: rope_theta={top} but "
-                     f"rope_parameters.rope_theta={nested}.")
-  theta = nested if nested is not None else top
-  return 10000.0 if theta is None else float(theta)
-
-
-def _check_full_attention(hf_config: Mapping[str, Any], n_layers: int) -> None:
-  """Raises unless every layer uses full causal attention (no sliding windows)."""
-  layer_types = hf_config.get("layer_types")
-  if layer_types is not None:
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-      raise ValueError(f"config.json field 'layer_types' contains {other}: only "
-                       f"'full_attention' layers are supported (no sliding windows).")
-    return
-  if hf_config.get("use_sliding_window") and hf_config.get("sliding_window") is not None:
-    if hf_config.get("max_window_layers", 0) < n_layers:
-      raise ValueError(
-          "config.json field 'use_sliding_window'=true with sliding_window="
-          f"{hf_config['sliding_window']} and max_window_layers="
-          f"{hf_config.get('max_window_layers')}: sliding-window attention is not supported.")
-
-
-def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32") -> ModelConfig:
-  """Maps a HF `config.json` dict (Llama / Qwen2 / Qwen3 causal LM) to a `ModelConfig`.
-
-  Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default: no
-  GQA), head_dim (default hidden_size / num_attention_heads), intermediate_size, vocab_size,
-  rope_theta (legacy top-level or v5 `rope_parameters`), rms_norm_eps, tie_word_embeddings,
-  max_position_embeddings (-> max_seq_len). Qwen2 always has q/k/v biases; Qwen3 always has
-  q/k norms. Other fields (token ids, dropout, initializer range, ...) do not affect the forward
-  and are ignored.
-
-  Args:
-    hf_config: the parsed config.json.
-    param_dtype: `ModelConfig.param_dtype` of the result ("float32", "bfloat16", "float16").
-
-  Returns:
-    The matching `ModelConfig` (compute_dtype left at its default).
-
-  Raises:
-    ValueError: unsupported architecture (the message lists the supported ones), a missing
-      required field, or an unsupported feature (the message names the field): rope scaling,
-      sliding windows, attention_bias / mlp_bias on Llama / Qwen3, an activation other than
-      SiLU, quantization.
-
-  Example:
-    >>> cfg = config_from_hf(json.load(open("ckpt/config.json")))
-  """
-  arch = _architecture(hf_config)
-  required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "intermediate_size")
-  missing = [k for k in required if hf_config.get(k) is None]
-  if missing:
-    raise ValueError(f"config.json lacks required field(s) {missing} for {arch}.")
-  if hf_config.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"config.json field 'hidden_act'={hf_config['hidden_act']!r}: only 'silu' "
-                     "(SwiGLU) is supported.")
-  if hf_config.get("quantization_config") is not None:
-    raise ValueError("config.json field 'quantization_config' is set: quantized checkpoints are "
-                     "not supported.")
-  if hf_config.get("mlp_bias"):
-    raise ValueError("config.json field 'mlp_bias'=true is not supported (no MLP biases).")
-  if arch != "Qwen2ForCausalLM" and hf_config.get("attention_bias"):
-    raise ValueError(f"config.json field 'attention_bias'=true is not supported for {arch}: it "
-                     "adds an o_proj bias, which ModelConfig has no field for.")
-  n_layers = int(hf_config["num_hidden_layers"])
-  _check_full_attention(hf_config, n_layers)
-  hidden, n_heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
-  head_dim = hf_config.get("head_dim")
-  if head_dim is None:
-    if hidden % n_heads:
-      raise ValueError(f"config.json has no 'head_dim' and hidden_size={hidden} is not a multiple"
-                       f" of num_attention_heads={n_heads}.")
-    head_dim = hidden // n_heads
-  n_kv = hf_config.get("num_key_value_heads")
-  return ModelConfig(
-      vocab_size=int(hf_config["vocab_size"]),
-      d_model=hidden,
-      n_layers=n_layers,
-      n_heads=n_heads,
-      n_kv_heads=n_heads if n_kv is None else int(n_kv),
-      head_dim=int(head_dim),
-      d_ff=int(hf_config["intermediate_size"]),
-      rope_theta=_rope_theta(hf_config),
-      rms_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-      qkv_bias=arch == "Qwen2ForCausalLM",
-      qk_norm=arch == "Qwen3ForCausalLM",
-      tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-      param_dtype=param_dtype,
-      max_seq_len=int(hf_config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])),
-  )
-
-
-def architecture_for(cfg: ModelConfig) -> str:
-  """The HF architecture that expresses `cfg`: Qwen3 if qk_norm, Qwen2 if qkv_bias, else Llama.
-
-  Raises:
-    ValueError: if cfg has both qkv_bias and qk_norm (no supported HF architecture has both).
-  """
-  if cfg.qkv_bias and cfg.qk_norm:
-    raise ValueError("ModelConfig with both qkv_bias and qk_norm has no HF architecture among "
-                     f"{SUPPORTED_ARCHITECTURES}.")
-  if cfg.qk_norm:
-    return "Qwen3ForCausalLM"
-  return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
-
-
-def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
-                 dtype: str | None = None) -> dict[str, Any]:
-  """The HF `config.json` dict for `cfg` (inverse of `config_from_hf`).
-
-  Writes both the legacy (rope_theta, rope_scaling, torch_dtype) and the transformers v5
-  (rope_parameters, dtype) field names so old and new readers agree.
-
-  Args:
-    cfg: model configuration.
-    architecture: one of SUPPORTED_ARCHITECTURES; None = `architecture_for(cfg)`.
-    dtype: dtype name recorded as the checkpoint dtype; None = cfg.param_dtype.
-
-  Returns:
-    A JSON-serialisable dict.
-
-  Raises:
-    ValueError: unknown architecture, or one that cannot express cfg (Llama has neither q/k/v
-      biases nor q/k norms, Qwen2 always has the biases, Qwen3 always has the norms).
-  """
-  arch = architecture_for(cfg) if architecture is None else architecture
-  if arch not in SUPPORTED_ARCHITECTURES:
-    raise ValueError(f"Unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}.")
-  if cfg.qkv_bias != (arch == "Qwen2ForCausalLM") or cfg.qk_norm != (arch == "Qwen3ForCausalLM"):
-    raise ValueError(f"{arch} cannot express ModelConfig(qkv_bias={cfg.qkv_bias}, "
-                     f"qk_norm={cfg.qk_norm}); use {architecture_for(cfg)}.")
-  dtype = cfg.param_dtype if dtype is None else dtype
-  out = {
-      "architectures": [arch],
-      "model_type": _MODEL_TYPE[arch],
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.d_ff,
-      "num_hidden_layers": cfg.n_layers,
-      "num_attention_heads": cfg.n_heads,
-      "num_key_value_heads": cfg.n_kv_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "max_position_embeddings": cfg.max_seq_len,
-      "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_dropout": 0.0,
-      "torch_dtype": dtype,
-      "dtype": dtype,
-  }
-  if arch != "Qwen2ForCausalLM":
-    out["attention_bias"] = False
-  if arch == "LlamaForCausalLM":
-    out["mlp_bias"] = False
-  else:
-    out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
-               layer_types=["full_attention"] * cfg.n_layers)
-  return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,6 +251,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
 
   Raises:
     FileNotFoundError: no config.json or no safetensors weights (pickled .bin is refused).
+    (generation_config.json is optional; its eos_token_id joins config.json's.)
     ValueError: unsupported architecture or feature (see `config_from_hf`), a missing tensor
       (named, with the files searched), unexpected tensors (named), a tensor of the wrong shape,
       or mixed checkpoint dtypes with param_dtype=None.
@@ -462,7 +264,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
   if not (path / _CONFIG_FILE).is_file():
     raise FileNotFoundError(f"No {_CONFIG_FILE} in {path}.")
   hf_config = json.loads((path / _CONFIG_FILE).read_text())
-  cfg = config_from_hf(hf_config)
+  generation = (json.loads((path / _GENERATION_FILE).read_text())
+                if (path / _GENERATION_FILE).is_file() else None)
+  cfg = config_from_hf(hf_config, generation_config=generation)
   files = _checkpoint_files(path)
   refs = _index_tensors(files)
   names = _hf_names(cfg)
@@ -546,8 +350,8 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
     max_shard_bytes: None writes one model.safetensors; otherwise shards of at most this many
       bytes (a bigger tensor gets its own shard) plus model.safetensors.index.json, or a single
       model.safetensors when everything fits in one shard.
-    extra_config: more config.json fields (e.g. bos_token_id, eos_token_id); may not override
-      fields derived from cfg.
+    extra_config: more config.json fields (e.g. bos_token_id, eos_token_id); may repeat but not
+      change fields derived from cfg (eos_token_id comes from cfg.eos_token_ids when set).
 
   Returns:
     The paths written.
@@ -564,14 +368,18 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
   _check_params(params, cfg)
   hf_config = config_to_hf(cfg, architecture=architecture,
                            dtype=jnp.dtype(params["embed"].dtype).name)
-  clash = sorted(set(extra_config or {}) & set(hf_config))
+  clash = sorted(k for k in set(extra_config or {}) & set(hf_config)
+                 if extra_config[k] != hf_config[k])
   if clash:
-    raise ValueError(f"extra_config may not override derived config.json field(s) {clash}.")
+    raise ValueError(f"extra_config may not override derived config.json field(s) {clash} "
+                     "with other values.")
   hf_config.update(extra_config or {})
   existing = sorted(p.name for p in path.glob("model*.safetensors*")) if path.is_dir() else []
   if existing or (path / _CONFIG_FILE).exists():
     raise FileExistsError(f"{path} already holds a checkpoint ({existing or _CONFIG_FILE}).")
 
+  # Imported here: reading needs no safetensors package, so neither does importing the model.
+  from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(np.asarray, params)
   entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]], kind)
              for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
@@ -587,6 +395,7 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
       hf_name, arr, kind = entries[j]
       tensors[hf_name] = _to_hf(arr, kind)
       weight_map[hf_name] = file_name
+    from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
     st_numpy.save_file(tensors, str(path / file_name), metadata={"format": "pt"})
     written.append(path / file_name)
   if n > 1:

@@ -1,11 +1,20 @@
 """KV-cache interface used by `transformer.forward`, and the dense reference cache.
 
-A cache is a pytree with layer-stacked key/value arrays `k` and `v` (leading axis = layers) plus
-whatever metadata it needs (block tables for the paged cache of `rlax_pipe.sampler`). The forward
-scans over layers and, per layer, calls `cache.update_attend(...)` with that layer's slice of `k`
-and `v`: the cache writes the new keys/values for the valid tokens and returns attention outputs
-over everything cached so far (causal by position). The contract as a model sees it (and
-`api.attend_with_cache` for models that loop over layers in Python) is in `rlax_pipe.model.api`.
+A cache is a pytree that holds the keys and values of every layer (layer-stacked or folded into
+one pool) plus whatever metadata it needs (block tables for the paged cache of
+`rlax_pipe.sampler`). The forward carries the cache through its loop over layers and, per layer,
+calls `cache.update_attend(layer, ...)` with the layer's index: the cache writes the new keys and
+values of the valid tokens in place and returns attention outputs over everything cached so far
+(causal by position) together with the updated cache. Carrying the whole cache (instead of
+slicing it per layer as a scan input and rebuilding it as a scan output) lets XLA update it in
+place: a step touches only what it writes and reads.
+
+Masked positions are *selected out* (`jnp.where`), never multiplied by zero: a NaN or inf in a
+position that a query may not see (a stale page, padding) cannot reach a real token, because
+0 * NaN = NaN.
+
+The contract as a model sees it (and `api.attend_with_cache` for models that loop over layers
+in Python) is in `rlax_pipe.model.api`.
 
 Letters: B batch, T new tokens, S cache length, H query heads, K kv heads, D head dim.
 """
@@ -19,36 +28,38 @@ import jax.numpy as jnp
 from flax import struct
 
 # Masked attention logits use a large finite negative number (not -inf) so that a fully masked
-# row (padding) gives a finite uniform softmax instead of NaN.
+# row (padding) never computes inf - inf.
 MASK_VALUE = -1e30
 
 
 class KVCache(Protocol):
-  """What `transformer.forward` needs from a cache."""
+  """What `transformer.forward` needs from a cache (a pytree)."""
 
-  k: jax.Array  # [layers, ...]
-  v: jax.Array  # [layers, ...]
-
-  def update_attend(self, layer_k, layer_v, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
-    """Writes new K/V for valid tokens, then attends. Returns (out_BTHD, layer_k, layer_v)."""
-    ...
-
-  def replace(self, **kwargs) -> "KVCache":
+  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
+    """Writes new K/V of `layer` for valid tokens, then attends. Returns (out_BTHD, cache)."""
     ...
 
 
 def gqa_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                  mask_BTS: jax.Array) -> jax.Array:
+                  mask_BTS: jax.Array, key_valid_BS: jax.Array | None = None) -> jax.Array:
   """Grouped-query softmax attention with an explicit boolean mask.
 
   out[b, t, h] = sum_s softmax_s(q[b,t,h] . k[b,s,h // G] / sqrt(D) | mask) v[b,s,h // G],
   with G = H / K query heads per kv head (Ainslie et al. 2023, GQA; Vaswani et al. 2017 eq. 1).
+
+  Masked scores and probabilities are selected out with `where`, and values at keys outside
+  `key_valid_BS` are replaced by 0 before the weighted sum, so NaN or inf held at such keys
+  (padding, stale cache entries) never reaches an output. A query with no visible key gets 0.
 
   Args:
     q_BTHD: queries [B, T, H, D].
     k_BSKD: keys [B, S, K, D]; H must be a multiple of K.
     v_BSKD: values [B, S, K, D].
     mask_BTS: bool [B, T, S]; True where query t may attend to key s.
+    key_valid_BS: bool [B, S], keys that hold real data (e.g. segment_ids != 0 in packed
+      training rows, positions already written in a cache). None = keys visible to at least one
+      query, which protects against stale entries but not against a padding key that padding
+      queries attend to; pass it explicitly where padding may hold NaN.
 
   Returns:
     [B, T, H, D] in q's dtype. Scores and softmax are computed in float32.
@@ -64,15 +75,25 @@ def gqa_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
   kv = k_BSKD.shape[2]
   if h % kv:
     raise ValueError(f"query heads {h} not a multiple of kv heads {kv}.")
+  if key_valid_BS is None:
+    key_valid_BS = jnp.any(mask_BTS, axis=1)
+  mask_BTS = mask_BTS & key_valid_BS[:, None, :]
   g = h // kv
   q = q_BTHD.reshape(b, t, kv, g, d)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD,
                       preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
-  scores = jnp.where(mask_BTS[:, None, None, :, :], scores, MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
+  mask = mask_BTS[:, None, None, :, :]
+  scores = jnp.where(mask, scores, MASK_VALUE)
+  probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+  v_safe = jnp.where(key_valid_BS[:, :, None, None], v_BSKD, jnp.zeros((), v_BSKD.dtype))
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_safe,
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+def last_valid_position(positions_BT: jax.Array, valid_BT: jax.Array) -> jax.Array:
+  """int32 [B]: largest position of a valid token in each row (-1 for a row with none)."""
+  return jnp.max(jnp.where(valid_BT, positions_BT, -1), axis=1).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -94,26 +115,31 @@ class DenseKVCache:
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-  def update_attend(self, layer_k, layer_v, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
-    """Writes K/V of valid tokens at their positions, then attends causally by position.
+  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
+    """Writes K/V of valid tokens of `layer` at their positions, then attends causally.
 
     Args:
-      layer_k, layer_v: [B, S_max, K, D] this layer's cache.
+      layer: int32 scalar layer index.
       q_BTHD: [B, T, H, D] queries of the new tokens.
       k_BTKD, v_BTKD: [B, T, K, D] keys/values of the new tokens (RoPE already applied to k).
       positions_BT: int32 [B, T] absolute position of each new token (< S_max).
       valid_BT: bool [B, T]; invalid tokens (padding) write nothing.
 
     Returns:
-      (out [B, T, H, D], layer_k, layer_v). A query at position p sees cache entries 0..p.
+      (out [B, T, H, D], updated cache). A query at position p sees entries 0..p; entries past
+      the row's last valid position (never written, or stale) are selected out.
     """
     b, t = positions_BT.shape
-    s_max = layer_k.shape[1]
+    s_max = self.k.shape[2]
     write_pos = jnp.where(valid_BT, positions_BT, s_max)  # out of bounds -> dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    layer_k = layer_k.at[rows, write_pos].set(k_BTKD.astype(layer_k.dtype), mode="drop")
-    layer_v = layer_v.at[rows, write_pos].set(v_BTKD.astype(layer_v.dtype), mode="drop")
+    layers = jnp.broadcast_to(layer, (b, t))
+    k = self.k.at[layers, rows, write_pos].set(k_BTKD.astype(self.k.dtype), mode="drop")
+    v = self.v.at[layers, rows, write_pos].set(v_BTKD.astype(self.v.dtype), mode="drop")
     key_pos = jnp.arange(s_max)
     mask = key_pos[None, None, :] <= positions_BT[:, :, None]
-    out = gqa_attention(q_BTHD, layer_k.astype(q_BTHD.dtype), layer_v.astype(q_BTHD.dtype), mask)
-    return out, layer_k, layer_v
+    live = key_pos[None, :] <= last_valid_position(positions_BT, valid_BT)[:, None]
+    layer_k = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False).astype(q_BTHD.dtype)
+    layer_v = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False).astype(q_BTHD.dtype)
+    out = gqa_attention(q_BTHD, layer_k, layer_v, mask, key_valid_BS=live)
+    return out, self.replace(k=k, v=v)

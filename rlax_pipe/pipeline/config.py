@@ -15,6 +15,10 @@ from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler.config import SamplerConfig
+from rlax_pipe.tokenizer import EOS_ID
+
+# Stop set of the shipped sentencepiece tokenizer (`tokenizer.default_tokenizer().stop_ids`).
+SHIPPED_STOP_IDS: tuple[int, ...] = (EOS_ID,)
 
 BUILTIN_INIT = "builtin"
 
@@ -149,8 +153,9 @@ class RunConfig:
     objective: objective config. Its max_lag must stay None: the one staleness bound is
       pipeline.staleness.max_lag, which the learner's objective also receives (its hard lag
       mask is a second guard behind the queue).
-    sampler: sampler config (slots, pages, sampling); eos_id should be the tokenizer's (the
-      experiment config files set it).
+    sampler: sampler config (slots, pages, sampling, stop set). The default stops on the shipped
+      tokenizer's EOS (`tokenizer.EOS_ID`); with another tokenizer set eos_id to its `stop_ids`
+      (the experiment config files set it from the tokenizer).
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
@@ -172,7 +177,7 @@ class RunConfig:
   objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
   sampler: SamplerConfig = SamplerConfig(
       num_slots=64, num_pages=512, max_seq_len=384, max_new_tokens=384,
-      sampling=SamplingConfig(temperature=0.7))
+      sampling=SamplingConfig(temperature=0.7), eos_id=SHIPPED_STOP_IDS)
   pipeline: PipelineConfig = PipelineConfig()
   eval_slots: int = 32
   sampler_compute_dtype: str | None = None

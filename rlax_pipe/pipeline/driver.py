@@ -209,10 +209,10 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         st.t_s += prefill_s
         if sampler_clock is not None:
           sampler_clock.set(st.t_s)
-        if feats.decode_steps:
+        if feats.decode_steps:  # a dispatch of K decode steps (slots: mean over its steps)
           timeline.record("sampler", "decode", st.t_s, st.t_s + rest_s,
                           slots_active=round(feats.slot_steps / feats.decode_steps),
-                          slots_total=engine.cfg.num_slots)
+                          slots_total=engine.num_slots)
         st.t_s += rest_s
         for r in finished:
           heapq.heappush(st.transit, (st.t_s, st.next_seq, r))

@@ -139,7 +139,7 @@ class RolloutWorker:
 
   def _free_slots(self) -> int:
     e = self.engine
-    return e.cfg.num_slots - e.num_active - e.num_waiting
+    return e.num_slots - e.num_active - e.num_waiting
 
   def top_up(self) -> int:
     """Starts as many new prompt groups as the driver's rule (`rules.begin_top_up`,

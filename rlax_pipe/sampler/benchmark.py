@@ -81,7 +81,11 @@ def run(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, workload: WorkloadCo
   """Runs both samplers on the same workload; compile time is excluded from both.
 
   Returns:
-    Flat dict of metrics: useful_tokens, useful_tokens_per_s_{paged,static}, speedup,
+    Flat dict of metrics: useful_tokens, useful_tokens_per_s_{paged,static}, speedup (static
+    batch = num_slots, which reserves num_slots * max_seq_len KV tokens), the same against a
+    static batch with the SAME KV memory as the paged pool (num_pages * page_size // max_seq_len
+    rows: static_same_memory_batch, useful_tokens_per_s_static_same_memory,
+    speedup_vs_static_same_memory),
     slot_occupancy_{paged,static}, kv_utilization_{paged,static} (time-averaged KV tokens of
     unfinished sequences / reserved cache tokens: the whole page pool, resp. B * max_seq_len),
     p99_over_p50_latency (paged, per-sample t_finish - t_admit), p99_over_p50_latency_static
@@ -107,18 +111,26 @@ def run(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, workload: WorkloadCo
   paged_done = np.array([r.t_finish for r in paged])
   latency = np.array([r.t_finish - r.t_admit for r in paged])
 
-  static_kwargs = dict(batch_size=sampler_cfg.num_slots, max_seq_len=sampler_cfg.max_seq_len,
+  static_kwargs = dict(max_seq_len=sampler_cfg.max_seq_len,
                        max_new_tokens=sampler_cfg.max_new_tokens, sampling=sampler_cfg.sampling,
                        eos_id=sampler_cfg.eos_id, cache_dtype=sampler_cfg.cache_dtype)
+  # Same KV memory as the paged pool: as many dense rows of max_seq_len as the pool's tokens.
+  same_memory_batch = max(1, sampler_cfg.num_pages * sampler_cfg.page_size
+                          // sampler_cfg.max_seq_len)
   # Compile outside the timing: same prompt width (set by the longest prompt), any budget.
   longest = max(requests, key=lambda r: len(r.prompt_tokens))
-  static_generate(params, model_cfg, [dataclasses.replace(longest, max_new_tokens=1)],
-                  **static_kwargs)
+  for batch in (sampler_cfg.num_slots, same_memory_batch):
+    static_generate(params, model_cfg, [dataclasses.replace(longest, max_new_tokens=1)],
+                    batch_size=batch, **static_kwargs)
   start = time.perf_counter()
-  static, sstats = static_generate(params, model_cfg, requests, **static_kwargs)
+  static, sstats = static_generate(params, model_cfg, requests, batch_size=sampler_cfg.num_slots,
+                                   **static_kwargs)
   assert sum(r.num_completion_tokens for r in static) == useful, "static token count mismatch"
   batch_start = np.array([r.t_admit for r in static])
   static_latency = sstats.done_times - batch_start
+  same, same_stats = static_generate(params, model_cfg, requests, batch_size=same_memory_batch,
+                                     **static_kwargs)
+  assert sum(r.num_completion_tokens for r in same) == useful, "static token count mismatch"
 
   def ratio(x):
     return float(np.quantile(x, 0.99) / np.quantile(x, 0.5))
@@ -128,6 +140,13 @@ def run(model_cfg: ModelConfig, sampler_cfg: SamplerConfig, workload: WorkloadCo
       "useful_tokens_per_s_paged": useful / paged_wall,
       "useful_tokens_per_s_static": useful / sstats.wall_s,
       "speedup": sstats.wall_s / paged_wall,
+      # A static baseline holding the same KV memory as the paged pool (fewer, full-length rows):
+      "static_same_memory_batch": same_memory_batch,
+      "useful_tokens_per_s_static_same_memory": useful / same_stats.wall_s,
+      "speedup_vs_static_same_memory": same_stats.wall_s / paged_wall,
+      "kv_tokens_paged_pool": sampler_cfg.num_pages * sampler_cfg.page_size,
+      "kv_tokens_static_same_memory": same_memory_batch * sampler_cfg.max_seq_len,
+      "kv_tokens_static": sampler_cfg.num_slots * sampler_cfg.max_seq_len,
       "slot_occupancy_paged": stats.slot_occupancy,
       "slot_occupancy_static": sstats.slot_occupancy,
       "kv_utilization_paged": stats.kv_utilization,

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import numpy as np
 
 from rlax_pipe.logprobs import SamplingConfig
 
 KV_POLICIES: tuple[str, ...] = ("keep", "recompute")
-OVERLONG_PROMPT_POLICIES: tuple[str, ...] = ("error", "truncate_left")
-ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas_gpu")
+# "auto" picks by platform: pallas_gpu on GPU, pallas_tpu on TPU, reference elsewhere.
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "pallas_gpu", "pallas_tpu",
+                                    "pallas_tpu_ragged")
 CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
@@ -35,17 +37,29 @@ class SamplerConfig:
       min_prefill_bucket * 2^k, capped at max_seq_len, so new prompt lengths never compile.
     prefill_rows: sequences per prefill call (>= 1); each bucket compiles one [rows, bucket]
       program.
-    eos_id: token id that ends a completion (kept as its last token); None = never stop on a
-      token (only on length).
+    eos_id: the stop set: one token id or a sequence of ids (chat models declare several, e.g.
+      EOS and an end-of-turn id). Any id of the set ends the completion (kept as its last token;
+      nothing after it is sampled). Normalised to a sorted tuple of distinct ids; None or () =
+      never stop on a token (only on the budget or the sequence capacity). `stop_ids` reads it.
     kv_policy: what running sequences do after an in-flight weight update. "keep": continue on
       KV computed by older weights (PipelineRL). "recompute": re-prefill each running
       sequence's prefix under the new weights before the next decode step (AReaL).
-    overlong_prompt: a prompt longer than max_seq_len - 1 tokens is rejected ("error") or keeps
-      only its last max_seq_len - 1 tokens ("truncate_left").
     cache_dtype: dtype of the KV pages ("float32" on CPU tests, "bfloat16" on accelerators).
     attention_impl: "reference" (pure jnp, every backend), "pallas_gpu" (JAX's Pallas GPU paged
-      decode kernel; prefill stays on the reference), or "auto" (pallas_gpu on a one-device GPU
-      sampler mesh, else reference).
+      decode kernel), "pallas_tpu" (JAX's Pallas TPU paged decode kernel), "pallas_tpu_ragged"
+      (JAX's Pallas TPU ragged paged attention, prefill and decode; stores the pool K/V-combined),
+      or "auto" (pallas_gpu on GPU, pallas_tpu on TPU, else reference). Decode-only kernels leave
+      prefill to the reference. Kernels run per tp shard under `shard_map`.
+    decode_steps_per_dispatch: K, decode steps run on the device per engine step (>= 1): the
+      host joins once per dispatch (one read-back of tokens, log-probs and counts). A dispatch
+      stops early when a slot needs a KV page the host has not granted, or when
+      min(waiting requests, ceil(num_slots / 8)) slots have finished. Weight swaps land at
+      dispatch boundaries.
+    share_prompt_pages: the samples of a group (same group_id and prompt) prefill their prompt
+      once and share its full KV pages (reference-counted; the partial last page is copied).
+    attention_chunk_tokens: keys per step of the reference attention's loop over pages (rounded
+      down to whole pages, >= 1 page); the loop runs only over the pages that hold live tokens,
+      so attention work follows the longest live sequence, not the block-table width.
     sampling: how tokens are drawn; the learner must score with the same `SamplingConfig`.
     seed: seed of the sampling PRNG.
   """
@@ -57,28 +71,45 @@ class SamplerConfig:
   max_new_tokens: int = 128
   min_prefill_bucket: int = 16
   prefill_rows: int = 4
-  eos_id: int | None = None
+  eos_id: int | Sequence[int] | None = None
   kv_policy: str = "keep"
-  overlong_prompt: str = "error"
   cache_dtype: str = "float32"
   attention_impl: str = "auto"
+  decode_steps_per_dispatch: int = 8
+  share_prompt_pages: bool = True
+  attention_chunk_tokens: int = 256
   sampling: SamplingConfig = SamplingConfig()
   seed: int = 0
 
   def __post_init__(self):
     for name in ("num_slots", "page_size", "num_pages", "max_new_tokens", "min_prefill_bucket",
-                 "prefill_rows"):
+                 "prefill_rows", "decode_steps_per_dispatch", "attention_chunk_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"SamplerConfig.{name}={getattr(self, name)} must be >= 1.")
     if self.max_seq_len < 2:
       raise ValueError(f"SamplerConfig.max_seq_len={self.max_seq_len} must be >= 2 "
                        "(one prompt token and one completion token).")
-    if self.eos_id is not None and self.eos_id < 0:
-      raise ValueError(f"SamplerConfig.eos_id={self.eos_id} must be >= 0 or None.")
-    for name, choices in (("kv_policy", KV_POLICIES), ("overlong_prompt", OVERLONG_PROMPT_POLICIES),
-                          ("attention_impl", ATTENTION_IMPLS), ("cache_dtype", CACHE_DTYPES)):
+    object.__setattr__(self, "eos_id", normalize_stop_ids(self.eos_id))
+    for name, choices in (("kv_policy", KV_POLICIES), ("attention_impl", ATTENTION_IMPLS),
+                          ("cache_dtype", CACHE_DTYPES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r}; choose one of {choices}.")
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The stop set: sorted distinct token ids that end a completion (empty = none)."""
+    return self.eos_id
+
+  @property
+  def chunk_pages(self) -> int:
+    """Pages per step of the reference attention's loop: attention_chunk_tokens // page_size,
+    at least 1 and at most pages_per_seq."""
+    return max(1, min(self.attention_chunk_tokens // self.page_size, self.pages_per_seq))
+
+  @property
+  def table_width(self) -> int:
+    """Device block-table width: pages_per_seq rounded up to a multiple of chunk_pages."""
+    return -(-self.pages_per_seq // self.chunk_pages) * self.chunk_pages
 
   @property
   def pages_per_seq(self) -> int:
@@ -105,6 +136,30 @@ class SamplerConfig:
   def pages_for(self, num_tokens: int) -> int:
     """Pages that hold num_tokens tokens: ceil(num_tokens / page_size)."""
     return -(-num_tokens // self.page_size)
+
+
+def normalize_stop_ids(stop) -> tuple[int, ...]:
+  """One id, a sequence of ids, or None -> sorted tuple of distinct non-negative ints.
+
+  Raises:
+    ValueError: on a negative id, or an entry that is not an integer (e.g. a string).
+  """
+  if stop is None:
+    return ()
+  items = [stop] if isinstance(stop, (int, np.integer)) else stop
+  try:
+    items = list(items)
+  except TypeError:
+    raise ValueError(f"SamplerConfig.eos_id={stop!r}: give a token id, a sequence of token ids, "
+                     "or None.") from None
+  out = set()
+  for x in items:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+      raise ValueError(f"SamplerConfig.eos_id={stop!r}: stop ids must be integers, got {x!r}.")
+    if x < 0:
+      raise ValueError(f"SamplerConfig.eos_id={stop!r}: stop ids must be >= 0, got {x}.")
+    out.add(int(x))
+  return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)

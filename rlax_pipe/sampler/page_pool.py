@@ -1,30 +1,50 @@
-"""The device-side KV page pool and its sharding on the sampler mesh.
+"""The device-side KV page pool: layout, sharding, in-place writes, page reads and page copies.
 
-Layout: keys and values are each one array [layers, K, P, S, D] (layers, kv heads, pages, page
-size, head dim). Heads come before pages because that is the page layout both JAX Pallas paged
-attention kernels (GPU and TPU: [K, P, S, D] per layer) read, so the accelerated path needs no
-per-step transpose of the pool.
+The pool holds, for every layer, P pages of S tokens. Layers are folded into the page axis
+(page p of layer l is pool page `l * P + p`), so one array serves every layer and a kernel can
+be handed the whole pool (no per-layer slice, which XLA would copy) with block tables offset by
+`l * P`. Two layouts, chosen by the attention implementation:
 
-Sharding: the cache names logical axes only; `rlax_pipe.sharding.CACHE_RULES` maps them to
-mesh axes (kv heads over "tp" when they divide evenly; pages stay whole, see there).
+- "split" (reference, pallas_gpu, pallas_tpu): keys and values in two arrays [K, L*P, S, D]
+  (kv heads first), the page layout of JAX's Pallas paged decode kernels (GPU and TPU).
+- "combined" (pallas_tpu_ragged): one array [L*P, S, 2K, D] with key head k at index 2k and value
+  head k at 2k + 1, the layout of JAX's TPU ragged paged attention.
+
+Writes scatter only the tokens of a step (`write`), reads gather only the pages of a chunk
+(`read_chunk`), and `copy_pages` copies whole pages across all layers: with the pool donated and
+carried through the layer and decode loops, XLA updates it in place, so a step's cost and
+temporary memory do not depend on the pool size (checked on the compiled program in tests and in
+`experiments/bench_sampler.py --suite=scaling`).
+
+Sharding: the pool names logical axes only; `rlax_pipe.sharding.CACHE_RULES` maps them to mesh
+axes: only kv heads are split (over "tp", when divisible), because a block table indexes pages
+of the whole pool. The sampler mesh's "data" axis means independent replicas, each with its own
+pool on its own "tp" sub-mesh (`rlax_pipe.sharding.replica_meshes`).
+
+Letters: L layers, K kv heads, P pages per layer, S page size, D head dim, B rows, T tokens per
+row, C pages per chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import Model
 from rlax_pipe.sampler.config import SamplerConfig
-from rlax_pipe.sharding import replicated  # pylint: disable=unused-import (engine uses it)
+from rlax_pipe.sharding import replicated  # pylint: disable=unused-import (re-exported)
 
-CACHE_AXES: tuple[str, ...] = (
-    sharding_lib.LAYERS, sharding_lib.KV_HEADS, sharding_lib.PAGES, sharding_lib.PAGE_SIZE,
-    sharding_lib.HEAD_DIM)
+# Logical axes of each layout's arrays (layers are folded into the page axis).
+SPLIT_AXES: tuple[str, ...] = (sharding_lib.KV_HEADS, sharding_lib.PAGES, sharding_lib.PAGE_SIZE,
+                               sharding_lib.HEAD_DIM)
+COMBINED_AXES: tuple[str, ...] = (sharding_lib.PAGES, sharding_lib.PAGE_SIZE,
+                                  sharding_lib.KV_HEADS, sharding_lib.HEAD_DIM)
 
 
 def default_mesh() -> Mesh:
@@ -32,31 +52,145 @@ def default_mesh() -> Mesh:
   return sharding_lib.make_mesh(jax.devices()[:1], {sharding_lib.TP: 1})
 
 
-def pool_shape(model: Model, cfg: SamplerConfig) -> tuple[int, int, int, int, int]:
-  """Shape of the key (and of the value) pool: (layers, K, P, S, D)."""
-  return (model.n_layers, model.n_kv_heads, cfg.num_pages, cfg.page_size,
-          model.head_dim)
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """Shape and layout of one replica's pool (hashable: a static argument of jitted steps).
+
+  Attributes:
+    num_layers, num_kv_heads, num_pages, page_size, head_dim: L, K, P, S, D.
+    dtype: element dtype name.
+    combined: True = one [L*P, S, 2K, D] array (ragged TPU kernel); False = k and v arrays
+      [K, L*P, S, D].
+  """
+
+  num_layers: int
+  num_kv_heads: int
+  num_pages: int
+  page_size: int
+  head_dim: int
+  dtype: str = "float32"
+  combined: bool = False
+
+  @classmethod
+  def of(cls, model: Model, cfg: SamplerConfig, combined: bool = False) -> PoolLayout:
+    """The layout of `cfg`'s pool for `model` (its KV geometry: layers, kv heads, head dim)."""
+    return cls(model.n_layers, model.n_kv_heads, cfg.num_pages, cfg.page_size, model.head_dim,
+               cfg.cache_dtype, combined)
+
+  @property
+  def total_pages(self) -> int:
+    """L * P: pages of all layers."""
+    return self.num_layers * self.num_pages
+
+  @property
+  def shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Shape of each pool array (one array when combined, else keys then values)."""
+    l, k, s, d = self.total_pages, self.num_kv_heads, self.page_size, self.head_dim
+    return ((l, s, 2 * k, d),) if self.combined else ((k, l, s, d), (k, l, s, d))
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """Logical axes of each pool array."""
+    return COMBINED_AXES if self.combined else SPLIT_AXES
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the whole pool (keys + values, all layers)."""
+    return sum(int(np.prod(s)) for s in self.shapes) * jnp.dtype(self.dtype).itemsize
+
+  @property
+  def bytes_per_token(self) -> int:
+    """KV bytes of one token position over all layers (keys + values)."""
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(
+        self.dtype).itemsize
+
+  def sharding(self, mesh: Mesh) -> NamedSharding:
+    """NamedSharding of each pool array on `mesh` (kv heads over tp when K divides evenly; in
+    the combined layout a shard then holds whole key/value head pairs)."""
+    shape = list(self.shapes[0])
+    shape[self.axes.index(sharding_lib.KV_HEADS)] = self.num_kv_heads
+    return NamedSharding(mesh, sharding_lib.logical_to_spec(
+        self.axes, tuple(shape), mesh, sharding_lib.CACHE_RULES, canonical=True))
+
+  # --- device ops (jit-traceable; `pools` is the tuple of pool arrays) ------------------------
+  def write(self, pools, layer, k_BTKD, v_BTKD, pages_BT, offsets_BT, valid_BT):
+    """Scatters the new tokens' keys and values of `layer` into their pages, in place.
+
+    Args:
+      pools: tuple of pool arrays.
+      layer: int32 scalar layer index.
+      k_BTKD, v_BTKD: [B, T, K, D] keys (RoPE applied) and values.
+      pages_BT: int32 [B, T] page (of this layer, in [0, P)) of each token.
+      offsets_BT: int32 [B, T] offset in its page.
+      valid_BT: bool [B, T]; invalid tokens write nothing.
+
+    Returns:
+      The updated pools.
+    """
+    index = jnp.where(valid_BT, layer * self.num_pages + pages_BT, self.total_pages)
+    if self.combined:
+      b, t, k, d = k_BTKD.shape
+      kv = jnp.stack([k_BTKD, v_BTKD], axis=3).reshape(b, t, 2 * k, d)
+      return (pools[0].at[index, offsets_BT].set(kv.astype(pools[0].dtype), mode="drop"),)
+    k_pool, v_pool = pools
+    k_new = jnp.moveaxis(k_BTKD, 2, 0).astype(k_pool.dtype)
+    v_new = jnp.moveaxis(v_BTKD, 2, 0).astype(v_pool.dtype)
+    return (k_pool.at[:, index, offsets_BT].set(k_new, mode="drop"),
+            v_pool.at[:, index, offsets_BT].set(v_new, mode="drop"))
+
+  def read_chunk(self, pools, layer, pages_BC):
+    """Keys and values of C pages per row of `layer`: ([K, B, C*S, D], [K, B, C*S, D])."""
+    index = layer * self.num_pages + pages_BC
+    b, c = pages_BC.shape
+    k, s, d = self.num_kv_heads, self.page_size, self.head_dim
+    if self.combined:
+      kv = pools[0][index]  # [B, C, S, 2K, D]
+      kv = kv.reshape(b, c * s, k, 2, d)
+      return (jnp.transpose(kv[..., 0, :], (2, 0, 1, 3)),
+              jnp.transpose(kv[..., 1, :], (2, 0, 1, 3)))
+    return tuple(p[:, index].reshape(k, b, c * s, d) for p in pools)
+
+  def copy_pages(self, pools, src_N, dst_N):
+    """Copies pages src -> dst in every layer (dst = P or more: skipped). Returns the pools."""
+    out = []
+    for p in pools:
+      if self.combined:
+        view = p.reshape((self.num_layers, self.num_pages) + p.shape[1:])
+        view = view.at[:, dst_N].set(view[:, jnp.clip(src_N, 0, self.num_pages - 1)], mode="drop")
+      else:
+        view = p.reshape((p.shape[0], self.num_layers, self.num_pages) + p.shape[2:])
+        view = view.at[:, :, dst_N].set(view[:, :, jnp.clip(src_N, 0, self.num_pages - 1)],
+                                        mode="drop")
+      out.append(view.reshape(p.shape))
+    return tuple(out)
 
 
-def pool_sharding(model: Model, cfg: SamplerConfig, mesh: Mesh) -> NamedSharding:
-  """NamedSharding of the key/value pools on `mesh` (kv heads over tp when divisible)."""
-  return NamedSharding(mesh, sharding_lib.logical_to_spec(
-      CACHE_AXES, pool_shape(model, cfg), mesh, sharding_lib.CACHE_RULES, canonical=True))
+@functools.partial(jax.jit, static_argnames=("layout", "sharding"))
+def _zero_pools(layout: PoolLayout, sharding):
+  return tuple(jax.lax.with_sharding_constraint(jnp.zeros(s, layout.dtype), sharding)
+               for s in layout.shapes)
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
-def _zero_pools(shape, dtype, sharding):
-  zeros = jnp.zeros(shape, dtype)
-  return (jax.lax.with_sharding_constraint(zeros, sharding),
-          jax.lax.with_sharding_constraint(zeros, sharding))
-
-
-def init_pool(model: Model, cfg: SamplerConfig, mesh: Mesh):
-  """Allocates zeroed key and value pools directly in their sharding (no reshard).
+def init_pool(layout: PoolLayout, mesh: Mesh):
+  """Allocates the zeroed pool arrays directly in their sharding (no reshard).
 
   Returns:
-    (k_pages, v_pages), each [layers, K, P, S, D] in `cfg.cache_dtype`, sharded by
-    `pool_sharding`.
+    Tuple of pool arrays (see `PoolLayout.shapes`), sharded by `layout.sharding(mesh)`.
   """
-  return _zero_pools(pool_shape(model, cfg), jnp.dtype(cfg.cache_dtype),
-                     pool_sharding(model, cfg, mesh))
+  return _zero_pools(layout, layout.sharding(mesh))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "sharding"), donate_argnums=(0,))
+def copy_pages(pools, src_N, dst_N, *, layout: PoolLayout, sharding):
+  """Jitted `PoolLayout.copy_pages` on donated pools (in place): copy-on-write of shared pages.
+
+  Args:
+    pools: tuple of pool arrays (donated).
+    src_N, dst_N: int32 [N] page ids in [0, P); dst >= P marks padding (nothing copied).
+    layout, sharding: static.
+
+  Returns:
+    The updated pools.
+  """
+  out = layout.copy_pages(pools, src_N, dst_N)
+  return tuple(jax.lax.with_sharding_constraint(p, sharding) for p in out)

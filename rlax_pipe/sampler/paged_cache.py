@@ -1,9 +1,9 @@
 """`PagedKVCache`: the paged implementation of the model's KV-cache interface.
 
-`rlax_pipe.model.transformer.forward` scans over layers and calls
-`cache.update_attend(layer_k, layer_v, q, k, v, positions, valid)` with one layer of the pool;
-this cache writes the new tokens' K/V into their pages (through the block tables) and attends
-causally by position over each row's pages.
+`rlax_pipe.model.transformer.forward` carries the cache through its layer loop and calls
+`cache.update_attend(layer, q, k, v, positions, valid)`; this cache scatters the new tokens' K/V
+into their pages of that layer (in place: the pool is a loop carry) and attends causally by
+position over each row's pages, with the jnp reference or a Pallas kernel (`kernels`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import jax
 from flax import struct
 from jax.sharding import Mesh
 
+from rlax_pipe.sampler import kernels
 from rlax_pipe.sampler import paged_attention as pa
+from rlax_pipe.sampler.page_pool import PoolLayout
 
 
 @struct.dataclass
@@ -20,63 +22,71 @@ class PagedKVCache:
   """Paged KV cache pytree.
 
   Attributes:
-    k: [layers, K, P, S, D] key pages (the whole pool).
-    v: [layers, K, P, S, D] value pages.
-    block_tables: int32 [B, W] pages of each row, in sequence order (padding entries may name
-      any page: positions past a row's query are masked).
-    impl: "reference" or "pallas_gpu" (static). The Pallas kernel serves decode (T == 1) only;
-      prefill always uses the reference.
-    interpret: run the Pallas kernel in interpret mode (static; CPU tests).
+    pools: tuple of pool arrays (`PoolLayout.shapes`; all layers folded into the page axis).
+    block_tables: int32 [B, W] pages of each row (in [0, P)), in sequence order; entries past a
+      row's pages may name any page (never read into an output).
+    layout: the pool layout (static).
+    impl: "reference" or a kernel of `kernels.KERNEL_IMPLS` (static). Decode-only kernels serve
+      T == 1; longer rows (prefill) use the reference.
+    chunk_pages: pages per iteration of the reference's loop over live pages (static).
+    mesh: the replica's sampler mesh, for `shard_map` around kernels (static; None = one device).
+    interpret: run Pallas kernels in interpret mode (static; CPU tests).
   """
 
-  k: jax.Array
-  v: jax.Array
+  pools: tuple[jax.Array, ...]
   block_tables: jax.Array
+  layout: PoolLayout = struct.field(pytree_node=False)
   impl: str = struct.field(pytree_node=False, default="reference")
+  chunk_pages: int = struct.field(pytree_node=False, default=16)
+  mesh: Mesh | None = struct.field(pytree_node=False, default=None)
   interpret: bool = struct.field(pytree_node=False, default=False)
 
-  def update_attend(self, layer_k, layer_v, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
-    """Writes K/V of valid tokens into their pages, then attends over each row's pages.
+  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
+    """Writes K/V of valid tokens into their pages of `layer`, then attends over each row's pages.
 
     Args:
-      layer_k, layer_v: [K, P, S, D] this layer's pool.
+      layer: int32 scalar layer index.
       q_BTHD: [B, T, H, D] queries of the new tokens.
       k_BTKD, v_BTKD: [B, T, K, D] keys (RoPE applied) and values of the new tokens.
-      positions_BT: int32 [B, T] absolute positions (< W * S).
+      positions_BT: int32 [B, T] absolute positions (< W * S for valid tokens).
       valid_BT: bool [B, T]; invalid tokens write nothing (their outputs are meaningless).
 
     Returns:
-      (out [B, T, H, D], layer_k, layer_v); a query at position p sees positions 0..p.
+      (out [B, T, H, D], updated cache); a valid query at position p sees positions 0..p.
     """
     if positions_BT.shape[0] != self.block_tables.shape[0]:
       raise ValueError(f"{positions_BT.shape[0]} rows of tokens but block tables "
                        f"{self.block_tables.shape}.")
-    layer_k = pa.write_pages(layer_k, k_BTKD, self.block_tables, positions_BT, valid_BT)
-    layer_v = pa.write_pages(layer_v, v_BTKD, self.block_tables, positions_BT, valid_BT)
-    if self.impl == "pallas_gpu" and q_BTHD.shape[1] == 1:
-      out = pa.paged_decode_pallas_gpu(q_BTHD, layer_k, layer_v, self.block_tables,
-                                       positions_BT, interpret=self.interpret)
+    page, offset = pa.page_slots(self.block_tables, positions_BT, self.layout.page_size)
+    pools = self.layout.write(self.pools, layer, k_BTKD, v_BTKD, page, offset, valid_BT)
+    t = q_BTHD.shape[1]
+    if self.impl == "pallas_tpu_ragged" or (self.impl in kernels.DECODE_ONLY and t == 1):
+      out = kernels.attend(self.impl, q_BTHD, pools, self.layout, layer, self.block_tables,
+                           positions_BT, valid_BT, mesh=self.mesh, interpret=self.interpret)
     else:
-      out = pa.paged_attention_reference(q_BTHD, layer_k, layer_v, self.block_tables,
-                                         positions_BT)
-    return out, layer_k, layer_v
+      out = pa.paged_attention_reference(q_BTHD, pools, self.layout, layer, self.block_tables,
+                                         positions_BT, valid_BT, chunk_pages=self.chunk_pages)
+    return out, self.replace(pools=pools)
 
 
 def resolve_impl(attention_impl: str, mesh: Mesh) -> str:
-  """Picks the attention implementation for `mesh`.
-
-  "auto" selects the Pallas GPU kernel only when the sampler mesh is a single GPU device (the
-  kernel is a custom call that XLA cannot partition across devices); otherwise the reference.
+  """Picks the attention implementation for `mesh` ("auto": by the mesh's platform).
 
   Raises:
-    ValueError: for "pallas_gpu" requested on a mesh that is not a single GPU device.
+    ValueError: for a kernel requested on a platform that cannot run it natively (use
+      "reference", or the kernel functions with interpret=True in tests).
   """
-  devices = mesh.devices.flatten()
-  single_gpu = len(devices) == 1 and devices[0].platform == "gpu"
+  platform = mesh.devices.flat[0].platform
   if attention_impl == "auto":
-    return "pallas_gpu" if single_gpu else "reference"
-  if attention_impl == "pallas_gpu" and not single_gpu:
-    raise ValueError(f"attention_impl='pallas_gpu' needs a one-device GPU sampler mesh; this mesh "
-                     f"has {len(devices)} {devices[0].platform} device(s). Use 'reference' or "
-                     "'auto'.")
+    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "reference")
+  needs = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "pallas_tpu_ragged": "tpu"}.get(
+      attention_impl)
+  if needs is not None and platform != needs:
+    raise ValueError(f"attention_impl={attention_impl!r} needs a {needs.upper()} sampler mesh; "
+                     f"this mesh has {mesh.size} {platform} device(s). Use 'reference' or 'auto'.")
   return attention_impl
+
+
+def uses_combined_layout(impl: str) -> bool:
+  """Whether `impl` stores the pool K/V-combined ([L*P, S, 2K, D])."""
+  return impl == "pallas_tpu_ragged"

@@ -23,15 +23,15 @@ import numpy as np
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.model.kv_cache import DenseKVCache
-from rlax_pipe.sampler.config import Request
+from rlax_pipe.sampler.config import Request, normalize_stop_ids
 from rlax_pipe.types import Rollout
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampling", "max_seq_len", "eos_id",
+@functools.partial(jax.jit, static_argnames=("model", "sampling", "max_seq_len", "stop_ids",
                                              "cache_dtype"))
 def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: Model,
-                   sampling: logprobs_lib.SamplingConfig, max_seq_len: int, eos_id: int | None,
-                   cache_dtype: str):
+                   sampling: logprobs_lib.SamplingConfig, max_seq_len: int,
+                   stop_ids: tuple[int, ...], cache_dtype: str):
   """Generates for one static batch until every row is done.
 
   Args:
@@ -40,7 +40,7 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: 
     prompt_lens_B: int32 [B] prompt lengths (>= 1).
     budgets_B: int32 [B] completion budgets (0 = padding row, done from the start).
     rng: PRNG key.
-    model, sampling, max_seq_len, eos_id, cache_dtype: static.
+    model, sampling, max_seq_len, stop_ids (tuple of token ids), cache_dtype: static.
 
   Returns:
     dict with tokens int32 [B, N], logprobs float32 [B, N] (N = max_seq_len; row b valid up to
@@ -74,8 +74,8 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: 
     col = jnp.where(live, s["count"], n)  # out of bounds -> dropped
     count = s["count"] + live.astype(jnp.int32)
     done = s["done"] | (count >= budgets_B) | (s["pos"] + 2 >= max_seq_len)
-    if eos_id is not None:
-      done = done | (live & (tok == eos_id))
+    for sid in stop_ids:
+      done = done | (live & (tok == sid))
     step = s["step"] + 1
     return dict(step=step, cache=cache, pending=tok, pos=s["pos"] + live.astype(jnp.int32),
                 done=done, count=count,
@@ -86,6 +86,13 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: 
   s = jax.lax.while_loop(cond, body, state)
   return dict(tokens=s["tokens"], logprobs=s["logprobs"], lengths=s["count"],
               finish_step=s["finish_step"], num_steps=s["step"])
+
+
+def _finish_reason(tokens: np.ndarray, stop_ids: tuple[int, ...], n: int, cap: int,
+                   budget: int) -> str:
+  if n and int(tokens[n - 1]) in stop_ids:
+    return "eos"
+  return "length" if cap >= budget else "capacity"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +121,7 @@ class StaticStats:
 
 def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
                     batch_size: int, max_seq_len: int, max_new_tokens: int,
-                    sampling: logprobs_lib.SamplingConfig, eos_id: int | None = None,
+                    sampling: logprobs_lib.SamplingConfig, eos_id=None,
                     cache_dtype: str = "float32", seed: int = 0, version: int = 0,
                     clock: Callable[[], float] = time.perf_counter):
   """Runs `requests` in consecutive static batches of `batch_size` (submission order).
@@ -127,7 +134,7 @@ def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
     max_seq_len: dense cache length per row (prompt + completion).
     max_new_tokens: budget for requests that give none.
     sampling: sampling configuration.
-    eos_id: stop token or None.
+    eos_id: the stop set: a token id, a sequence of ids, or None.
     cache_dtype: dense cache dtype.
     seed: PRNG seed.
     version: policy version stamped on every token.
@@ -144,6 +151,7 @@ def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
     raise ValueError(f"static_generate: a prompt has {longest} tokens; max_seq_len={max_seq_len} "
                      f"allows at most {max_seq_len - 1}.")
   width = 1 << (longest - 1).bit_length()
+  stop_ids = normalize_stop_ids(eos_id)
   rng = jax.random.key(seed)
   rollouts, done_times = [], []
   steps = occupancy = kv_util = 0.0
@@ -162,7 +170,7 @@ def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
     t0 = clock()
     out = jax.device_get(generate_batch(
         params, prompts, lens, budgets, key, model=as_model(model), sampling=sampling,
-        max_seq_len=max_seq_len, eos_id=eos_id, cache_dtype=cache_dtype))
+        max_seq_len=max_seq_len, stop_ids=stop_ids, cache_dtype=cache_dtype))
     t1 = clock()
     n_steps = int(out["num_steps"])
     finish = out["finish_step"]
@@ -180,8 +188,8 @@ def static_generate(params, model: ModelLike, requests: Sequence[Request], *,
           completion_tokens=out["tokens"][row, :n].astype(np.int32),
           behavior_logprobs=out["logprobs"][row, :n].astype(np.float32),
           policy_versions=np.full(n, version, np.int32),
-          finish_reason="eos" if eos_id is not None and n and out["tokens"][row, n - 1] == eos_id
-          else "length",
+          finish_reason=_finish_reason(out["tokens"][row, :n], stop_ids, n, budgets[row],
+                                       r.max_new_tokens or max_new_tokens),
           t_admit=t0, t_first_token=t0 + (t1 - t0) / max(n_steps, 1), t_finish=t1,
           prompt_index=r.prompt_index))
   n_steps_total = max(steps, 1)

@@ -27,6 +27,7 @@ B, L = 8, 32
 def make_cfg(mesh_axes, checkpoint_dir=None, keep_checkpoints=3, **kwargs):
   # Adam divides by sqrt(v) + eps, amplifying the fp32 reduction-order noise of near-zero
   # gradient entries by up to lr / eps; eps = 1e-4 keeps that < 1e-8 so params compare tightly.
+  kwargs = {"micro_batch_rows": B, **kwargs}
   return learner_lib.LearnerConfig(
       mesh_axes=mesh_axes, compiler_options=FAST,
       optimizer=learner_lib.OptimizerConfig(learning_rate=1e-3, adam_eps=1e-4, warmup_steps=0),
@@ -104,9 +105,9 @@ def test_random_init_is_created_sharded_and_layout_independent():
 
 
 def test_gradient_accumulation_equals_one_big_batch(host_params):
-  """k = 4 micro-batches (token_mean over the whole step's tokens) == one batch, 3 steps."""
+  """4 micro-batches of 2 rows (token_mean over the whole step's tokens) == one batch of 8."""
   whole = make_learner(SINGLE, jax.devices()[:1], host_params)
-  accumulated = make_learner(SINGLE, jax.devices()[:1], host_params, micro_batches=4)
+  accumulated = make_learner(SINGLE, jax.devices()[:1], host_params, micro_batch_rows=2)
   rng = np.random.default_rng(7)
   for version in range(3):  # lags 0..version: the batch was sampled by older policies
     batch = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, version=version, max_lag=2)

@@ -10,6 +10,7 @@ import pytest
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe import objectives
+from rlax_pipe.learner import token_loss
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import optimizer, sharding, train_state, train_step
 from rlax_pipe.model import transformer
@@ -18,19 +19,37 @@ TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=
                    d_ff=64)
 
 
-def test_shifted_token_logprobs_use_the_shared_logit_processing():
+@pytest.mark.parametrize("chunk_len", [None, 4, 5])
+def test_chunked_next_token_logprobs_equal_the_full_logits_reference(chunk_len):
+  """Values and gradients (w.r.t. hidden states and head) of the chunked, rematerialised
+  log-probs equal those of full [B, T, V] logits through the shared logit processing; T = 11
+  is not a multiple of 4 or 5, so the padding of the last chunk is exercised."""
   rng = np.random.default_rng(0)
-  logits = jnp.asarray(rng.normal(size=(2, 6, 11)) * 3, jnp.float32)
-  tokens = jnp.asarray(rng.integers(0, 11, (2, 6)), jnp.int32)
+  h = jnp.asarray(rng.normal(size=(2, 11, 6)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(6, 13)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 13, (2, 11)), jnp.int32)
+  w = jnp.asarray(rng.normal(size=(2, 11)), jnp.float32)
   cfg = logprobs.SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)
-  logp, ent = jax.jit(train_step.shifted_token_logprobs, static_argnums=2)(logits, tokens, cfg)
-  want, want_ent = jax.jit(lambda lo, t: (
-      logprobs.token_logprobs(lo[:, :-1], t[:, 1:], cfg),
-      logprobs.entropy(logprobs.processed_logprobs(lo[:, :-1], cfg))))(logits, tokens)
-  np.testing.assert_array_equal(logp[:, 1:], want)
-  np.testing.assert_array_equal(ent[:, 1:], want_ent)
-  np.testing.assert_array_equal(logp[:, 0], 0.0)
-  np.testing.assert_array_equal(ent[:, 0], 0.0)
+
+  def ours(h, head):
+    logp, ent = logprobs.next_token_logprobs(h, head, tokens, cfg, chunk_len=chunk_len)
+    return jnp.sum(w * logp), (logp, ent)
+
+  def reference(h, head):
+    logits = jnp.einsum("bte,ev->btv", h, head)
+    logp = logprobs.token_logprobs(logits[:, :-1], tokens[:, 1:], cfg)
+    ent = logprobs.entropy(logprobs.processed_logprobs(logits[:, :-1], cfg))
+    pad = jnp.zeros((2, 1))
+    return jnp.sum(w[:, 1:] * logp), (jnp.concatenate([pad, logp], 1),
+                                      jnp.concatenate([pad, ent], 1))
+
+  (v, (logp, ent)), g = jax.jit(jax.value_and_grad(ours, (0, 1), has_aux=True))(h, head)
+  (rv, (rlogp, rent)), rg = jax.jit(jax.value_and_grad(reference, (0, 1), has_aux=True))(h, head)
+  np.testing.assert_allclose(logp, rlogp, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(ent, rent, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(v, rv, rtol=1e-6)
+  for a, b in zip(g, rg):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_completion_mask_needs_a_predecessor_in_the_same_segment():
@@ -59,46 +78,41 @@ def _random_objective_inputs(seed, b=8, l=12):
 @pytest.mark.parametrize("name, aggregation", [
     ("tis_pg", "token_mean"), ("tis_pg", "sequence_mean"), ("tis_pg", "constant"),
     ("decoupled_ppo", "token_mean")])
-def test_micro_batch_weights_reproduce_the_whole_batch_objective(aggregation, name):
-  """sum_m (n_m / n) L_m == L(batch) and the same for gradients (k = 4 micro-batches)."""
+def test_micro_batch_sums_reproduce_the_whole_batch_objective(aggregation, name):
+  """sum_m numerator_m / normaliser(sum_m counts_m) == L(batch), and the same for gradients,
+  for the learner's split of rows into micro-batches (k = 4, row blocks of 2)."""
   x = _random_objective_inputs(0)
   cfg = objectives.ObjectiveConfig(
       name=name, aggregation=aggregation, max_lag=2,
-      constant_normalizer=100.0 if aggregation == "constant" else None)
-  obj = objectives.get_objective(name)
+      max_completion_len=12 if aggregation == "constant" else None)
 
   def loss(logp, d):
-    return obj(logp, d["mu"], d["adv"], d["mask"], d["lag"], cfg,
-               prox_logp_BT=jax.lax.stop_gradient(logp), segment_ids_BT=d["seg"])[0]
+    return token_loss.objective_loss(logp, d["mu"], d["adv"], d["mask"], d["lag"], cfg,
+                                     segment_ids_BT=d["seg"])[0]
 
-  loss_and_grad = jax.jit(jax.value_and_grad(loss))
-  rest = {n: v for n, v in x.items() if n != "logp"}
-  full, full_grad = loss_and_grad(x["logp"], rest)
-  total = train_step.normalizer_count(x["mask"], x["lag"], x["seg"], cfg)
-  k = 4
-  split = {n: train_step._split(v, k) for n, v in x.items()}  # pylint: disable=protected-access
-  acc, grads, naive = 0.0, [], []
-  for m in range(k):
-    mb = {n: v[m] for n, v in split.items()}
-    weight = train_step.normalizer_count(mb["mask"], mb["lag"], mb["seg"], cfg)
-    if aggregation != "constant":
-      weight = weight / total
-    value, grad = loss_and_grad(mb["logp"], {n: v for n, v in mb.items() if n != "logp"})
-    acc += weight * value
-    naive.append(value)
-    grads.append(weight * grad)
-  merged = train_step._merge(jnp.stack(grads))  # pylint: disable=protected-access
-  np.testing.assert_allclose(acc, full, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(merged, full_grad, rtol=1e-6, atol=1e-8)
-  if aggregation != "constant":  # the naive per-micro-batch mean is a different estimator
-    assert abs(np.mean(naive) - full) > 1e-4
+  def numerator(logp, d):
+    sel = token_loss.select_valid(logp, d["mu"], d["adv"], d["mask"], d["lag"], cfg)
+    _, out = token_loss.per_token_loss(sel, d["lag"], cfg)
+    return token_loss.loss_sums(out.loss_BT, sel.valid_BT, d["mask"], d["seg"], cfg)
+
+  full, full_grad = jax.jit(jax.value_and_grad(loss))(x["logp"], x)
+  num_and_grad = jax.jit(jax.value_and_grad(numerator, has_aux=True))
+  total, counts, grads = 0.0, None, []
+  for rows in learner_lib.plan_micro_batches(8, 2, 1)[0]:
+    part = {n: v[rows] for n, v in x.items()}
+    (value, c), g = num_and_grad(part["logp"], part)
+    total += value
+    counts = c if counts is None else jax.tree.map(jnp.add, counts, c)
+    grads.append(g)
+  denom = token_loss.normalizer(counts, cfg)
+  np.testing.assert_allclose(total / denom, full, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(jnp.concatenate(grads) / denom, full_grad, rtol=1e-6, atol=1e-8)
 
 
-def test_split_and_merge_assign_row_r_to_micro_batch_r_mod_k():
-  x = jnp.arange(12, dtype=jnp.int32).reshape(6, 2)
-  s = train_step._split(x, 3)  # pylint: disable=protected-access
-  np.testing.assert_array_equal(s[1], [[2, 3], [8, 9]])
-  np.testing.assert_array_equal(train_step._merge(s), x)  # pylint: disable=protected-access
+def test_plan_micro_batches_pads_and_strides_minibatches():
+  plan = learner_lib.plan_micro_batches(7, 2, 2)
+  assert [[r.tolist() for r in mb] for mb in plan] == [[[0, 2], [4, 6]], [[1, 3], [5, -1]]]
+  assert learner_lib.plan_micro_batches(1, 4, 3)[1:] == [[], []]  # minibatches without rows
 
 
 def test_learning_rate_schedules():
@@ -127,7 +141,12 @@ def test_weight_decay_skips_norms_and_biases():
     (dict(optimizer=dict(schedule="linear")), "schedule"),
     (dict(optimizer=dict(schedule="cosine", warmup_steps=5, decay_steps=5)), "decay_steps"),
     (dict(optimizer=dict(decay_steps=10)), "only used"),
-    (dict(micro_batches=0), "micro_batches"),
+    (dict(micro_batch_rows=0), "micro_batch_rows"),
+    (dict(mesh_axes=(("data", 2), ("fsdp", 2)), micro_batch_rows=6), "multiple"),
+    (dict(num_minibatches=0), "num_minibatches"),
+    (dict(logits_chunk_len=0), "logits_chunk_len"),
+    (dict(attention_block_len=0), "attention_block_len"),
+    (dict(remat="some"), "remat"),
     (dict(max_consecutive_nonfinite=0), "max_consecutive_nonfinite"),
     (dict(optimizer=dict(max_grad_norm=-1.0)), "max_grad_norm"),
     (dict(checkpoint=dict(keep=0)), "keep"),
@@ -136,6 +155,11 @@ def test_config_rejects_bad_values(kwargs, match):
   subs = {"optimizer": learner_lib.OptimizerConfig, "checkpoint": learner_lib.CheckpointConfig}
   with pytest.raises(ValueError, match=match):
     learner_lib.LearnerConfig(**{k: subs[k](**v) if k in subs else v for k, v in kwargs.items()})
+
+
+def test_config_accepts_the_old_boolean_remat():
+  assert learner_lib.LearnerConfig(remat=True).remat == "full"
+  assert learner_lib.LearnerConfig(remat=False).remat == "none"
 
 
 def _strip(spec):

@@ -39,7 +39,8 @@ FAMILIES = {
 _OURS = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
              rms_eps=1e-5, max_seq_len=64)
 OUR_CFGS = {
-    "llama": ModelConfig(**_OURS, tie_embeddings=False, rope_theta=500000.0),
+    # transformers' LlamaConfig declares eos_token_id=2 by default; it is carried over.
+    "llama": ModelConfig(**_OURS, tie_embeddings=False, rope_theta=500000.0, eos_token_ids=(2,)),
     "qwen2": ModelConfig(**_OURS, tie_embeddings=True, rope_theta=1e6, qkv_bias=True),
     "qwen3": ModelConfig(**{**_OURS, "n_kv_heads": 1}, tie_embeddings=False, qk_norm=True),
 }
@@ -217,12 +218,72 @@ def test_unsupported_architecture_error(tmp_path):
     hf_io.load_hf_checkpoint(tmp_path)
 
 
-def test_rope_scaling_error(tmp_path):
+# RoPE scalings with a short original context (64) so that every regime of each formula is hit
+# with head_dim 8 and theta 1e4 (wavelengths 6.3, 63, 628, 6283 tokens): llama3 keeps the first
+# rate, blends the second and divides the last two; yarn ramps over the first two dimensions.
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
+def test_rope_scaling_matches_transformers_beyond_the_original_context(rope_type, tmp_path):
+  """Logits at positions 300..310, beyond the original 64-token context and its scaled span."""
+  family = "qwen3" if rope_type == "yarn" else "llama"
+  config_cls, model_cls, extra = FAMILIES[family]
+  params = {**ROPE_SCALINGS[rope_type], "rope_theta": 1e4}
+  torch.manual_seed(1)
+  model = model_cls(config_cls(**{**_TINY, **extra, "max_position_embeddings": 512,
+                                  "rope_parameters": params})).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  cfg, ours = hf_io.load_hf_checkpoint(tmp_path)
+  assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == rope_type
+  assert hf_io.config_from_hf(hf_io.config_to_hf(cfg)) == cfg  # and it round-trips
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, cfg.vocab_size, (2, 11)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(300, 311, dtype=np.int32), tokens.shape)
+  with torch.no_grad():
+    theirs = model(input_ids=torch.from_numpy(tokens.astype(np.int64)),
+                   position_ids=torch.from_numpy(positions.astype(np.int64))).logits.numpy()
+  logits, _ = _forward(ours, jnp.asarray(tokens), jnp.asarray(positions), cfg)
+  assert np.abs(theirs).max() > 1.0
+  np.testing.assert_allclose(np.asarray(logits), theirs, atol=1e-4, rtol=0)
+
+
+def test_legacy_rope_scaling_spelling_and_unsupported_types():
+  base = hf_io.config_to_hf(OUR_CFGS["llama"])
+  cfg = hf_io.config_from_hf({**base, "rope_parameters": None,
+                              "rope_scaling": {"type": "linear", "factor": 2.0}})
+  assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 2.0)
   llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-  _edit_config(_exported(tmp_path), rope_scaling=llama31)
-  with pytest.raises(ValueError, match="rope_scaling.*llama3"):
-    hf_io.load_hf_checkpoint(tmp_path)
+             "high_freq_factor": 4.0}  # original context defaults to max_position_embeddings
+  cfg = hf_io.config_from_hf({**base, "rope_parameters": None, "rope_scaling": llama31})
+  assert cfg.rope_scaling.original_max_position_embeddings == base["max_position_embeddings"]
+  for bad in ({"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "longrope", "factor": 2.0},
+              {"rope_type": "linear"}):
+    with pytest.raises(ValueError, match="rope_scaling"):
+      hf_io.config_from_hf({**base, "rope_parameters": None, "rope_scaling": bad})
+
+
+def test_eos_ids_of_config_and_generation_config_are_carried(tmp_path):
+  """Llama 3.1 Instruct style: one id in config.json, a list in generation_config.json."""
+  path = _exported(tmp_path)
+  _edit_config(path, eos_token_id=7)
+  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11, 13]}))
+  cfg, _ = hf_io.load_hf_checkpoint(path)
+  assert cfg.eos_token_ids == (7, 11, 13)
+  assert hf_io.config_to_hf(cfg)["eos_token_id"] == [7, 11, 13]
+  assert hf_io.eos_token_ids({"eos_token_id": None}, None) == ()
+  with pytest.raises(ValueError, match="eos_token_id"):
+    hf_io.eos_token_ids({"eos_token_id": [1, "2"]})
+  with pytest.raises(ValueError, match="eos_token_ids"):
+    dataclasses.replace(cfg, eos_token_ids=(cfg.vocab_size,))
 
 
 def _edit_tensors(file, edit):
@@ -265,7 +326,7 @@ def test_tied_checkpoint_may_repeat_the_embedding_as_lm_head(tmp_path):
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
      "rope_parameters"),
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),

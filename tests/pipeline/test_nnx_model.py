@@ -17,7 +17,7 @@ from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import DenseKVCache, NnxModel, attend_with_cache, gqa_attention
 from rlax_pipe.model import packed_causal_mask
 from rlax_pipe.pipeline import run as run_lib
-from rlax_pipe.sampler import PagedKVCache
+from rlax_pipe.sampler import PagedKVCache, PoolLayout
 from rlax_pipe.tokenizer import default_tokenizer
 
 MAX_SEQ = 48
@@ -152,8 +152,9 @@ def test_cached_decode_matches_full_forward(cache_kind):
   if cache_kind == "dense":
     cache = DenseKVCache.init(2, 2, 16, 2, 8)
   else:  # 4 pages of 4 tokens per row, rows on disjoint pages of an 8-page pool
-    pool = jnp.zeros((2, 2, 8, 4, 8))
-    cache = PagedKVCache(k=pool, v=pool, block_tables=jnp.array([[0, 1, 2, 3], [7, 6, 5, 4]]))
+    layout = PoolLayout(num_layers=2, num_kv_heads=2, num_pages=8, page_size=4, head_dim=8)
+    cache = PagedKVCache(pools=tuple(jnp.zeros(s) for s in layout.shapes), layout=layout,
+                         block_tables=jnp.array([[0, 1, 2, 3], [7, 6, 5, 4]]))
   fwd = jax.jit(lambda p, t, pos, c: model.forward(p, t, pos, cache=c))
   logits, cache = fwd(params, tokens[:, :5], positions[:, :5], cache)
   outs = [logits]

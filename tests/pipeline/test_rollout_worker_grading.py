@@ -41,6 +41,10 @@ class ScriptedEngine:
   num_active = 0
 
   @property
+  def num_slots(self):  # all replicas' slots (SamplerEngine.num_slots)
+    return self.cfg.num_slots
+
+  @property
   def num_waiting(self):
     return len(self.requests)
 

@@ -109,7 +109,9 @@ def test_parity_with_full_forward_across_page_boundaries_and_preemptions(params)
   assert err < 1e-5, err
   assert stats.generated_tokens == sum(r.num_completion_tokens for r in rollouts)
   assert not engine.has_work
-  assert engine._alloc.num_free == CFG.num_pages  # pylint: disable=protected-access
+  alloc = engine.replicas[0].alloc
+  alloc.check()
+  assert alloc.num_free == CFG.num_pages
 
 
 def _keep_reference(params_by_version, rollout):
@@ -137,7 +139,7 @@ def _dense_decode(params, cache, token, position, next_token):
 
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
 def test_versions_and_logprobs_follow_the_weights_that_made_each_token(params, kv_policy):
-  cfg = dataclasses.replace(CFG, kv_policy=kv_policy)
+  cfg = dataclasses.replace(CFG, kv_policy=kv_policy, decode_steps_per_dispatch=1)
   engine = SamplerEngine(MODEL, cfg, params[0])
   requests = _requests(4, seed=1, prompt_lens=(2, 5, 4, 3), budgets=(8, 8))
   for r in requests[:3]:
@@ -236,13 +238,10 @@ def test_bad_inputs_fail_early_with_the_numbers(params):
     SamplerEngine(MODEL, dataclasses.replace(CFG, eos_id=64), params[0])
   with pytest.raises(ValueError, match="exceeds the model"):
     SamplerEngine(MODEL, dataclasses.replace(CFG, max_seq_len=41), params[0])
-  trunc = SamplerEngine(MODEL, dataclasses.replace(CFG, overlong_prompt="truncate_left"),
-                        params[0])
-  long_prompt = np.arange(50, dtype=np.int32) % 64
-  trunc.submit(Request(prompt_tokens=long_prompt, sample_id=4))
-  (r,) = trunc.run_to_completion()
-  np.testing.assert_array_equal(r.prompt_tokens, long_prompt[-39:])
-  assert r.num_completion_tokens == 1 and r.finish_reason == "length"
+  capped = SamplerEngine(MODEL, CFG, params[0])  # a 39-token prompt leaves one position
+  capped.submit(Request(prompt_tokens=np.arange(39, dtype=np.int32) % 64, sample_id=4))
+  (r,) = capped.run_to_completion()
+  assert r.num_completion_tokens == 1 and r.finish_reason == "capacity" and r.truncated
 
 
 def test_abort_admission_filter_spans_and_virtual_clock(params):
@@ -250,14 +249,14 @@ def test_abort_admission_filter_spans_and_virtual_clock(params):
   spans = []
   allowed = {"odd": False}
   engine = SamplerEngine(
-      MODEL, CFG, params[0], clock=lambda: float(next(ticks)),
+      MODEL, dataclasses.replace(CFG, decode_steps_per_dispatch=1), params[0],
+      clock=lambda: float(next(ticks)),
       on_span=lambda *span: spans.append(span),
       admit_filter=lambda req: req.sample_id % 2 == 0 or allowed["odd"])
   for r in _requests(6, seed=5, budgets=(12, 12)):
     engine.submit(r)
   engine.step()
-  running = engine._sched.running()  # pylint: disable=protected-access
-  running = {s.request.sample_id for s in running}
+  running = {s.request.sample_id for s in engine.replicas[0].sched.running()}
   assert running and all(sid % 2 == 0 for sid in running) and engine.num_waiting == 6 - len(running)
   allowed["odd"] = True
   done = []
@@ -287,16 +286,16 @@ def test_pool_is_sharded_over_tp_by_kv_heads(params):
   mesh = jax.sharding.Mesh(np.asarray(devices, dtype=object), ("tp",),
                            axis_types=(jax.sharding.AxisType.Auto,))
   cfg = dataclasses.replace(CFG, max_seq_len=16, min_prefill_bucket=16, max_new_tokens=6)
-  assert page_pool.pool_sharding(MODEL, cfg, mesh).spec == jax.sharding.PartitionSpec(None, "tp")
+  layout = page_pool.PoolLayout.of(MODEL, cfg)
+  assert layout.sharding(mesh).spec == jax.sharding.PartitionSpec("tp")
   odd = dataclasses.replace(MODEL, n_kv_heads=1, n_heads=3)  # 1 kv head: stays whole
-  assert page_pool.pool_sharding(odd, cfg, mesh).spec == jax.sharding.PartitionSpec()
+  assert page_pool.PoolLayout.of(odd, cfg).sharding(mesh).spec == jax.sharding.PartitionSpec()
   on_mesh = jax.device_put(params[0], page_pool.replicated(mesh))
   engine = SamplerEngine(MODEL, cfg, on_mesh, mesh=mesh)
-  assert engine._k.sharding.spec[1] == "tp"  # pylint: disable=protected-access
+  assert engine.replicas[0].pools[0].sharding.spec[0] == "tp"
   for r in _requests(3, seed=6, prompt_lens=(1,), budgets=(6, 6)):  # decode only
     engine.submit(r)
   rollouts = engine.run_to_completion()
-  k_pages = engine._k  # pylint: disable=protected-access
-  assert k_pages.sharding == page_pool.pool_sharding(MODEL, cfg, mesh)
+  assert engine.replicas[0].pools[0].sharding == layout.sharding(mesh)
   for r, ref in zip(rollouts, _reference(params[0], rollouts)):
     np.testing.assert_allclose(r.behavior_logprobs, ref, atol=1e-5, rtol=0)

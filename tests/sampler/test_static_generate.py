@@ -30,7 +30,9 @@ def test_static_batches_generate_the_argmax_until_each_budget():
   tokens = np.zeros((5, 32), np.int32)
   for i, r in enumerate(rollouts):
     assert r.num_completion_tokens == min(budgets[i], 32 - len(r.prompt_tokens))
-    assert r.finish_reason == "length" and np.all(r.policy_versions == 0)
+    capped = budgets[i] > 32 - len(r.prompt_tokens)  # max_seq_len reached before the budget
+    assert r.finish_reason == ("capacity" if capped else "length")
+    assert np.all(r.policy_versions == 0)
     seq = np.concatenate([r.prompt_tokens, r.completion_tokens])
     tokens[i, :len(seq)] = seq
   logits, _ = jax.jit(model.forward, static_argnums=3)(
