@@ -133,23 +133,26 @@ class CostModel:
                       step.live_token_steps)
     return self.prefill(step.prefill_calls, step.prefill_tokens), float(quantize(rest))
 
-  def decode_run(self, n: int, active: int, live0: int, installs_first: int = 0) -> np.ndarray:
-    """float64[n] non-prefill seconds of `n` consecutive engine steps of one single-step
-    dispatch each, with `active` slots, live tokens `live0 + active * i` at step i (each slot
-    adds its token) and `installs_first` weight swaps in the first: elementwise equal to
-    `engine_step(...)[1]` of each step.
+  def decode_run(self, n: int, active: int, live0: int, installs_first: int = 0,
+                 steps: int = 1) -> np.ndarray:
+    """float64[n] non-prefill seconds of `n` consecutive engine steps, each one dispatch of
+    `steps` decode steps of `active` slots in which no slot finishes: the live tokens at the
+    start of dispatch j are `live0 + active * steps * j` (each slot adds one token per step), so
+    its live-token-steps are steps * (that) + active * steps * (steps - 1) / 2; the first has
+    `installs_first` weight swaps. Elementwise equal to `engine_step(...)[1]` of each.
 
     Raises:
-      ValueError: if n < 0.
+      ValueError: if n < 0 or steps < 1.
     """
-    if n < 0:
-      raise ValueError(f"decode_run: n={n} must be >= 0.")
-    i = np.arange(n, dtype=np.int64)
+    if n < 0 or steps < 1:
+      raise ValueError(f"decode_run: n={n} must be >= 0 and steps={steps} >= 1.")
+    j = np.arange(n, dtype=np.int64)
     installs = np.zeros(n, np.int64)
     if n:
       installs[0] = installs_first
     ones = np.ones(n, np.int64)
-    return quantize(self._rest(installs, ones, ones, active * ones, live0 + active * i))
+    live = steps * (live0 + active * steps * j) + active * steps * (steps - 1) // 2
+    return quantize(self._rest(installs, ones, steps * ones, active * steps * ones, live))
 
   def train(self, tokens: int, micro_batches: int = 1) -> float:
     """Seconds of one learner step on `tokens` processed tokens, host work included

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rlax_pipe.learner import learner as learner_lib
 from rlax_pipe.types import Rollout, TrainBatch
 
 
@@ -98,13 +99,18 @@ def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
   return bucket_rows(len(packing_plan(lengths, seq_len)))
 
 
-def micro_batch_count(rows: int, micro_batches: int = 1, micro_batch_rows: int | None = None
-                      ) -> int:
-  """Micro-batches of a learner step on `rows` rows: ceil(rows / micro_batch_rows) when the
-  learner splits by rows, else the fixed `micro_batches`."""
-  if micro_batch_rows:
-    return -(-rows // micro_batch_rows)
-  return micro_batches
+def micro_batch_plan(rows: int, micro_batch_rows: int | None = None, num_minibatches: int = 1
+                     ) -> tuple[int, int]:
+  """(micro-batches, rows processed) of a learner step on `rows` rows, by the learner's own
+  split (`learner.plan_micro_batches`: row r goes to minibatch r mod `num_minibatches`, each
+  minibatch is cut into micro-batches of exactly `micro_batch_rows` rows, the last padded), so
+  the step processes micro-batches x micro_batch_rows rows. Without `micro_batch_rows`: one
+  micro-batch per minibatch, `rows` rows processed."""
+  if not micro_batch_rows:
+    return num_minibatches, rows
+  micro = sum(len(m) for m in learner_lib.plan_micro_batches(rows, micro_batch_rows,
+                                                             num_minibatches))
+  return micro, micro * micro_batch_rows
 
 
 def _empty_batch(num_rows: int, seq_len: int) -> dict[str, np.ndarray]:

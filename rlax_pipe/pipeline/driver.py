@@ -239,7 +239,7 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         continue
       st.learner_must_act = False
       result = trainer.train_on(groups)
-      dt = cost.train(result.rows * cfg.seq_len, result.micro_batches)
+      dt = cost.train(result.processed_rows * cfg.seq_len, result.micro_batches)
       push = cost.push(result.push_bytes)
       timeline.record("learner", "train_step", st.t_l, st.t_l + dt)
       timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + push)
@@ -368,7 +368,8 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
       timeline.record("learner", "hooks", t2, t3)
       if recorder is not None:  # (the timeline's clock is perf_counter in threaded mode)
         recorder.record("train_step", result.train_s, start_s=t1 + result.build_s,
-                        tokens=result.rows * cfg.seq_len, micro_batches=result.micro_batches)
+                        tokens=result.processed_rows * cfg.seq_len,
+                        micro_batches=result.micro_batches)
         recorder.record("push", result.push_s, start_s=t2 - result.push_s,
                         bytes=result.push_bytes)
         recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)

@@ -30,8 +30,10 @@ class StepResult:
     reward_mean: mean reward of the samples that have one.
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
-    rows: rows of the packed batch (power of two); processed tokens = rows x seq_len.
-    micro_batches: micro-batches of the step.
+    rows: rows of the packed batch (power of two).
+    micro_batches: micro-batches of the step (`batching.micro_batch_plan`).
+    processed_rows: rows the step computes, padding of the last micro-batches included
+      (processed tokens = processed_rows x seq_len: the learner's cost feature).
     push_bytes: bytes of the pushed weights.
     build_s, train_s, push_s: wall-clock seconds of building the batch (advantages, packing),
       of the train step (dispatch to metrics read back) and of the push.
@@ -45,6 +47,7 @@ class StepResult:
   sample_metrics: dict = dataclasses.field(default_factory=dict)
   rows: int = 0
   micro_batches: int = 1
+  processed_rows: int = 0
   push_bytes: int = 0
   build_s: float = 0.0
   train_s: float = 0.0
@@ -86,11 +89,10 @@ class Trainer:
                cfg: PipelineConfig):
     self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
 
-  def micro_batches(self, rows: int) -> int:
-    """Micro-batches the learner splits a batch of `rows` rows into."""
+  def micro_batch_plan(self, rows: int) -> tuple[int, int]:
+    """(micro-batches, processed rows) of a learner step on `rows` rows."""
     lcfg = self.learner.cfg
-    return batching.micro_batch_count(rows, getattr(lcfg, "micro_batches", 1),
-                                      getattr(lcfg, "micro_batch_rows", None))
+    return batching.micro_batch_plan(rows, lcfg.micro_batch_rows, lcfg.num_minibatches)
 
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
@@ -106,12 +108,13 @@ class Trainer:
     self.channel.push(self.learner.params, version)
     t3 = time.perf_counter()
     rows = int(batch.tokens.shape[0])
+    micro, processed = self.micro_batch_plan(rows)
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         sample_metrics=grading.batch_metrics(rollouts), rows=rows,
-        micro_batches=self.micro_batches(rows),
+        micro_batches=micro, processed_rows=processed,
         push_bytes=self.channel.stats().bytes_per_version,
         build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)

@@ -120,10 +120,10 @@ def calibrate_run(run_dirs: str | pathlib.Path | Sequence[str | pathlib.Path],
 
 def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: Any,
                        prompt_lengths: Any, num_steps: int | None = None, warmup_steps: int = 0,
-                       seed: int = 0, push_bytes: int = 0,
-                       micro_batches: int = 1) -> SimConfig:
+                       seed: int = 0, push_bytes: int = 0) -> SimConfig:
   """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, slots, row
-  length, prefill rows, sequence capacity) with the given costs and lengths.
+  length, prefill rows, sequence capacity, decode steps per dispatch, prompt sharing) with the
+  given costs and lengths.
 
   Args:
     config: the run's config.json as a dict.
@@ -133,9 +133,8 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
     warmup_steps: steps excluded from the reported numbers.
     seed: length-draw seed.
     push_bytes: bytes of one weight push.
-    micro_batches: the learner's micro-batches per step.
   """
-  p, s = config["pipeline"], config["sampler"]
+  p, s, lr = config["pipeline"], config["sampler"], config.get("learner", {})
   st = p["staleness"]
   return SimConfig(
       driver=p["driver"],
@@ -145,7 +144,10 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
       slots_per_engine=int(s["num_slots"]), lengths=lengths, costs=cost_model,
       warmup_steps=warmup_steps, seed=seed, prompt_lengths=prompt_lengths,
       prefill_rows=int(s.get("prefill_rows", 4)), seq_len=int(p["seq_len"]),
-      micro_batches=micro_batches, push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]))
+      micro_batch_rows=lr.get("micro_batch_rows"), num_minibatches=int(lr.get("num_minibatches", 1)),
+      push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]),
+      decode_steps_per_dispatch=int(s.get("decode_steps_per_dispatch", 1)),
+      share_prompt_pages=bool(s.get("share_prompt_pages", False)))
 
 
 def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0,

@@ -6,7 +6,7 @@ driver rules of `rlax_pipe.pipeline.rules` (when a group may start, when weights
 moves next), a real `RolloutQueue` (the staleness admission `staleness.AdmissionLedger`, drops,
 due groups and the learner's batch rule `staleness.batch_size`, waste counters) fed with
 synthetic `Rollout`s whose `policy_versions` are stamped per token, and the learner's batch
-shape rule (`batching.batch_rows`, `batching.micro_batch_count`). Durations come from the same
+shape rule (`batching.batch_rows`, `batching.micro_batch_plan`). Durations come from the same
 `rlax_pipe.costs.CostModel` as the reproducible driver's virtual clock, with the same features,
 so on the same lengths and costs the simulator reproduces the driver's schedule exactly
 (tests/sim/test_same_schedule.py).
@@ -15,17 +15,20 @@ Model (what is simulated, what is assumed):
   * Sampler: `num_engines` engines of `slots_per_engine` decode slots each (the KV / slot limit),
     modelled as one lock-step engine with C = num_engines * slots_per_engine slots and balanced
     load: each engine step admits waiting requests (FIFO) into free slots, prefills them
-    (prompt length - 1 tokens each, in calls of `prefill_rows` rows, as the engine does) and runs
-    one decode dispatch of one step, which advances every active slot by one token; the step
-    costs `CostModel.engine_step` of one engine's share (ceil(x / num_engines) of the slots,
-    live tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
+    (prompt length - 1 tokens each, in calls of `prefill_rows` rows; with shared prompt pages
+    only a group's first sample admitted under the current weights), then runs one decode
+    dispatch of up to K steps, each advancing every active slot by one token; the dispatch
+    stops early once min(waiting requests, ceil(slots / 8)) slots finished in it, or when every
+    slot is done (the engine's refill rule, `sampler.device_loop`). The step costs
+    `CostModel.engine_step` of one engine's share (ceil(x / num_engines) of the slot-steps, live
+    tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
     generated so far. KV pages never run out (no preemption).
   * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_install_weights`,
     `rules.sampler_moves_next`, `rules.weights_deliverable`; weight swaps are charged to the
     next engine step (`CostModel.install_s`). Under policy `drop` groups in flight whose oldest
-    token is already too stale are discarded when the learner's version changes (as
-    `RolloutWorker.abort_too_stale` does with an engine that cannot abort one request: the
-    samples keep their slots and are counted as waste when they finish).
+    token is already too stale are given up when the learner's version changes, their requests
+    aborted (slots freed) and counted as waste (`RolloutWorker.abort_too_stale` with the
+    engine's per-request abort).
   * Learner: one step on the batch the queue hands out takes `CostModel.train(rows * seq_len,
     micro-batches)` (rows from the packing rule; without `seq_len`, the batch's tokens); the push
     then takes `CostModel.push(push_bytes)`; the sampler sees the new version at its first step
@@ -82,6 +85,18 @@ class SimConfig:
     warmup_steps: learner steps excluded from the reported rates, idle fractions and lags
       (0 <= warmup_steps < num_steps); the window starts when step warmup_steps ends.
     seed: seed of the length draws.
+    prompt_lengths: prompt-length distribution (tokens, one draw per group).
+    prefill_rows: rows of one prefill call (`SamplerConfig.prefill_rows`).
+    seq_len: learner row length (tokens); with it a step's cost is charged on the packed rows
+      (`batching.batch_rows`), without it on the batch's tokens.
+    micro_batch_rows, num_minibatches: the learner's batch split (`LearnerConfig`).
+    push_bytes: bytes of one weight push.
+    max_seq_len: sequence capacity; completions are capped at max_seq_len - prompt length.
+    decode_steps_per_dispatch: K of the engine (`SamplerConfig.decode_steps_per_dispatch`;
+      1 here by default, the closed-form tests' setting; runs pass their own).
+    share_prompt_pages: a group's samples admitted under the same weights prefill the prompt
+      once (`SamplerConfig.share_prompt_pages`).
+    record_schedule: keep every learner step's (end time, samples, per-token versions).
   """
 
   driver: str
@@ -97,16 +112,19 @@ class SimConfig:
   prompt_lengths: Any = distributions.Constant(16)
   prefill_rows: int = 4
   seq_len: int | None = None
-  micro_batches: int = 1
   micro_batch_rows: int | None = None
+  num_minibatches: int = 1
   push_bytes: int = 0
   max_seq_len: int | None = None
+  decode_steps_per_dispatch: int = 1
+  share_prompt_pages: bool = False
   record_schedule: bool = False
 
   def __post_init__(self):
     if self.driver not in DRIVERS:
       raise ValueError(f"SimConfig.driver={self.driver!r}; choose one of {DRIVERS}.")
-    for name in ("group_size", "num_steps", "slots_per_engine", "num_engines", "prefill_rows"):
+    for name in ("group_size", "num_steps", "slots_per_engine", "num_engines", "prefill_rows",
+                 "decode_steps_per_dispatch"):
       if getattr(self, name) < 1:
         raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1.")
     if not 0 <= self.warmup_steps < self.num_steps:
@@ -214,11 +232,13 @@ class _Run:
     self.version = 0  # weights version installed on the sampler
     self.change_steps, self.change_versions = [0], [0]  # decode step where each version began
     self.step_idx = 0
-    # active: (finish step, sid, gid, start step, t_admit, prompt length)
-    self.active: list[tuple[int, int, int, int, float, int]] = []
+    # active: (last decode step, sid, gid, start step, t_admit, prompt length, slot)
+    self.active: list[tuple[int, int, int, int, float, int, int]] = []
+    self.free_slots = list(range(cfg.concurrency))  # min-heap: the engine fills the lowest
     self.sum_prompt = self.sum_start = 0  # over active: live tokens = these + n * step
     self.waiting: collections.deque[tuple[int, int, int, int]] = collections.deque()
     self.outstanding: dict[int, int] = {}  # sid -> gid of samples whose group is not given up
+    self.entries: dict[int, int] = {}  # group id -> weights version of its shared prompt entry
     self.stale_checked_version = -1
     self.next_group = self.next_sample = 0
     self.rounds = rules.RoundState()
@@ -263,6 +283,7 @@ class _Run:
       self.version = self.pending[1]
       self.pending = None
       self.installs += 1
+      self.entries.clear()  # a swap drops the prompt entries of older weights
       self.admission_blocked = False
       if self.change_steps[-1] == self.step_idx:
         self.change_versions[-1] = self.version
@@ -303,7 +324,10 @@ class _Run:
       self.rounds = rules.group_started(cfg.driver, self.rounds)
 
   def _abort_too_stale(self) -> None:
-    """`RolloutWorker.abort_too_stale` for an engine without per-request abort."""
+    """`RolloutWorker.abort_too_stale` with the engine's per-request abort: under policy drop,
+    when the learner's next version changes, groups with a running sample whose first token is
+    already too stale are given up; their requests leave the engine (slots freed) and their
+    partial rollouts go to the queue, which counts them as waste."""
     st = self.cfg.staleness
     if st.policy != "drop" or st.max_lag is None:
       return
@@ -311,13 +335,43 @@ class _Run:
     if v == self.stale_checked_version:
       return
     self.stale_checked_version = v
-    doomed = {gid for _, sid, gid, start, _, _ in self.active if sid in self.outstanding
+    doomed = {gid for _, sid, gid, start, *_ in self.active if sid in self.outstanding
               and staleness_lib.is_too_stale(self._versions(start, 1)[0], v, st.max_lag)}
+    if not doomed:
+      return
     for gid in sorted(doomed):
       self.queue.discard_group(gid, "stale")
       for sid in [s for s, g in self.outstanding.items() if g == gid]:
         del self.outstanding[sid]
-      self.admission_blocked = False
+        self._abort(sid, gid)
+    self.admission_blocked = False
+
+  def _abort(self, sid: int, gid: int) -> None:
+    """Takes one request out of the engine (running or waiting) and puts its partial rollout."""
+    for i, e in enumerate(self.active):
+      if e[1] == sid:
+        last, _, _, start, t_admit, prompt, slot = e
+        self.active[i] = self.active[-1]
+        self.active.pop()
+        heapq.heapify(self.active)
+        heapq.heappush(self.free_slots, slot)
+        self.sum_prompt -= prompt
+        self.sum_start -= start
+        rollout = self._rollout(sid, gid, start, self.step_idx - start, t_admit, prompt)
+        break
+    else:
+      for i, (wsid, _, _, prompt) in enumerate(self.waiting):
+        if wsid == sid:
+          del self.waiting[i]
+          rollout = self._rollout(sid, gid, self.step_idx, 0, self.t_s, prompt)
+          break
+      else:
+        return  # finished already: in transit, counted when it reaches the queue
+    rollout = dataclasses.replace(rollout, finish_reason="aborted")
+    self.queue.put(rollout)
+    self.unfinished[gid] -= 1
+    if not self.unfinished[gid]:
+      del self.unfinished[gid]
 
   def _versions(self, start: int, length: int) -> np.ndarray:
     """int32[length] version of the weights at decode steps start .. start + length - 1."""
@@ -345,67 +399,104 @@ class _Run:
                    policy_versions=self._versions(start, length), finish_reason="eos",
                    t_admit=t_admit, t_first_token=t_admit, t_finish=self.t_s)
 
-  def _prefill(self, admitted) -> float:
-    """Seconds of prefilling `admitted` (prompt length - 1 tokens each, as the engine does)."""
+  def _prefill(self, admitted) -> tuple[int, int]:
+    """(prefill calls, prefill tokens) of `admitted`, as the engine counts them: prompt length
+    - 1 tokens per leader, in calls of `prefill_rows` rows; with shared prompt pages, a sample
+    whose group has an entry made under the current weights (`self.entries`) is a follower and
+    prefills nothing."""
     cfg = self.cfg
-    need = [p - 1 for _, _, _, p in admitted if p > 1]
-    if not need:
-      return 0.0
-    e = cfg.num_engines
-    calls = math.ceil(len(need) / cfg.prefill_rows)
-    return self.costs.prefill(math.ceil(calls / e), math.ceil(sum(need) / e))
+    leaders = tokens = 0
+    for _, gid, _, p in admitted:
+      if cfg.share_prompt_pages and self.entries.get(gid) == self.version:
+        continue
+      if p > 1:
+        leaders, tokens = leaders + 1, tokens + p - 1
+        if cfg.share_prompt_pages:
+          self.entries[gid] = self.version
+    return math.ceil(leaders / cfg.prefill_rows), tokens
+
+  def _dispatch(self) -> tuple[int, int, int, int]:
+    """(steps n, slot-steps, live-token-steps, slots finishing) of the next dispatch: up to K
+    steps, fewer when every slot is done or when min(waiting, ceil(slots / 8)) slots finish
+    (the engine's refill rule)."""
+    cfg, k = self.cfg, self.cfg.decode_steps_per_dispatch
+    first = self.active[0][0] - self.step_idx + 1  # tokens left of the soonest finisher
+    if first > k:
+      n_active = len(self.active)
+      live = self.sum_prompt + n_active * self.step_idx - self.sum_start
+      return k, n_active * k, k * live + n_active * k * (k - 1) // 2, 0
+    left = sorted(f - self.step_idx + 1 for f, *_ in self.active)
+    refill_at = min(len(self.waiting), -(-cfg.slots_per_engine // 8))
+    n = min(k, left[-1], left[refill_at - 1] if refill_at > 0 else k)
+    slot_steps = live_steps = finishing = 0
+    for f, _, _, start, _, prompt, _ in self.active:
+      c = min(f - self.step_idx + 1, n)
+      live = prompt + self.step_idx - start
+      slot_steps += c
+      live_steps += c * live + c * (c - 1) // 2
+      finishing += c == f - self.step_idx + 1
+    return n, slot_steps, live_steps, finishing
 
   def _sampler_move(self) -> None:
-    """One engine step (admit, prefill, decode) plus every following engine step during which
-    nothing can change (no finish, no learner move, no weight arrival)."""
+    """One engine step (admit, prefill, one dispatch) plus every following engine step during
+    which nothing can change (no finish, no learner move, no weight arrival)."""
     cfg = self.cfg
     free = cfg.concurrency - len(self.active)
     admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
     t0 = self.t_s
-    prefill = self._prefill(admitted)
+    calls, tokens = self._prefill(admitted)
     for sid, gid, length, prompt in admitted:
-      heapq.heappush(self.active, (self.step_idx + length - 1, sid, gid, self.step_idx, t0, prompt))
+      heapq.heappush(self.active, (self.step_idx + length - 1, sid, gid, self.step_idx, t0, prompt,
+                                   heapq.heappop(self.free_slots)))
       self.sum_prompt += prompt
       self.sum_start += self.step_idx
-    if prefill > 0:
-      self.sampler_spans.append((t0, t0 + prefill, -1.0))
-    self.t_s += prefill
     if not self.active:
       return
-    n_active = len(self.active)
-    e = cfg.num_engines
-    active_e = math.ceil(n_active / e)
-    live_e = math.ceil((self.sum_prompt + n_active * self.step_idx - self.sum_start) / e)
+    e, k = cfg.num_engines, cfg.decode_steps_per_dispatch
+    n, slot_steps, live_steps, finishing = self._dispatch()
+    prefill, rest = self.costs.engine_step(costs_model.EngineStep(
+        installs=self.installs, prefill_calls=math.ceil(calls / e),
+        prefill_tokens=math.ceil(tokens / e), dispatches=1, decode_steps=n,
+        slot_steps=math.ceil(slot_steps / e), live_token_steps=math.ceil(live_steps / e)))
+    self.installs = 0
+    if prefill > 0:
+      self.sampler_spans.append((t0, t0 + prefill, -1.0))
+    t_start = self.t_s = t0 + prefill
+    t_end = t_start + rest
     limit = math.inf
     if not (self.learner_waiting and not self.transit):
       limit = self.t_l
     if self.pending is not None and cfg.driver == "pipeline":
       limit = min(limit, self.pending[0])
-    extra = self.active[0][0] - self.step_idx  # engine steps after this one until a finish
-    first = self.costs.decode_run(1, active_e, live_e, self.installs)
-    if extra > 0 and limit > self.t_s + first[0]:
-      # Steps grow longer (live tokens grow), so the first step's duration bounds the count.
-      cap = extra if limit == math.inf or first[0] <= 0 else min(
-          extra, math.ceil((limit - self.t_s - first[0]) / first[0]) + 1)
-      durs = self.costs.decode_run(1 + cap, active_e, live_e, self.installs)
-      ends = self.t_s + np.cumsum(durs)
-      extra = int(np.searchsorted(ends[:-1], limit, side="left"))  # next steps start < limit
-      t_end = float(ends[extra])
-    else:
-      extra, t_end = 0, self.t_s + float(first[0])
-    self.installs = 0
-    n = 1 + extra
-    self.sampler_spans.append((self.t_s, t_end, float(n_active)))
+    n_active = len(self.active)
+    more = (self.active[0][0] - self.step_idx) // k - 1 if not finishing else 0
+    if more > 0 and limit > t_end:
+      # Later dispatches grow longer (live tokens grow): the first one's duration bounds the count.
+      cap = more if limit == math.inf or rest <= 0 else min(
+          more, math.ceil((limit - t_end) / rest) + 1)
+      live = self.sum_prompt + n_active * (self.step_idx + k) - self.sum_start
+      durs = self.costs.decode_run(cap, math.ceil(n_active / e), math.ceil(live / e), steps=k)
+      ends = t_end + np.cumsum(durs)
+      starts = np.concatenate([[t_end], ends[:-1]])
+      extra = int(np.searchsorted(starts, limit, side="left"))  # dispatches starting < limit
+      if extra:
+        t_end = float(ends[extra - 1])
+      n += extra * k
+    self.sampler_spans.append((t_start, t_end, float(n_active)))
     self.t_s = t_end
     self.step_idx += n
     if self.learner_waiting and not self.transit:
       self.t_l = self.t_s  # the waiting learner follows the sampler's clock
+    done = []
     while self.active and self.active[0][0] < self.step_idx:
-      _, sid, gid, start, t_admit, prompt = heapq.heappop(self.active)
+      done.append(heapq.heappop(self.active))
+    for last, sid, gid, start, t_admit, prompt, slot in sorted(done, key=lambda e: e[6]):
+      # The engine returns a dispatch's finished samples in slot order.
+      heapq.heappush(self.free_slots, slot)
       self.sum_prompt -= prompt
       self.sum_start -= start
       self.outstanding.pop(sid, None)
-      length = self.step_idx - start
+      length = last - start + 1  # it may have stopped before the dispatch's last step
       heapq.heappush(self.transit, (self.t_s, next(self.seq),
                                     self._rollout(sid, gid, start, length, t_admit, prompt)))
       rnd = self.round_of_group.get(gid)
@@ -417,12 +508,11 @@ class _Run:
     cfg = self.cfg
     lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
     if cfg.seq_len is None:
-      tokens, rows = sum(lengths), 1
-    else:
-      rows = batching.batch_rows(lengths, cfg.seq_len)
-      tokens = rows * cfg.seq_len
-    micro = batching.micro_batch_count(rows, cfg.micro_batches, cfg.micro_batch_rows)
-    return self.costs.train(tokens, micro)
+      return self.costs.train(sum(lengths), cfg.num_minibatches)
+    rows = batching.batch_rows(lengths, cfg.seq_len)
+    micro, processed = batching.micro_batch_plan(rows, cfg.micro_batch_rows,
+                                                 cfg.num_minibatches)
+    return self.costs.train(processed * cfg.seq_len, micro)
 
   def _record_lags(self, rollouts: list[Rollout]) -> None:
     v = self.learner_version

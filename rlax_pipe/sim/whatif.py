@@ -82,6 +82,7 @@ class Cluster:
     hbm_fraction: share of an engine's HBM for weights + KV.
     learner_state_bytes_per_param: weights, gradients and Adam moments per parameter (FSDP).
     learner_hbm_fraction: share of a learner chip's HBM for that state.
+    decode_steps_per_dispatch: K of the sampler engines (the engine's default 8).
     assumptions: efficiencies and overheads of the analytic cost model.
   """
 
@@ -94,6 +95,7 @@ class Cluster:
   hbm_fraction: float = 0.9
   learner_state_bytes_per_param: float = 16.0
   learner_hbm_fraction: float = 0.7
+  decode_steps_per_dispatch: int = 8
   assumptions: costs_lib.Assumptions = costs_lib.Assumptions()
 
   @property
@@ -146,7 +148,8 @@ def sim_config(c: Cluster, num_learner: int, driver: str, max_lag: int | None,
       num_engines=engines, lengths=w.lengths(), costs=costs(c, num_learner),
       warmup_steps=warmup_steps, seed=seed,
       prompt_lengths=distributions.Constant(w.prompt_tokens), prefill_rows=8,
-      seq_len=w.row_len, push_bytes=int(c.shape.weight_bytes))
+      seq_len=w.row_len, push_bytes=int(c.shape.weight_bytes),
+      decode_steps_per_dispatch=c.decode_steps_per_dispatch, share_prompt_pages=True)
 
 
 def sweep(c: Cluster, settings: Sequence[Setting],

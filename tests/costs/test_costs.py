@@ -27,13 +27,14 @@ def test_decode_run_equals_the_engine_steps_bit_for_bit(floor):
   # sums are exact whatever the order.
   m = costs.CostModel(engine_step_s=1.3e-4, install_s=2e-4, dispatch_s=7e-5, decode_step_s=1.1e-3,
                       slot_step_s=3.3e-5, token_step_s=2.7e-7, flop_slot_step_s=floor / 8)
-  for n, active, live0 in [(1, 8, 100), (17, 8, 40), (300, 3, 1), (64, 8, 5000)]:
-    run = m.decode_run(n, active, live0, installs_first=1)
+  for n, active, live0, k in [(1, 8, 100, 1), (17, 8, 40, 1), (300, 3, 1, 1), (64, 8, 5000, 1),
+                              (20, 5, 300, 8)]:
+    run = m.decode_run(n, active, live0, installs_first=1, steps=k)
     t = 5.0
     for i in range(n):
-      _, rest = m.engine_step(costs.EngineStep(installs=int(i == 0), dispatches=1, decode_steps=1,
-                                               slot_steps=active,
-                                               live_token_steps=live0 + active * i))
+      live = sum(live0 + active * k * i + active * j for j in range(k))  # live tokens per step
+      _, rest = m.engine_step(costs.EngineStep(installs=int(i == 0), dispatches=1, decode_steps=k,
+                                               slot_steps=active * k, live_token_steps=live))
       assert rest == run[i]
       t += rest
     assert t == 5.0 + float(run.sum()) == 5.0 + float(run[::-1].sum())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe import costs
+from rlax_pipe.pipeline import rollout_queue
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.sim import distributions as dist
 from rlax_pipe.sim import simulator as sim
@@ -21,12 +22,24 @@ COSTS = costs.CostModel(
 
 
 class Recorder:
-  """Step hook: the trained samples of every step; at the end, every submitted sample's
-  lengths (finished ones exactly, unfinished ones at their cap: they never finish before the
-  run ends, so any length >= the true one gives the same schedule)."""
+  """Step hook: the trained samples of every step; every sample's lengths: finished ones
+  exactly (from every rollout put into the queue, so samples of groups discarded later count
+  too), aborted and unfinished ones at their cap (they never finish in the run, so any length
+  >= the true one gives the same schedule)."""
 
-  def __init__(self):
-    self.schedule, self.lengths, self.prompts = [], {}, {}
+  def __init__(self, monkeypatch):
+    self.schedule, self.lengths, self.prompts, self.aborted = [], {}, {}, {}
+    put = rollout_queue.RolloutQueue.put
+
+    def recording_put(queue, rollout, *args, **kwargs):
+      if rollout.finish_reason == "aborted":
+        self.aborted[rollout.sample_id] = rollout
+        self.prompts[rollout.group_id] = int(rollout.prompt_tokens.shape[0])
+      else:
+        self._note([rollout])
+      return put(queue, rollout, *args, **kwargs)
+
+    monkeypatch.setattr(rollout_queue.RolloutQueue, "put", recording_put)
 
   def on_step(self, job, result, time_s):
     del job
@@ -41,28 +54,30 @@ class Recorder:
 
   def on_end(self, job, time_s):
     del time_s
-    from rlax_pipe.pipeline.rollout_queue import rollout_from_dict  # pylint: disable=g-import-not-at-top
-    q = job.queue.state_dict()
-    self._note([rollout_from_dict(d) for g in q["ready"] for d in g["rollouts"]])
-    self._note([rollout_from_dict(d) for m in q["partial"] for d in m])
-    self._note([r for _, _, r in job.vstate.transit])
+    self._note([r for _, _, r in job.vstate.transit])  # finished, not yet in the queue
     cap = job.cfg.sampler.max_new_tokens
     for sid, gid, _, ids in job.worker.state_dict()["outstanding"]:
       self.prompts[gid] = len(ids)
       self.lengths.setdefault(sid, min(cap, job.cfg.sampler.max_seq_len - len(ids)))
+    for sid, rollout in self.aborted.items():
+      self.lengths.setdefault(sid, min(cap, job.cfg.sampler.max_seq_len -
+                                       int(rollout.prompt_tokens.shape[0])))
     self.push_bytes = job.channel.stats().bytes_per_version
-    self.micro_batches = job.trainer.micro_batches(1)
+    self.micro_batch_rows = job.learner.cfg.micro_batch_rows
+    self.num_minibatches = job.learner.cfg.num_minibatches
 
 
-@pytest.mark.parametrize("driver,policy", [("pipeline", "block"), ("pipeline", "learner-wait"),
-                                           ("sync", "block")])
-def test_driver_and_simulator_agree(tmp_path, tiny_init, tiny_config, driver, policy):
-  cfg = tiny_config(tmp_path, tiny_init, driver=driver, policy=policy, steps=5, max_lag=1)
+@pytest.mark.parametrize("driver,policy,max_lag", [
+    ("pipeline", "block", 1), ("pipeline", "learner-wait", 1), ("sync", "block", 1),
+    ("pipeline", "drop", 0)])  # drop at max lag 0: groups in flight are aborted
+def test_driver_and_simulator_agree(tmp_path, monkeypatch, tiny_init, tiny_config, driver,
+                                    policy, max_lag):
+  cfg = tiny_config(tmp_path, tiny_init, driver=driver, policy=policy, steps=5, max_lag=max_lag)
   group_size = cfg.pipeline.group_size
   cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
       cfg.pipeline, cost_model=COSTS, checkpoint_every=100, eval_every=100))
-  rec = Recorder()
-  run_lib.run(cfg, hooks=[rec])
+  rec = Recorder(monkeypatch)
+  summary = run_lib.run(cfg, hooks=[rec])
   num_groups = max(rec.prompts) + 1
   assert sorted(rec.lengths) == list(range(num_groups * group_size))
   lengths = dist.Replay(tuple(tuple(rec.lengths[g * group_size + i] for i in range(group_size))
@@ -73,7 +88,9 @@ def test_driver_and_simulator_agree(tmp_path, tiny_init, tiny_config, driver, po
       driver=driver, staleness=cfg.pipeline.staleness, group_size=group_size, num_steps=5,
       slots_per_engine=s.num_slots, lengths=lengths, costs=COSTS, prompt_lengths=prompts,
       prefill_rows=s.prefill_rows, seq_len=cfg.pipeline.seq_len,
-      micro_batches=rec.micro_batches, push_bytes=rec.push_bytes, record_schedule=True))
+      micro_batch_rows=rec.micro_batch_rows, num_minibatches=rec.num_minibatches,
+      push_bytes=rec.push_bytes, decode_steps_per_dispatch=s.decode_steps_per_dispatch,
+      share_prompt_pages=s.share_prompt_pages, record_schedule=True))
   assert len(res.schedule) == len(rec.schedule) == 5
   for step, (real, simulated) in enumerate(zip(rec.schedule, res.schedule)):
     assert simulated[1] == real[1], f"step {step + 1}: different samples or versions"
@@ -81,3 +98,6 @@ def test_driver_and_simulator_agree(tmp_path, tiny_init, tiny_config, driver, po
   versions = {v for _, samples in rec.schedule for _, _, vs in samples for v in vs}
   if driver == "pipeline":
     assert len(versions) > 1  # a schedule with in-flight weight updates, not a trivial one
+  assert res.waste.wasted_tokens == summary["wasted_tokens"]  # drop: the same aborts
+  if policy == "drop":
+    assert rec.aborted and summary["wasted_tokens"] > 0, "no in-flight abort to compare"
