@@ -19,10 +19,12 @@ Model (what is simulated, what is assumed):
     only a group's first sample admitted under the current weights), then runs one decode
     dispatch of up to K steps, each advancing every active slot by one token; the dispatch
     stops early once min(waiting requests, ceil(slots / 8)) slots finished in it, or when every
-    slot is done (the engine's refill rule, `sampler.device_loop`). The step costs
+    slot is done (the engine's refill rule `sampler.scheduler.refill_at`, called here too, and
+    `sampler.device_loop.decode_dispatch`). The step costs
     `CostModel.engine_step` of one engine's share (ceil(x / num_engines) of the slot-steps, live
     tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
-    generated so far. KV pages never run out (no preemption).
+    generated so far. KV pages never run out (no preemption), and a weight swap does not
+    re-prefill running sequences (`SamplerConfig.kv_policy="keep"`).
   * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_install_weights`,
     `rules.sampler_moves_next`, `rules.weights_deliverable`; weight swaps are charged to the
     next engine step (`CostModel.install_s`). Under policy `drop` groups in flight whose oldest
@@ -61,6 +63,7 @@ from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness as staleness_lib
 from rlax_pipe.pipeline.config import DRIVERS
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
+from rlax_pipe.sampler import scheduler as scheduler_lib
 from rlax_pipe.sim import distributions
 from rlax_pipe.types import Rollout
 
@@ -426,7 +429,7 @@ class _Run:
       live = self.sum_prompt + n_active * self.step_idx - self.sum_start
       return k, n_active * k, k * live + n_active * k * (k - 1) // 2, 0
     left = sorted(f - self.step_idx + 1 for f, *_ in self.active)
-    refill_at = min(len(self.waiting), -(-cfg.slots_per_engine // 8))
+    refill_at = scheduler_lib.refill_at(len(self.waiting), cfg.slots_per_engine)
     n = min(k, left[-1], left[refill_at - 1] if refill_at > 0 else k)
     slot_steps = live_steps = finishing = 0
     for f, _, _, start, _, prompt, _ in self.active:
