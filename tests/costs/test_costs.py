@@ -112,6 +112,16 @@ def test_chip_table_and_lookup():
     costs.chip("B9000")
 
 
+def test_learner_mfu_peak_reads_the_chip_table():
+  # The learner's MFU peak comes from the one table (data-sheet values: H200 dense bf16 989.5
+  # TFLOP/s = 1,979 "with sparsity" / 2; A100 312 dense).
+  from rlax_pipe.learner import flops  # pylint: disable=g-import-not-at-top
+  assert flops.peak_tflops("NVIDIA H200")[0] == 989.5
+  assert flops.peak_tflops("NVIDIA A100-SXM4-80GB")[0] == 312.0
+  peak, why = flops.peak_tflops("Some NPU")
+  assert peak is None and "--peak_tflops" in why
+
+
 def test_analytic_model_of_llama3_8b_on_h200():
   shape = costs.ModelShape.of(costs.LLAMA_3_8B, "llama-3-8b")
   # Llama-3-8B: 32 x (4096*4096*2 + 2*4096*1024 + 3*4096*14336) + 4096*128256 matmul params.
