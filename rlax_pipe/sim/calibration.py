@@ -121,9 +121,10 @@ def calibrate_run(run_dirs: str | pathlib.Path | Sequence[str | pathlib.Path],
 def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: Any,
                        prompt_lengths: Any, num_steps: int | None = None, warmup_steps: int = 0,
                        seed: int = 0, push_bytes: int = 0) -> SimConfig:
-  """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, slots, row
-  length, prefill rows, sequence capacity, decode steps per dispatch, prompt sharing) with the
-  given costs and lengths.
+  """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, the sampler's
+  slots and data replicas (one simulated engine each), row length, prefill rows, sequence
+  capacity, decode steps per dispatch, prompt sharing, the learner's batch split) with the given
+  costs and lengths.
 
   Args:
     config: the run's config.json as a dict.
@@ -135,16 +136,19 @@ def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: A
     push_bytes: bytes of one weight push.
   """
   p, s, lr = config["pipeline"], config["sampler"], config.get("learner", {})
+  replicas = dict(map(tuple, config.get("sampler_mesh_axes", ()))).get("data", 1)
   st = p["staleness"]
   return SimConfig(
       driver=p["driver"],
       staleness=staleness_lib.StalenessConfig(st["policy"], st["max_lag"], st["groups_per_step"],
                                               st["queue_capacity_groups"]),
       group_size=int(p["group_size"]), num_steps=int(num_steps or p["num_steps"]),
-      slots_per_engine=int(s["num_slots"]), lengths=lengths, costs=cost_model,
+      slots_per_engine=int(s["num_slots"]), num_engines=int(replicas), lengths=lengths,
+      costs=cost_model,
       warmup_steps=warmup_steps, seed=seed, prompt_lengths=prompt_lengths,
       prefill_rows=int(s.get("prefill_rows", 4)), seq_len=int(p["seq_len"]),
-      micro_batch_rows=lr.get("micro_batch_rows"), num_minibatches=int(lr.get("num_minibatches", 1)),
+      micro_batch_rows=lr.get("micro_batch_rows"),
+      num_minibatches=int(lr.get("num_minibatches", 1)),
       push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]),
       decode_steps_per_dispatch=int(s.get("decode_steps_per_dispatch", 1)),
       share_prompt_pages=bool(s.get("share_prompt_pages", False)))

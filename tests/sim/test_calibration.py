@@ -124,4 +124,13 @@ def test_sim_config_for_run():
   assert (cfg.driver, cfg.staleness.max_lag, cfg.group_size, cfg.concurrency, cfg.seq_len,
           cfg.prefill_rows, cfg.push_bytes) == ("pipeline", 2, 4, 16, 96, 2, 123)
   assert calibration.completion_budget(config) == 63
+  assert (cfg.decode_steps_per_dispatch, cfg.share_prompt_pages, cfg.num_engines) == (1, False, 1)
   json.dumps(cfg.staleness.__dict__)
+  # A run of main's engine: K-step dispatches, shared prompts, 2 data replicas, learner split.
+  config["sampler"].update(decode_steps_per_dispatch=8, share_prompt_pages=True)
+  config["sampler_mesh_axes"] = [["data", 2], ["tp", 2]]
+  config["learner"] = {"micro_batch_rows": 4, "num_minibatches": 2}
+  cfg = calibration.sim_config_for_run(config, costs_lib.CostModel(), dist.Constant(5),
+                                       dist.Constant(3))
+  assert (cfg.decode_steps_per_dispatch, cfg.share_prompt_pages, cfg.num_engines,
+          cfg.concurrency, cfg.micro_batch_rows, cfg.num_minibatches) == (8, True, 2, 32, 4, 2)
