@@ -5,9 +5,10 @@
   python3 experiments/bench_pipeline.py --suite=accuracy --target_accuracy=0.6
 
 --suite=drivers (default, experiments/lib/bench_drivers.py): each driver's threaded run in a
-fresh process (compile_s apart, steady state = compile-free steps after --steady_warmup_steps), one cost
-model fitted to their timed operations (out_dir/cost_fit.json), the virtual clock and the
-simulator with that model against the measurements, and the accelerator prediction.
+fresh process (compile_s apart, steady state = compile-free steps after
+--steady_warmup_steps), one cost model fitted to their timed operations
+(out_dir/cost_fit.json), the virtual clock and the simulator with that model against the
+measurements, and the accelerator prediction.
 --suite=accuracy: the reproducible runs' time to a target held-out accuracy (virtual clock).
 """
 

@@ -187,7 +187,8 @@ def _push_bytes(records_path: pathlib.Path) -> int:
 def _errors(res: dict, k: str, m: dict, v: dict, sim: dict, suffix: str) -> None:
   res[f"virtual_vs_measured_throughput_error{suffix}_{k}"] = (v["samples_per_s"]
                                                               / m["samples_per_s"] - 1)
-  res[f"sim_vs_measured_throughput_error{suffix}_{k}"] = sim["samples_per_s"] / m["samples_per_s"] - 1
+  res[f"sim_vs_measured_throughput_error{suffix}_{k}"] = (sim["samples_per_s"]
+                                                          / m["samples_per_s"] - 1)
   res[f"virtual_vs_measured_staleness_error_steps{suffix}_{k}"] = (v["sample_lag_mean"]
                                                                    - m["sample_lag_mean"])
   res[f"sim_vs_measured_staleness_error_steps{suffix}_{k}"] = (sim["sample_lag_mean"]

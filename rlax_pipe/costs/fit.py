@@ -13,11 +13,12 @@ the `CostModel` with, per coefficient, its standard error and a 95% confidence i
 
 Records flagged with a positive `compiles` count (XLA compiled something while the operation
 ran, on any thread) are left out and counted (`OpFit.excluded`): compile time is reported apart,
-never fitted into an operation's cost. Identifiability is reported, not hidden: a feature never seen (all zero) or equal to a
-combination of earlier ones (e.g. dispatches == decode steps when every dispatch runs one step)
-gets coefficient 0 with status "not observed" / "aliased with ..." (its time is carried by the
-earlier ones, which is exact for predictions at the same K); a coefficient estimated below 0 is
-removed (status "dropped: negative") and the regression refitted, so durations stay >= 0.
+never fitted into an operation's cost. Identifiability is reported, not hidden: a feature never
+seen (all zero) or equal to a combination of earlier ones (e.g. dispatches == decode steps when
+every dispatch runs one step) gets coefficient 0 with status "not observed" / "aliased with ..."
+(its time is carried by the earlier ones, which is exact for predictions at the same K); a
+coefficient estimated below 0 is removed (status "dropped: negative") and the regression
+refitted, so durations stay >= 0.
 """
 
 from __future__ import annotations
