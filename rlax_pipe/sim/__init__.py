@@ -4,8 +4,10 @@
   formulas      closed-form staleness / lag / step-period / idle models (Applied Compute,
                 PipelineRL) and the log-normal extreme-value approximation;
   distributions completion-length distributions (empirical, grouped, replay, log-normal, Pareto);
+  sim_config    what a simulation takes and returns (`SimConfig`, `SimResult`);
   simulator     discrete-event simulator of the sync / async-batch / pipeline drivers that runs
-                the real `RolloutQueue` and staleness policy code (no JAX);
+                the real driver rules, `RolloutQueue`, staleness and packing code and the
+                engine's refill rule with the shared cost model;
   calibration   the simulator's inputs from a run directory (costs fitted to a threaded run's
                 timed operations, lengths) and the numbers it predicts, measured on the run;
   whatif        cluster-scale what-if from the analytic accelerator cost model.
@@ -32,10 +34,10 @@ from rlax_pipe.sim.formulas import step_period
 from rlax_pipe.sim.formulas import sync_idle_fraction
 from rlax_pipe.sim.formulas import tailness
 from rlax_pipe.sim.formulas import tailness_from_groups
+from rlax_pipe.sim.sim_config import SimConfig
+from rlax_pipe.sim.sim_config import SimDeadlock
+from rlax_pipe.sim.sim_config import SimResult
 from rlax_pipe.sim.simulator import rates
-from rlax_pipe.sim.simulator import SimConfig
-from rlax_pipe.sim.simulator import SimDeadlock
-from rlax_pipe.sim.simulator import SimResult
 from rlax_pipe.sim.simulator import simulate
 
 __all__ = (

@@ -32,7 +32,7 @@ from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import staleness as staleness_lib
 from rlax_pipe.run_dir import read_metrics
 from rlax_pipe.sim import distributions
-from rlax_pipe.sim.simulator import SimConfig
+from rlax_pipe.sim.sim_config import SimConfig
 
 COST_RECORDS = "cost_records.jsonl"
 COST_FIT = "cost_fit.json"
