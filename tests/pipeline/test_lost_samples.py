@@ -39,6 +39,10 @@ class LossyEngine:
   def num_active(self):
     return len(self.running)
 
+  @property
+  def num_slots(self):
+    return self.cfg.num_slots
+
   num_waiting = 0
 
   def submit(self, request):
