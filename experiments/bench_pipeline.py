@@ -31,7 +31,8 @@ _SUITE = flags.DEFINE_enum("suite", "drivers", ["drivers", "control_plane", "acc
                            "What to measure (module docstring).")
 _OUT = flags.DEFINE_string("out_dir", "runs/bench_pipeline", "Parent of the run dirs.")
 _TARGET = flags.DEFINE_float("target_accuracy", -1.0, "--suite=accuracy: held-out accuracy to "
-                             "reach; < 0 = 90% of the lowest best accuracy over the drivers.")
+                             "reach, above the starting accuracy (refused otherwise); < 0 = the "
+                             "starting accuracy + 90% of the lowest gain over the drivers.")
 _DRIVERS = flags.DEFINE_list("drivers", ["sync", "async-batch", "pipeline"], "Drivers to run.")
 _WARMUP = flags.DEFINE_integer("steady_warmup_steps", 3, "Learner steps left out of the "
                               "steady state.")
@@ -42,18 +43,21 @@ _CONFIG = config_cli.define_rl_flags()
 
 def main(argv):
   del argv
+  config_cli.setup_logging()
   if _SUITE.value == "control_plane":
     print(json.dumps(control_plane.control_plane(live_groups=_LIVE.value)))
     return
-  base = config_cli.run_config(_CONFIG.value)
   drivers = tuple(_DRIVERS.value)
-  if _SUITE.value == "accuracy":
-    summaries = bench.run_drivers(base, drivers, _OUT.value)
-    target = None if _TARGET.value < 0 else _TARGET.value
-    print(json.dumps(bench.compare(summaries, target)))
-    return
-  out = bench_drivers.compare_drivers(base, drivers, _OUT.value, _WARMUP.value,
-                                      tuple(range(_SEEDS.value)))
+  with config_cli.user_errors():
+    base = config_cli.run_config(_CONFIG.value)
+    if _SUITE.value == "accuracy":
+      target = None if _TARGET.value < 0 else _TARGET.value
+      hooks = [] if target is None else [bench.TargetCheck(target)]  # refused after step 1
+      summaries = bench.run_drivers(base, drivers, _OUT.value, hooks=hooks)
+      print(json.dumps(bench.compare(summaries, target)))
+      return
+    out = bench_drivers.compare_drivers(base, drivers, _OUT.value, _WARMUP.value,
+                                        tuple(range(_SEEDS.value)))
   out.update(bench_drivers.accelerator_prediction())
   print(json.dumps(out))
 

@@ -1,4 +1,4 @@
-"""Pipeline RL main job: sampler and learner on separate meshes, in-flight weight updates.
+r"""Pipeline RL main job: sampler and learner on separate meshes, in-flight weight updates.
 
   python3 experiments/pipeline_rl.py        # the default run: arithmetic task, shipped SFT
                                             # warm start, 8 CPU devices split 4 + 4, pipeline
@@ -6,7 +6,17 @@
   python3 experiments/pipeline_rl.py --config=experiments/configs/pipeline_rl.py:tiny
   python3 experiments/pipeline_rl.py --config.pipeline.driver=sync --config.run_dir=runs/sync
   python3 experiments/pipeline_rl.py --config.resume --config.run_dir=runs/pipeline_rl
+  python3 experiments/pipeline_rl.py --config.resume --config.run_dir=runs/pipeline_rl \
+      --config.pipeline.num_steps=60 --config.change_on_resume=pipeline.num_steps
+  python3 experiments/pipeline_rl.py --config.init=/path/to/hf_model \
+      --config=experiments/configs/pipeline_rl.py:dataset_file \
+      --config.task_config.path=train.jsonl --config.task_config.eval_path=test.jsonl \
+      --config.prompt_format.kind=chat     # an HF model directory on a dataset file
   python3 experiments/pipeline_rl.py --helpfull    # every config field, with units and defaults
+
+Devices: by default the sampler and learner meshes are chosen from the devices present (one
+device is shared by both roles); --config.sampler_mesh_axes / --config.learner.mesh_axes set them.
+A user's mistake ends with one line naming the --config field to fix.
 
 Prints the run summary as one JSON object on its last line.
 """
@@ -28,7 +38,10 @@ _CONFIG = config_cli.define_rl_flags()
 
 def main(argv):
   del argv
-  print(json.dumps(run_lib.run(config_cli.run_config(_CONFIG.value))))
+  config_cli.setup_logging()
+  with config_cli.user_errors():
+    summary = run_lib.run(config_cli.run_config(_CONFIG.value))
+  print(json.dumps(summary))
 
 
 if __name__ == "__main__":

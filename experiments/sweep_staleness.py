@@ -31,8 +31,10 @@ _CONFIG = config_cli.define_rl_flags()
 
 def main(argv):
   del argv
+  config_cli.setup_logging()
   lags = [None if int(x) < 0 else int(x) for x in _LAGS.value]
-  table = sweep.run_sweep(config_cli.run_config(_CONFIG.value), lags, _OBJS.value, _OUT.value)
+  with config_cli.user_errors():
+    table = sweep.run_sweep(config_cli.run_config(_CONFIG.value), lags, _OBJS.value, _OUT.value)
   plots = sweep.plot_sweep(table, _OUT.value)
   (pathlib.Path(_OUT.value) / "table.json").write_text(json.dumps(table, indent=2))
   print(json.dumps({"table": table, "plots": plots}))

@@ -7,7 +7,8 @@ Layers (lowest first; a module imports only lower layers, checked by tests/test_
      tokenizer, logprobs, advantages, offpolicy, timeline, run_dir, plots, platform_setup
   1  model (the `Model` interface, built-in transformer, NNX adapter), objectives, tasks,
      costs (the cost model: measured fits, named chips, analytic accelerator model)
-  2  sampler (paged-KV engine), learner (sharded train step) -- both receive a `Model`; grading
+  2  sampler (paged-KV engine), learner (sharded train step) -- both receive a `Model`; grading;
+     model_dir (HF model directories: weights + tokenizer + generation config, exported)
   3  evaluation
   4  pipeline (weight channel, staleness, queue, drivers, the RL job)
   5  sft, sim (systems model)

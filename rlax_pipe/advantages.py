@@ -161,6 +161,12 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 }
 
 
+# Smallest group size G at which each estimator can give a non-zero advantage. Every estimator here
+# is group-relative: its baseline is formed from the other samples of the group, so a group with
+# fewer than 2 valid rewards gets all zeros (`_finalize`) and trains nothing.
+MIN_GROUP_SIZE: dict[str, int] = {"grpo": 2, "dr_grpo": 2, "rloo": 2}
+
+
 def get_advantage_fn(name: str) -> AdvantageFn:
   """Looks up an advantage estimator by registry name.
 

@@ -4,9 +4,11 @@ Experiments are configured by config files (`experiments/configs/<family>.py`, l
 `ml_collections.config_flags.DEFINE_config_file`) whose `get_config(preset)` builds a dataclass
 (the dataclasses stay the one source of defaults) and returns `to_config_dict(it)`; command-line
 overrides (`--config.learner.optimizer.learning_rate=1e-4`) edit the ConfigDict, and
-`from_config_dict(RunConfig, config)` rebuilds (and so re-validates) the dataclass.
-`describe_fields` lists every field with the unit and range written in its class docstring, for
-`--helpfull`.
+`from_config_dict(RunConfig, config)` rebuilds (and so re-validates) the dataclass; a validation
+error becomes a `ConfigError` whose message names the field by its path in the config
+(`pipeline.num_steps`, or `--config.pipeline.num_steps` with a flag prefix), so an entry point can
+print it as one line. `describe_fields` lists every field with the unit and range written in its
+class docstring, for `--helpfull`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,28 @@ import ml_collections
 from ml_collections import config_dict as config_dict_lib
 
 _SCALARS = (bool, int, float, str)
+
+
+class ConfigError(ValueError):
+  """A user's configuration cannot work; the message names the field(s) and the fix.
+
+  Entry points print it as one line (no traceback). A `ValueError`, so callers that catch
+  validation errors keep working.
+  """
+
+
+def name_fields(message: str, cls: type, path: str) -> str:
+  """Rewrites "Cls.field" in `message` as "<path>field" for every field of dataclass `cls`.
+
+  E.g. name_fields("PipelineConfig.num_steps=-5 must be >= 1.", PipelineConfig,
+  "--config.pipeline.") == "--config.pipeline.num_steps=-5 must be >= 1."
+  """
+  names = {f.name for f in dataclasses.fields(cls)}
+
+  def sub(match: re.Match) -> str:
+    return path + match.group(1) if match.group(1) in names else match.group(0)
+
+  return re.sub(rf"\b{re.escape(cls.__name__)}\.(\w+)", sub, message)
 
 
 def _optional_scalar(hint: Any) -> type:
@@ -77,37 +101,55 @@ def _deep_tuple(x: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
+  """A ConfigDict as a dict; lists (JSON, the command line) as tuples, inside dicts too, so a
+  config read back from config.json equals the one written."""
   if isinstance(value, ml_collections.ConfigDict):
-    return value.to_dict()
+    value = value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return tuple(_plain(v) for v in value)
   return value
 
 
-def from_config_dict(cls: type, config: Any) -> Any:
+def from_config_dict(cls: type, config: Any, *, prefix: str = "") -> Any:
   """Rebuilds a `cls` instance (validated by its `__post_init__`) from a ConfigDict or dict.
 
   Nested dataclass fields recurse; tuple fields get tuples (lists from YAML or the command line
   are converted, so the result stays hashable); fields the config omits keep `cls` defaults.
 
+  Args:
+    cls: the config dataclass.
+    config: its fields (ConfigDict or mapping).
+    prefix: how the fields of `cls` are spelled to the user, e.g. "--config." for a command
+      line; nested fields get "<prefix><field>.".
+
   Raises:
-    ValueError: on a key `cls` has no field for (the message lists the valid names), or whatever
-      the dataclasses' own checks raise.
+    ConfigError: on a key `cls` has no field for (the message lists the valid names), or
+      whatever the dataclasses' own checks raise, with "Cls.field" rewritten as
+      "<prefix>field" (`name_fields`; kept as written for `cls` itself when prefix is "").
   """
   items = dict(config.items()) if hasattr(config, "items") else dict(config)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(items) - names)
   if unknown:
-    raise ValueError(f"{cls.__name__} has no field(s) {unknown}; valid: {sorted(names)}.")
+    where = prefix.rstrip(".") or cls.__name__
+    raise ConfigError(f"{where} has no field(s) {unknown}; valid: {sorted(names)}.")
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for name, value in items.items():
     sub = _dataclass_of(hints[name])
     if sub is not None and value is not None and not dataclasses.is_dataclass(value):
-      kwargs[name] = from_config_dict(sub, value)
+      kwargs[name] = from_config_dict(sub, value, prefix=f"{prefix}{name}.")
     elif _is_tuple_hint(hints[name]):
       kwargs[name] = _deep_tuple(value)
     else:
       kwargs[name] = _plain(value)
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except (ValueError, TypeError) as e:
+    message = name_fields(str(e), cls, prefix) if prefix else str(e)
+    raise ConfigError(message) from None if isinstance(e, ConfigError) else e
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -159,4 +201,5 @@ def describe_fields(config: Any, prefix: str = "") -> list[str]:
   return lines
 
 
-__all__ = ["describe_fields", "field_docs", "from_config_dict", "to_config_dict"]
+__all__ = ["ConfigError", "describe_fields", "field_docs", "from_config_dict", "name_fields",
+           "to_config_dict"]

@@ -1,4 +1,9 @@
-"""PNG plots of a run from its metrics rows (matplotlib Agg canvas, no pyplot global state)."""
+"""PNG plots of a run from its metrics rows (matplotlib Agg canvas, no pyplot global state).
+
+Every panel has a title and axis labels; a run-time axis says which clock it is on (metrics rows
+carry `clock`: "virtual" in reproducible mode, whose durations are modelled by the cost model, or
+"measured" wall-clock time in threaded mode).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,24 @@ def _figure(ncols: int = 1, width: float = 6.0):
   return fig
 
 
+CLOCK_LABELS = {
+    "virtual": "virtual clock: modelled device time",
+    "measured": "measured wall clock, evaluation excluded",
+}
+
+
+def clock_of(rows: Sequence[dict]) -> str:
+  """Which clock the rows' run times are on, in words (from their `clock` field)."""
+  clocks = {r.get("clock") for r in rows if r.get("clock")}
+  clock = clocks.pop() if len(clocks) == 1 else None
+  return CLOCK_LABELS.get(clock, "clock not recorded")
+
+
+def time_axis_label(rows: Sequence[dict]) -> str:
+  """"run time (s, <which clock>)"."""
+  return f"run time (s, {clock_of(rows)})"
+
+
 def plot_reward_accuracy(rows: Sequence[dict], path: str) -> None:
   """Batch reward and held-out accuracy against run time (seconds) and learner step."""
   train = [r for r in rows if r.get("kind") == "train"]
@@ -26,10 +49,14 @@ def plot_reward_accuracy(rows: Sequence[dict], path: str) -> None:
             alpha=0.6)
     ax.plot([r[key] for r in evals], [r["heldout_accuracy"] for r in evals], "o-",
             label="held-out accuracy (greedy)")
-    ax.set_xlabel("run time (s)" if key == "time_s" else "learner step")
+    ax.set_xlabel(time_axis_label(rows) if key == "time_s" else "learner step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_title("Reward and held-out accuracy vs " + ("run time" if key == "time_s"
+                                                        else "learner step"))
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+  fig.tight_layout()
   fig.savefig(path, dpi=90)
 
 
@@ -45,6 +72,8 @@ def plot_lag_hist(rows: Sequence[dict], path: str) -> None:
     ax.set_xticklabels([str(i) for i in range(total.shape[0] - 1)] + [f">={total.shape[0] - 1}"])
   ax.set_xlabel("token lag (learner version - token's policy version)")
   ax.set_ylabel("tokens trained")
+  ax.set_title("Per-token lag of the trained tokens (whole run)")
+  fig.tight_layout()
   fig.savefig(path, dpi=90)
 
 
@@ -73,6 +102,8 @@ def plot_idle(rows: Sequence[dict], path: str) -> None:
   ax.set_ylim(0, 1)
   ax.set_xlabel("learner step")
   ax.set_ylabel("idle fraction (cumulative)")
+  ax.set_title(f"Idle fraction of each mesh ({clock_of(train)})")
   ax.grid(alpha=0.3)
   ax.legend()
+  fig.tight_layout()
   fig.savefig(path, dpi=90)

@@ -25,12 +25,14 @@ import jax
 import numpy as np
 
 from rlax_pipe import evaluation
+from rlax_pipe import model_dir
 from rlax_pipe import objectives
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.config import ModelConfig
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
 from rlax_pipe.logprobs import SamplingConfig
-from rlax_pipe.model import ModelLike, Transformer, as_model, hf_io
+from rlax_pipe.model import ModelLike, Transformer, as_model
 from rlax_pipe.pipeline import batching
 from rlax_pipe.sampler import SamplerConfig, SamplerEngine
 from rlax_pipe.tasks import base as task_base
@@ -113,14 +115,29 @@ def demonstration(problem: task_base.Problem, direct: bool) -> str:
   return f"{task_base.ANSWER_MARKER} {problem.answer}" if direct else problem.solution
 
 
+def completion_end_id(tok: tokenizer_lib.Tokenizer) -> int:
+  """The id that ends a demonstrated completion: with chat prompts, the chat template's
+  end-of-turn token (e.g. "<|im_end|>", what the model writes after an assistant message),
+  else EOS. Either is in `tok.stop_ids`, so the RL sampler stops where the demonstration did."""
+  template = tok.chat_template
+  if tok.prompt_format.kind == "chat" and template is not None:
+    text = (template.end_of_turn_text() or "").strip()
+    ids = tok.encode_chat_text(text) if text else []
+    if len(ids) == 1 and ids[0] in tok.stop_ids:
+      return ids[0]
+  return tok.eos_id
+
+
 def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
                       sample_id: int, direct: bool = False) -> Rollout:
-  """The demonstration of `problem` (+ EOS) as a Rollout (log-probs 0, version 0).
+  """The demonstration of `problem` (+ its end id, `completion_end_id`) as a Rollout
+  (log-probs 0, version 0). The prompt is `tok.encode_prompt` (raw or chat, as RL samples it).
 
   `direct=True` demonstrates the bare answer instead of the reference solution.
   """
   prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)  # as the RL sampler sees it
-  completion = np.asarray(tok.encode(demonstration(problem, direct)) + [tok.eos_id], np.int32)
+  completion = np.asarray(tok.encode(demonstration(problem, direct)) + [completion_end_id(tok)],
+                          np.int32)
   n = completion.shape[0]
   return Rollout(sample_id=sample_id, group_id=sample_id, prompt_tokens=prompt,
                  completion_tokens=completion, behavior_logprobs=np.zeros(n, np.float32),
@@ -167,34 +184,59 @@ def eval_engine(model: ModelLike, params: Any, tok: tokenizer_lib.Tokenizer, *,
   page_size = 16
   cfg = SamplerConfig(num_slots=slots, page_size=page_size,
                       num_pages=slots * (-(-max_seq_len // page_size)), max_seq_len=max_seq_len,
-                      max_new_tokens=max_seq_len, eos_id=tok.eos_id, sampling=sampling,
-                      seed=seed)
+                      max_new_tokens=max_seq_len, eos_id=model_dir.stop_set(tok),
+                      sampling=sampling, seed=seed)
   return SamplerEngine(model, cfg, params, mesh=mesh)
 
 
 def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
-            out_dir: str | pathlib.Path, model: ModelLike | None = None) -> dict:
+            out_dir: str | pathlib.Path, model: ModelLike | None = None,
+            params: Any = None) -> dict:
   """Trains the warm start, evaluates greedy and T=1 accuracy, writes the checkpoints.
 
-  Two checkpoints of the final weights: `out_dir/config.json` + `model.safetensors` (HF format,
-  loadable with `rlax_pipe.model.load_hf_checkpoint` or transformers; what the RL job's `--init`
-  takes; built-in model only) and `out_dir/orbax/` (the learner's full orbax state: params,
-  AdamW state, version, RNG; restore with a `Learner` whose checkpoint directory is there). `out_dir/sft_result.json` holds
-  the returned summary.
+  Two checkpoints of the final weights: `out_dir` as an HF model directory (config.json +
+  model.safetensors + the tokenizer's files + generation_config.json, `model_dir.
+  export_model_dir`; loadable with transformers, and what the RL job's `RunConfig.init` takes,
+  tokenizer included; built-in model only) and `out_dir/orbax/` (the learner's full orbax state:
+  params, AdamW state, version, RNG; restore with a `Learner` whose checkpoint directory is
+  there). `out_dir/sft_result.json` holds the returned summary.
 
   Args:
     task: task whose reference solutions are imitated.
-    tok: tokenizer.
+    tok: tokenizer (its prompt format, raw or chat, is how prompts are rendered).
     cfg: SFT configuration.
     out_dir: output directory (created; must not already hold a checkpoint).
     model: model to train (`rlax_pipe.model.Model` or a `ModelConfig`); default the built-in
-      `default_model_config(tok.vocab_size, cfg.seq_len)`, randomly initialised.
+      `default_model_config(tok.vocab_size, cfg.seq_len)`.
+    params: initial params of `model` (e.g. an HF model directory's, `hf_io.load_hf_checkpoint`);
+      None = a random init from `cfg.seed`.
 
   Returns:
     Summary dict: steps, seconds, final loss, greedy and T=1 held-out accuracy, etc.
+
+  Raises:
+    FileExistsError: when out_dir already holds a model (checked before training).
+    OSError: when out_dir cannot be created (checked before training).
+    ConfigError: when cfg.learner_devices exceeds the devices present.
+    ConfigError: when cfg.seq_len exceeds the model's context, or the tokenizer's ids do not
+      fit its embedding.
   """
   out_dir = pathlib.Path(out_dir)
   model = as_model(model or default_model_config(tok.vocab_size, cfg.seq_len))
+  if cfg.learner_devices > len(jax.devices()):
+    raise ConfigError(
+        f"SFTConfig.learner_devices={cfg.learner_devices} (--config.sft.learner_devices) but "
+        f"{len(jax.devices())} device(s) found; lower it (on a CPU-only machine, XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={cfg.learner_devices} gives more).")
+  if (out_dir / "config.json").exists() or list(out_dir.glob("model*.safetensors")):
+    raise FileExistsError(f"{out_dir} already holds a model; choose another output directory.")
+  out_dir.mkdir(parents=True, exist_ok=True)  # before training: an unwritable one fails now
+  if cfg.seq_len > model.max_seq_len:
+    raise ConfigError(f"SFTConfig.seq_len={cfg.seq_len} (--config.sft.seq_len) exceeds the "
+                      f"model's context ({model.max_seq_len} positions); lower it.")
+  if tok.vocab_size > model.vocab_size:
+    raise ConfigError(f"the tokenizer ({tok.source}) has {tok.vocab_size} ids, the model "
+                      f"{model.vocab_size} embeddings: use the model's own tokenizer.")
   learner_cfg = LearnerConfig(
       mesh_axes=(("fsdp", cfg.learner_devices),), seed=cfg.seed,
       optimizer=OptimizerConfig(learning_rate=cfg.learning_rate,
@@ -204,7 +246,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
       checkpoint=CheckpointConfig(directory=str(out_dir / "orbax"), keep=1, async_save=False))
   objective_cfg = objectives.ObjectiveConfig(name="no_correction", aggregation="token_mean")
   learner = Learner(model, learner_cfg, objective_cfg, SamplingConfig(),
-                    devices=jax.devices()[:cfg.learner_devices])
+                    devices=jax.devices()[:cfg.learner_devices], params=params)
   t0, index, losses = time.perf_counter(), 0, []
   for step in range(cfg.steps):
     batch, index = next_batch(task, tok, index, cfg.rows, cfg.seq_len, cfg.direct_answer_fraction,
@@ -227,9 +269,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   learner.close()
 
   if isinstance(model, Transformer):  # HF format exists for the built-in family only
-    hf_io.save_hf_checkpoint(out_dir, params, model.cfg,
-                             extra_config={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id,
-                                           "pad_token_id": tok.pad_id})
+    model_dir.export_model_dir(out_dir, params, model.cfg, tok)
   problems = evaluation.eval_problems(task, cfg.eval_problems)
   params_dev = jax.device_put(params, jax.devices()[0])  # the eval engine's one-device mesh
   results = {}

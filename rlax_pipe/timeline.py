@@ -410,10 +410,13 @@ def summarize(spans: Sequence[Span], window: tuple[float, float] | None = None
       queue_wait_s=queue_wait(spans, window=(lo, hi)))
 
 
-def plot_gantt(spans: Sequence[Span], path: str, title: str | None = None) -> None:
+def plot_gantt(spans: Sequence[Span], path: str, title: str | None = None,
+               xlabel: str = "time (s)", min_width_px: float = 2.0) -> None:
   """Writes a Gantt chart PNG: one row per component, one colour per kind, time from t0.
 
-  Uses matplotlib's Agg canvas directly (no pyplot global state).
+  Every span is drawn at least `min_width_px` pixels wide (a 5 ms weight push on a minutes-long
+  axis would otherwise vanish below a pixel), so each one stays visible; widths of short spans
+  are then not to scale. Uses matplotlib's Agg canvas directly (no pyplot global state).
   """
   # Imported here: matplotlib is only needed for plots.
   from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -423,22 +426,27 @@ def plot_gantt(spans: Sequence[Span], path: str, title: str | None = None) -> No
   comps = sorted({s.component for s in spans})
   kinds = sorted({s.kind for s in spans})
   t0 = min((s.start for s in spans), default=0.0)
-  fig = Figure(figsize=(10, 1.0 + 0.6 * max(1, len(comps))))
+  extent = max((s.end for s in spans), default=t0) - t0
+  width_in, dpi = 10.0, 100
+  fig = Figure(figsize=(width_in, 1.0 + 0.6 * max(1, len(comps))))
   FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 1, 1)
+  # Axes span ~75% of the figure (legend on the right): seconds per pixel of the time axis.
+  min_width = min_width_px * extent / max(1.0, 0.75 * width_in * dpi)
   greys = iter(["#d9d9d9", "#b0b0b0", "#8c8c8c", "#e8e8e8", "#707070"] * len(kinds))
   busy_kinds = [k for k in kinds if not is_idle_kind(k)]
   colours = {k: next(greys) if is_idle_kind(k) else f"C{busy_kinds.index(k) % 10}" for k in kinds}
   for row, comp in enumerate(comps):
     for kind in kinds:
-      bars = [(s.start - t0, s.duration) for s in spans if s.component == comp and s.kind == kind]
+      bars = [(s.start - t0, max(s.duration, min_width)) for s in spans
+              if s.component == comp and s.kind == kind]
       if bars:
         ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colours[kind])
   ax.set_yticks(range(len(comps)), comps)
-  ax.set_xlabel("time (s)")
+  ax.set_ylabel("mesh / component")
+  ax.set_xlabel(xlabel)
   ax.legend(handles=[Patch(color=colours[k], label=k) for k in kinds], loc="upper left",
             bbox_to_anchor=(1.0, 1.0), fontsize="small")
-  if title:
-    ax.set_title(title)
+  ax.set_title(title or "Timeline of the meshes")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=dpi)

@@ -84,3 +84,38 @@ def tiny_config_fixture():
 @pytest.fixture(name="train_rows")
 def train_rows_fixture():
   return train_rows
+
+
+# ---- plots: every panel labelled ------------------------------------------------------------
+
+import matplotlib.figure  # noqa: E402
+
+_SAVED = []
+
+
+@pytest.fixture(name="saved_figures")
+def saved_figures_fixture(monkeypatch):
+  """Figures passed to savefig during the test (they are still written)."""
+  _SAVED.clear()
+  original = matplotlib.figure.Figure.savefig
+
+  def savefig(fig, *args, **kwargs):
+    _SAVED.append(fig)
+    return original(fig, *args, **kwargs)
+
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+  return _SAVED
+
+
+def _assert_every_panel_labelled(figures):
+  """Each axes of each figure has a title and a y-label."""
+  assert figures
+  for fig in figures:
+    for ax in fig.axes:
+      assert ax.get_title(), f"untitled panel (ylabel {ax.get_ylabel()!r})"
+      assert ax.get_ylabel(), f"panel {ax.get_title()!r} has no y-label"
+
+
+@pytest.fixture(name="assert_every_panel_labelled")
+def assert_every_panel_labelled_fixture():
+  return _assert_every_panel_labelled

@@ -14,7 +14,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("types", "config", "config_dict", "sharding", "platform_setup", "run_dir", "timeline",
      "tokenizer", "logprobs", "advantages", "offpolicy", "plots"),
     ("model", "objectives", "tasks", "costs"),
-    ("sampler", "learner", "grading"),
+    ("sampler", "learner", "grading", "model_dir"),
     ("evaluation",),
     ("pipeline",),
     ("sft", "sim"),

@@ -2,11 +2,14 @@
 
 import json
 
+import jax
 import numpy as np
+import pytest
 
 from rlax_pipe import sft
 from rlax_pipe import tasks
 from rlax_pipe.config import ModelConfig
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.model import hf_io
 from rlax_pipe.tokenizer import default_tokenizer
 
@@ -73,3 +76,16 @@ def test_direct_answer_fraction_must_be_below_one():
   import pytest  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="direct_answer_fraction"):
     sft.SFTConfig(direct_answer_fraction=1.0)
+
+
+def test_sft_device_and_output_errors_name_the_fix(tmp_path):
+  tok, task = default_tokenizer(), tasks.ArithmeticTask()
+  many = sft.SFTConfig(learner_devices=len(jax.devices()) + 1)
+  with pytest.raises(ConfigError, match=r"--config.sft.learner_devices.*device\(s\) found"):
+    sft.run_sft(task, tok, many, tmp_path / "a")
+  (tmp_path / "b").mkdir()
+  (tmp_path / "b" / "config.json").write_text("{}")
+  with pytest.raises(FileExistsError, match="already holds a model"):
+    sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b")
+  with pytest.raises(NotADirectoryError):  # before any training step
+    sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b" / "config.json" / "out")

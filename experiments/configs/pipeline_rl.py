@@ -2,25 +2,37 @@
 base run of ablations.py.
 
   --config=experiments/configs/pipeline_rl.py           the default run (README command 1)
-  --config=experiments/configs/pipeline_rl.py:tiny      a smoke run of seconds on 6 CPU devices
+  --config=experiments/configs/pipeline_rl.py:tiny      a smoke run of seconds
+  --config=experiments/configs/pipeline_rl.py:dataset_file --config.task_config.path=train.jsonl
+  --config=experiments/configs/pipeline_rl.py:tiny,reasoning_gym   presets combine with commas
   --config.pipeline.num_steps=60 --config.learner.optimizer.learning_rate=1e-4   overrides
 
-The defaults are those of `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only
-names what it changes. Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
+Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices); one
+per task whose
+config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileConfig`: path,
+eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
+(`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...). The defaults are those of
+`rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
+Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
 
 import dataclasses
 
+from ml_collections import config_dict as config_dict_lib
+
 from rlax_pipe import config_dict
+from rlax_pipe import tasks
 from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
-from rlax_pipe.tokenizer import default_tokenizer
 
-PRESETS = ("default", "tiny")
+SIZE_PRESETS = ("default", "tiny")
+TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym")
+PRESETS = SIZE_PRESETS + TASK_PRESETS
 
 
 def _tiny(cfg: RunConfig) -> RunConfig:
-  """3 learner steps of 2 groups x 2 samples, 48-token sequences, 4 + 2 devices."""
+  """3 learner steps of 2 groups x 2 samples, 48-token sequences, one device per role (one
+  shared device on a one-device host): seconds per run, most of it compilation."""
   seq = 48
   sampler = dataclasses.replace(cfg.sampler, num_slots=4, page_size=8, num_pages=32,
                                 max_seq_len=seq, max_new_tokens=seq)
@@ -28,25 +40,43 @@ def _tiny(cfg: RunConfig) -> RunConfig:
       num_steps=3, group_size=2, seq_len=seq, eval_every=100, eval_problems=4,
       checkpoint_every=1,
       staleness=StalenessConfig(policy="learner-wait", max_lag=1, groups_per_step=2))
-  return dataclasses.replace(cfg, run_dir="runs/pipeline_rl_tiny", sampler_mesh_axes=(("tp", 2),),
-                             sampler=sampler, pipeline=pipeline, eval_slots=4,
-                             task_config={"max_terms": 4})
+  task_config = (dataclasses.replace(cfg.task_config, max_terms=4) if cfg.task == "arithmetic"
+                 else cfg.task_config)
+  learner = dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1)))
+  return dataclasses.replace(cfg, run_dir="runs/pipeline_rl_tiny", sampler=sampler,
+                             pipeline=pipeline, eval_slots=4, task_config=task_config,
+                             sampler_mesh_axes=(("tp", 1),), learner=learner)
+
+
+def _task_example(task: str):
+  """The task's default config (a file task's path "" is replaced by a required placeholder)."""
+  config_cls = tasks.TASKS[task][1]
+  fields = {f.name for f in dataclasses.fields(config_cls)}
+  return config_cls(path="") if "path" in fields else config_cls()
 
 
 def get_config(preset: str = "default"):
-  """The ConfigDict of `preset` (one of PRESETS).
+  """The ConfigDict of `preset`: one of PRESETS, or a size and a task preset joined by a comma.
 
   Raises:
     ValueError: on an unknown preset (the message lists them).
   """
-  preset = preset or "default"
-  if preset not in PRESETS:
-    raise ValueError(f"unknown preset {preset!r} of configs/pipeline_rl.py; choose one of "
-                     f"{PRESETS}.")
+  names = [p.strip() for p in (preset or "default").split(",") if p.strip()] or ["default"]
+  unknown = [p for p in names if p not in PRESETS]
+  if unknown or sum(p in TASK_PRESETS for p in names) > 1:
+    raise ValueError(f"unknown preset(s) {unknown or names} of configs/pipeline_rl.py; choose "
+                     f"one of {SIZE_PRESETS}, optionally with one of {TASK_PRESETS} "
+                     "(e.g. 'tiny,dataset_file').")
   cfg = RunConfig()
-  # The stop token is the tokenizer's (not a dataclass default: it depends on the tokenizer).
-  cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(
-      cfg.sampler, eos_id=default_tokenizer().eos_id))
-  if preset == "tiny":
+  task = next((p for p in names if p in TASK_PRESETS), None)
+  if task is not None:
+    cfg = dataclasses.replace(cfg, task=task, task_config=_task_example(task),
+                              run_dir=f"runs/pipeline_rl_{task}")
+  else:  # the arithmetic task's fields, so --config.task_config.max_terms=... works
+    cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig())
+  if "tiny" in names:
     cfg = _tiny(cfg)
-  return config_dict.to_config_dict(cfg)
+  out = config_dict.to_config_dict(cfg)
+  if task is not None and "path" in out.task_config:
+    out.task_config.path = config_dict_lib.placeholder(str)  # the user's file: required
+  return out

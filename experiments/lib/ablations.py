@@ -70,8 +70,10 @@ def a1_long_tail(out_dir: str, tiny: bool = False) -> list[dict]:
     ax1.plot([r["sigma"] for r in sel], [r["idle_sampler_slots"] for r in sel], "o-",
              label=f"{g} groups x 8")
     ax2.plot([r["sigma"] for r in sel], [r["tail_share"] for r in sel], "o-", label=f"{g} groups")
-  ax1.set(xlabel="log-normal sigma of lengths", ylabel="sync: unused sampler slot-time")
-  ax2.set(xlabel="log-normal sigma of lengths", ylabel="share of round after 99% finished")
+  ax1.set(xlabel="log-normal sigma of lengths", ylabel="sync: unused sampler slot-time",
+          title="A1: idle sampler slots (sync, simulated)")
+  ax2.set(xlabel="log-normal sigma of lengths", ylabel="share of round after 99% finished",
+          title="A1: the tail's share of a round (simulated)")
   ax1.legend()
   fig.savefig(pathlib.Path(out_dir) / "A1.png", dpi=90)
   return rows
@@ -94,7 +96,8 @@ def a6_device_split(out_dir: str, tiny: bool = False) -> list[dict]:
   fig = _figure()
   ax = fig.add_subplot(1, 1, 1)
   ax.plot([r["learner_devices"] for r in rows], [r["samples_per_s"] for r in rows], "o-")
-  ax.set(xlabel=f"learner devices (of {total})", ylabel="samples/s (simulated)")
+  ax.set(xlabel=f"learner devices (of {total})", ylabel="samples/s (simulated)",
+         title="A6: throughput vs device split (simulated)")
   fig.savefig(pathlib.Path(out_dir) / "A6.png", dpi=90)
   return rows
 
@@ -119,7 +122,8 @@ def a7_staleness_formula(out_dir: str, tiny: bool = False) -> list[dict]:
   ax.plot([r["predicted"] for r in rows], [r["measured_sample_lag"] for r in rows], "o")
   hi = max([r["predicted"] for r in rows] + [r["measured_sample_lag"] for r in rows] + [1])
   ax.plot([0, hi], [0, hi], "k--", lw=1)
-  ax.set(xlabel="predicted mean staleness (formula)", ylabel="simulated mean staleness")
+  ax.set(xlabel="predicted mean staleness (formula)", ylabel="simulated mean staleness",
+         title="A7: staleness formula vs simulator")
   fig.savefig(pathlib.Path(out_dir) / "A7.png", dpi=90)
   return rows
 
@@ -142,7 +146,8 @@ def a8_queue_policy(out_dir: str, tiny: bool = False) -> list[dict]:
   ax.bar(range(len(rows)), [r["trained_mean_length"] for r in rows])
   ax.set_xticks(range(len(rows)))
   ax.set_xticklabels([f"{r['policy']}\n{r['capacity_groups'] or ''}" for r in rows])
-  ax.set(ylabel="mean trained completion length (tokens)")
+  ax.set(ylabel="mean trained completion length (tokens)", xlabel="queue policy, capacity",
+         title="A8: trained lengths per queue policy (simulated)")
   fig.savefig(pathlib.Path(out_dir) / "A8.png", dpi=90)
   return rows
 
@@ -178,7 +183,8 @@ def _bar_plot(rows, out_dir, name, metrics):
     ax.bar(range(len(rows)), [r[m] if r[m] is not None else np.nan for r in rows])
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["label"] for r in rows], rotation=45, fontsize=7)
-    ax.set_title(m, fontsize=9)
+    ax.set_title(f"{name}: {m}", fontsize=9)
+    ax.set_ylabel(m, fontsize=8)
   fig.tight_layout()
   fig.savefig(pathlib.Path(out_dir) / f"{name}.png", dpi=90)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.run_dir import read_metrics
 
@@ -27,14 +28,48 @@ def time_to_target(rows: list[dict], target: float, key: str) -> float | None:
   return None
 
 
-def run_drivers(base: run_lib.RunConfig, drivers: tuple[str, ...], out_dir: str) -> dict:
-  """Runs each driver with `base` (only the driver and run_dir change); returns {driver: summary}."""
+def run_drivers(base: run_lib.RunConfig, drivers: tuple[str, ...], out_dir: str,
+                hooks=()) -> dict:
+  """Runs each driver with `base` (only the driver and run_dir change); returns {driver: summary}.
+  `hooks` (step hooks) are passed to every run."""
   out = {}
   for d in drivers:
     cfg = dataclasses.replace(base, run_dir=str(pathlib.Path(out_dir) / d), resume=False,
                               pipeline=dataclasses.replace(base.pipeline, driver=d))
-    out[d] = run_lib.run(cfg)
+    out[d] = run_lib.run(cfg, hooks=hooks)
   return out
+
+
+def check_target(target: float, start: float) -> None:
+  """A time to target is only measured when the target lies above the starting accuracy.
+
+  Raises:
+    ConfigError: when `target` <= `start` (every driver would reach it at time 0, and a
+      speedup would compare noise), naming --target_accuracy and the fix.
+  """
+  if not target > start:
+    raise ConfigError(
+        f"--target_accuracy={target:g} is not above the starting held-out accuracy {start:g} "
+        "(step 0, the same for every driver): every driver reaches it at time 0. Choose a target "
+        f"above {start:g} (and below what the drivers reach), or leave it unset.")
+
+
+class TargetCheck:
+  """Step hook: after a run's first learner step (its step-0 evaluation is done), refuses a
+  target at or below the starting accuracy before the benchmark spends its time."""
+
+  def __init__(self, target: float):
+    self.target = target
+
+  def on_step(self, job, result, time_s) -> None:
+    del result, time_s
+    if job.learner.step == 1:
+      evals = [r for r in job.run_dir.read_metrics() if r["kind"] == "eval"]
+      if evals:
+        check_target(self.target, evals[0]["heldout_accuracy"])
+
+  def on_end(self, job, time_s) -> None:
+    del job, time_s
 
 
 def compare(summaries: dict, target: float | None = None) -> dict:
@@ -42,8 +77,12 @@ def compare(summaries: dict, target: float | None = None) -> dict:
 
   Args:
     summaries: {driver: run summary}.
-    target: held-out accuracy to reach; None = 90% of the lowest best accuracy over the drivers
-      (so every driver reaches it).
+    target: held-out accuracy to reach, above the starting accuracy; None = the starting
+      accuracy plus 90% of the lowest gain over the drivers (so every driver reaches it).
+
+  Raises:
+    ConfigError: when the target is not above the starting accuracy (`check_target`), or, with
+      target None, when some driver never rose above it (no time to target exists).
 
   Returns:
     Flat dict with per-driver keys and the ratios `speedup_pipeline_vs_sync` (wall clock to
@@ -53,9 +92,17 @@ def compare(summaries: dict, target: float | None = None) -> dict:
   rows = {d: read_metrics(s["run_dir"]) for d, s in summaries.items()}
   best = {d: max(r["heldout_accuracy"] for r in rs if r["kind"] == "eval")
           for d, rs in rows.items()}
+  start = min(next(r["heldout_accuracy"] for r in rs if r["kind"] == "eval")
+              for rs in rows.values())
   if target is None:
-    target = 0.9 * min(best.values())
-  res: dict = {"target_accuracy": target}
+    gain = min(best.values()) - start
+    if not gain > 0:
+      raise ConfigError(
+          f"no time to target: a driver never rose above the starting held-out accuracy "
+          f"{start:g} (best per driver {best}); run more steps (--config.pipeline.num_steps).")
+    target = start + 0.9 * gain
+  check_target(target, start)
+  res: dict = {"target_accuracy": target, "starting_accuracy": start}
   for d, s in summaries.items():
     train = [r for r in rows[d] if r["kind"] == "train"]
     k = d.replace("-", "_")

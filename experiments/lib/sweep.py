@@ -112,6 +112,7 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
               label=f"lag {row['max_lag']} {row['objective']}", alpha=0.8)
     ax.set_xlabel(label)
     ax.set_ylabel("batch reward")
+    ax.set_title(f"Batch reward vs {label}")
     ax.legend(fontsize=7)
     save(fig, name)
   lags = sorted({r["max_lag"] for r in table}, key=lambda x: float("inf") if x == "inf"
@@ -133,6 +134,7 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
     ax.set_xticklabels(lags)
     ax.set_xlabel("max_lag (steps)")
     ax.set_ylabel(metric)
+    ax.set_title(f"{metric} vs max_lag")
     ax.legend(fontsize=7)
     save(fig, name)
   fig = Figure(figsize=(10, 4))
@@ -140,9 +142,11 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
   first = [next(r for r in table if r["max_lag"] == l) for l in lags]
   ax1.plot(range(len(lags)), [r["samples_per_s"] for r in first], "o-")
   ax1.set_ylabel("samples/s (device time)")
+  ax1.set_title("Throughput vs max_lag (virtual device time)")
   ax2.plot(range(len(lags)), [r["idle_sampler"] for r in first], "o-", label="sampler")
   ax2.plot(range(len(lags)), [r["idle_learner"] for r in first], "o-", label="learner")
   ax2.set_ylabel("idle fraction")
+  ax2.set_title("Idle fraction of each mesh vs max_lag")
   ax2.legend()
   for ax in (ax1, ax2):
     ax.set_xticks(range(len(lags)))

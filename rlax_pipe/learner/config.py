@@ -101,7 +101,9 @@ class LearnerConfig:
   Attributes:
     mesh_axes: ordered (mesh axis, size) pairs of the learner mesh, major axis first, among
       "data", "fsdp", "tp"; the product is the number of learner devices, e.g.
-      (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device).
+      (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device). () means "chosen
+      by the RL job from the devices present" (`rlax_pipe.pipeline.devices`); a `Learner` needs
+      explicit axes.
     optimizer: clipping, AdamW and the learning-rate schedule (`OptimizerConfig`).
     checkpoint: where and how the learner state is checkpointed (`CheckpointConfig`).
     micro_batch_rows: R >= 1, rows of every micro-batch (the fixed token budget R x L of one
@@ -147,12 +149,12 @@ class LearnerConfig:
   compiler_options: tuple[tuple[str, str | int | float | bool], ...] = ()
 
   def __post_init__(self):
-    if not self.mesh_axes or not all(
+    if self.mesh_axes != () and not all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int)
         and p[1] >= 1 for p in self.mesh_axes):
       raise ValueError(
-          f"LearnerConfig.mesh_axes={self.mesh_axes!r} must be a non-empty tuple of "
-          "(axis name, size >= 1) pairs, e.g. (('fsdp', 2), ('tp', 2)).")
+          f"LearnerConfig.mesh_axes={self.mesh_axes!r} must be a tuple of (axis name, size >= 1) "
+          "pairs, e.g. (('fsdp', 2), ('tp', 2)), or () for the RL job's choice.")
     if len({name for name, _ in self.mesh_axes}) != len(self.mesh_axes):
       raise ValueError(f"LearnerConfig.mesh_axes={self.mesh_axes!r} repeats an axis name.")
     self._validate_accumulation()

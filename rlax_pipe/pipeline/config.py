@@ -13,12 +13,10 @@ from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost m
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
+from rlax_pipe.pipeline import config_checks
 from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler.config import SamplerConfig
-from rlax_pipe.tokenizer import EOS_ID
-
-# Stop set of the shipped sentencepiece tokenizer (`tokenizer.default_tokenizer().stop_ids`).
-SHIPPED_STOP_IDS: tuple[int, ...] = (EOS_ID,)
+from rlax_pipe.tokenizer import PromptFormat
 
 BUILTIN_INIT = "builtin"
 
@@ -41,7 +39,8 @@ class PipelineConfig:
       the cost model: same seed, same run) or "threaded" (sampler in its own thread, real clock,
       grading on its own thread).
     num_steps: learner optimizer steps to run (>= 1).
-    group_size: samples per prompt (>= 1; GRPO needs >= 2 for a baseline).
+    group_size: samples per prompt (>= 1; the group-relative advantages, every estimator of
+      `rlax_pipe.advantages`, need >= 2, which `RunConfig` checks).
     seq_len: tokens per packed learner row (>= the sampler's max_seq_len).
     advantage: advantage estimator name (see `rlax_pipe.advantages`).
     staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size
@@ -135,27 +134,38 @@ class PipelineConfig:
 class RunConfig:
   """One RL run. Its defaults are the default experiment (README command 1).
 
+  Cross-field rules (e.g. pipeline.seq_len >= sampler.max_seq_len, group_size >= 2 for the
+  group-relative advantages) are checked when the config is built (`config_checks`).
+
   Attributes:
     run_dir: output directory (created; reused with resume=True).
-    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task), or a
-      directory with an HF-format checkpoint (config.json + *.safetensors).
+    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task), or an
+      HF model directory (config.json + *.safetensors; its tokenizer and generation_config.json
+      are used when present).
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
-    jsonl_path: problems file of the JSONL task.
-    task_config: the task's own config (e.g. `tasks.ArithmeticConfig`), a dict of its fields, or
+    jsonl_path: problems file of the JSONL task (or task_config.path).
+    task_config: the task's own config (e.g. `tasks.ArithmeticConfig`, `tasks.DatasetFileConfig`
+      with `path` and an optional separate evaluation file `eval_path`), a dict of its fields, or
       None for the task's defaults.
     tokenizer_path: tokenizer file or HF directory (see `tokenizer.load_tokenizer`); None = the
-      shipped tokenizer.
+      tokenizer of `init` when that directory holds one (tokenizer.json or tokenizer.model), else
+      the shipped tokenizer.
+    prompt_format: how prompts become token ids (`tokenizer.PromptFormat`): kind "raw" (the text,
+      with BOS when the tokenizer adds one) or "chat" (the user message of the tokenizer's chat
+      template with its generation prompt), optional system prompt and template variables.
     sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh, axes among "data", "tp";
-      the product is the number of sampler devices. With a single device in total, learner and
-      sampler share it (both meshes of size 1).
-    learner: learner config; its mesh_axes give the learner mesh (product = learner devices).
+      the product is the number of sampler devices. () = chosen from the devices present
+      (`pipeline.devices`: 1 device shared by both roles, 2 -> 1 + 1, 8 -> 4 + 4).
+    learner: learner config; its mesh_axes give the learner mesh (product = learner devices;
+      () = chosen from the devices present, as for the sampler).
       Its checkpoint.directory must stay None: the job checkpoints into run_dir/checkpoints.
     objective: objective config. Its max_lag must stay None: the one staleness bound is
       pipeline.staleness.max_lag, which the learner's objective also receives (its hard lag
       mask is a second guard behind the queue).
-    sampler: sampler config (slots, pages, sampling, stop set). The default stops on the shipped
-      tokenizer's EOS (`tokenizer.EOS_ID`); with another tokenizer set eos_id to its `stop_ids`
-      (the experiment config files set it from the tokenizer).
+    sampler: sampler config (slots, pages, completion budget max_new_tokens, sampling with
+      temperature / top_k / top_p). Its eos_id None (or ()) = the tokenizer's stop set (EOS,
+      the eos_token_id list of generation_config.json, the chat template's end-of-turn id) with
+      the init model's EOS ids; set ids to override. An RL run always has a stop set.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
@@ -163,7 +173,16 @@ class RunConfig:
       and the held-out evaluation keep the model's dtype, so "bfloat16" reproduces the precision
       mismatch of a bf16 inference engine feeding an fp32 learner (Yao et al. 2025; ablation A9);
       weights still travel in the learner's param dtype. Set `sampler.cache_dtype` to match.
-    resume: continue from the newest usable checkpoint in run_dir/checkpoints.
+    export_hf: at the end, write the trained policy as an HF model directory run_dir/hf/
+      (config.json, model.safetensors, tokenizer files, generation_config.json; built-in model
+      family only), loadable by transformers and by `init`.
+    resume: continue from the newest checkpoint in run_dir/checkpoints with the configuration
+      saved in run_dir/config.json (an error when there is no checkpoint).
+    change_on_resume: dotted field paths (e.g. "learner.optimizer.learning_rate",
+      "pipeline.num_steps"; a sub-config's path names all its fields; comma-separated text is
+      split) whose values may differ from the saved configuration on resume;
+      each change is recorded in run_dir/config_changes.jsonl with the step it takes effect.
+      Any other difference is refused.
   """
 
   run_dir: str = "runs/pipeline_rl"
@@ -172,24 +191,24 @@ class RunConfig:
   jsonl_path: str | None = None
   task_config: Any = None
   tokenizer_path: str | None = None
-  sampler_mesh_axes: tuple[tuple[str, int], ...] = (("tp", 4),)
-  learner: LearnerConfig = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)))
+  prompt_format: PromptFormat = PromptFormat()
+  sampler_mesh_axes: tuple[tuple[str, int], ...] = ()
+  learner: LearnerConfig = LearnerConfig(mesh_axes=())
   objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
   sampler: SamplerConfig = SamplerConfig(
       num_slots=64, num_pages=512, max_seq_len=384, max_new_tokens=384,
-      sampling=SamplingConfig(temperature=0.7), eos_id=SHIPPED_STOP_IDS)
+      sampling=SamplingConfig(temperature=0.7))
   pipeline: PipelineConfig = PipelineConfig()
   eval_slots: int = 32
   sampler_compute_dtype: str | None = None
+  export_hf: bool = True
   resume: bool = False
+  change_on_resume: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:
       raise ValueError(f"RunConfig.sampler_compute_dtype={self.sampler_compute_dtype!r}; use "
                        f"None or one of {model_config.DTYPES}.")
-    if self.task == "jsonl" and self.task_config is None and not self.jsonl_path:
-      raise ValueError("RunConfig: task 'jsonl' needs jsonl_path (--config.jsonl_path="
-                       'problems.jsonl, one {"prompt": ..., "answer": ...} object per line).')
     if self.objective.max_lag is not None:
       raise ValueError(
           f"RunConfig.objective.max_lag={self.objective.max_lag}: set the staleness bound once, "
@@ -199,18 +218,39 @@ class RunConfig:
       raise ValueError(
           f"RunConfig.learner.checkpoint.directory={self.learner.checkpoint.directory!r}: the "
           "job checkpoints into run_dir/checkpoints; leave it None and set run_dir.")
-    if not self.sampler_mesh_axes or any(size < 1 for _, size in self.sampler_mesh_axes):
-      raise ValueError(f"RunConfig.sampler_mesh_axes={self.sampler_mesh_axes!r} must be non-empty "
-                       "(axis, size >= 1) pairs, e.g. (('tp', 4),).")
     if self.eval_slots < 1:
       raise ValueError(f"RunConfig.eval_slots={self.eval_slots} must be >= 1.")
+    paths = (self.change_on_resume,) if isinstance(self.change_on_resume, str) else (
+        self.change_on_resume)
+    if not all(isinstance(p, str) for p in paths):
+      raise ValueError(f"RunConfig.change_on_resume={self.change_on_resume!r} must be dotted "
+                       "field paths, e.g. ('pipeline.num_steps',) or 'a.b,c.d'.")
+    object.__setattr__(self, "change_on_resume", tuple(  # "a,b" (command line) -> ("a", "b")
+        q.strip() for p in paths for q in p.split(",") if q.strip()))
+    config_checks.check_run_config(self)
 
   @property
   def num_sampler_devices(self) -> int:
-    """Devices of the sampler mesh (product of `sampler_mesh_axes`)."""
-    return math.prod(size for _, size in self.sampler_mesh_axes)
+    """Devices of the sampler mesh (product of `sampler_mesh_axes`; a job's resolved config).
+
+    Raises:
+      ValueError: when the shape is () (chosen from the devices present when the job is built:
+        read `Job.cfg` or `Job.plan`).
+    """
+    return _num_devices(self.sampler_mesh_axes, "sampler_mesh_axes")
 
   @property
   def num_learner_devices(self) -> int:
-    """Devices of the learner mesh (product of `learner.mesh_axes`)."""
-    return self.learner.num_devices
+    """Devices of the learner mesh (product of `learner.mesh_axes`; a job's resolved config).
+
+    Raises:
+      ValueError: when the shape is () (see `num_sampler_devices`).
+    """
+    return _num_devices(self.learner.mesh_axes, "learner.mesh_axes")
+
+
+def _num_devices(axes: tuple[tuple[str, int], ...], field: str) -> int:
+  if not axes:
+    raise ValueError(f"RunConfig.{field}=() is chosen from the devices present when the job is "
+                     "built; read the job's resolved config (Job.cfg) or plan (Job.plan).")
+  return math.prod(size for _, size in axes)

@@ -1,4 +1,4 @@
-"""Step hooks of the RL job: logging, held-out evaluation, checkpoints, the final report.
+"""Step hooks of the RL job: logging, held-out evaluation, checkpoints, HF export, the report.
 
 The driver calls the job after every learner step; the job calls each hook's
 `on_step(job, result, time_s)` in order, and `on_end(job, time_s)` once after the last step.
@@ -19,8 +19,10 @@ import numpy as np
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import evaluation
 from rlax_pipe import logprobs as logprobs_lib
+from rlax_pipe import model_dir
 from rlax_pipe import plots
 from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.model import Transformer
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.trainer import StepResult
 from rlax_pipe.run_dir import to_jsonable
@@ -64,28 +66,116 @@ def sample_lag_stats(result: StepResult) -> tuple[float, int]:
   return (float(np.mean(lags)), int(max(lags))) if lags else (0.0, 0)
 
 
-class TrainLog:
-  """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line."""
+def clock_name(job: Job) -> str:
+  """"virtual" (reproducible mode: modelled durations) or "measured" (threaded: wall clock)."""
+  return "virtual" if job.reproducible else "measured"
+
+
+def clock_rows(job: Job, time_s: float, trained_tokens: int | None = None) -> dict:
+  """The run-time fields of a metrics row, labelled with the clock they come from.
+
+  `time_s` (and `tokens_per_s`) keep their names for readers of earlier runs; `clock` says which
+  clock they are on, and `virtual_time_s` / `measured_time_s` (and `*_tokens_per_s`) repeat them
+  under a name that says it.
+  """
+  name = clock_name(job)
+  out = {"clock": name, "time_s": time_s, f"{name}_time_s": time_s}
+  if trained_tokens is not None:
+    rate = trained_tokens / max(time_s, 1e-9)
+    out.update({"tokens_per_s": rate, f"{name}_tokens_per_s": rate})
+  return out
+
+
+class Eta:
+  """Measured wall-clock time left: the median duration of this session's learner steps after
+  its first (which includes compilation) times the steps left, plus the evaluations left at the
+  duration of the latest one. None until two steps of this session were timed.
+
+  The median, not the mean: a step that compiles a new batch shape takes 5-10x a typical one
+  (README command 1 on 2 loaded CPU cores: 27.5 s among 1.2-3.4 s steps), and one such step
+  early in a run made a mean-based ETA 2.5x too long (notes_ux.md, "ETA").
+  """
 
   def __init__(self):
+    self.last_wall: float | None = None
+    self.durations: list[float] = []
+    self.eval_s: float | None = None
+
+  def step(self, wall_s: float) -> None:
+    if self.last_wall is not None:
+      self.durations.append(wall_s - self.last_wall)
+    self.last_wall = wall_s
+
+  def seconds_left(self, wall_s: float, steps_left: int, evals_left: int) -> float | None:
+    del wall_s
+    if not self.durations:
+      return None
+    per_step = float(np.median(self.durations))
+    return per_step * steps_left + (self.eval_s or 0.0) * evals_left
+
+
+def _evals_left(step: int, num_steps: int, every: int) -> int:
+  """Held-out evaluations still to run after learner step `step` (periodic + final)."""
+  return len([s for s in range(step + 1, num_steps) if s % every == 0]) + 1
+
+
+def signal_group_fraction(result: StepResult) -> float:
+  """Share of the step's prompt groups whose valid rewards differ: the only groups a
+  group-relative advantage is non-zero for (a group of equal rewards teaches nothing). NaN
+  without groups."""
+  groups: dict[int, list[float]] = {}
+  for r in result.rollouts:
+    if not np.isnan(r.reward):
+      groups.setdefault(r.group_id, []).append(r.reward)
+  if not groups:
+    return float("nan")
+  return float(np.mean([len(v) >= 2 and max(v) > min(v) for v in groups.values()]))
+
+
+# Consecutive learner steps without a single group of differing rewards before a warning.
+NO_SIGNAL_WARN_STEPS = 5
+
+
+class TrainLog:
+  """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line; a
+  warning when `NO_SIGNAL_WARN_STEPS` steps in a row had no learning signal (every group's
+  rewards equal, so every advantage was 0)."""
+
+  def __init__(self, eta: Eta | None = None):
     self.steps_this_session = 0
+    self.eta = eta or Eta()
+    self.no_signal_steps = 0
+
+  def _check_signal(self, step: int, frac: float) -> None:
+    self.no_signal_steps = self.no_signal_steps + 1 if frac == 0.0 else 0
+    if self.no_signal_steps == NO_SIGNAL_WARN_STEPS:
+      logging.warning(
+          "steps %d-%d learned nothing: in every prompt group all samples got the same reward, "
+          "so every group-relative advantage was 0. The task may be too hard or too easy for "
+          "the policy (batch reward near 0 or 1), or sampling too deterministic "
+          "(sampler.sampling.temperature).", step - NO_SIGNAL_WARN_STEPS + 1, step)
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     self.steps_this_session += 1
-    step, m = job.learner.step, result.metrics
+    step, m, pcfg = job.learner.step, result.metrics, job.cfg.pipeline
     lag_mean, lag_max = lag_stats(m["lag_hist"])
     sample_lags = sample_lag_stats(result)
+    versions = np.concatenate([r.policy_versions for r in result.rollouts]) if result.rollouts \
+        else np.zeros(0, np.int32)
     summary = job.timeline.summary()  # running totals: O(1) per step, not O(spans)
     wall = job.clock.wall_s()
-    remaining = job.cfg.pipeline.num_steps - step
+    self.eta.step(wall)
+    eta = self.eta.seconds_left(wall, pcfg.num_steps - step,
+                                _evals_left(step, pcfg.num_steps, pcfg.eval_every))
     stats = job.queue.stats()
     row = {
-        "kind": "train", "step": step, "version": result.version, "time_s": time_s,
+        "kind": "train", "step": step, "version": result.version,
+        **clock_rows(job, time_s, stats.trained_tokens),
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
         "completion_tokens": result.completion_tokens,
-        "tokens_per_s": stats.trained_tokens / max(time_s, 1e-9),
         "token_lag_mean": lag_mean, "token_lag_max": lag_max,
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
+        "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
         "idle_sampler": summary.idle.get("sampler", float("nan")),
         "idle_learner": summary.idle.get("learner", float("nan")),
@@ -93,30 +183,52 @@ class TrainLog:
         "wasted_tokens": stats.waste.wasted_tokens,
         "rejected_samples": stats.rejected_samples,  # duplicates / foreign samples, whole run
         "lost_groups": stats.waste.lost_groups,
-        "eta_s": wall / max(self.steps_this_session, 1) * remaining,
+        "eta_s": eta,
     }
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
+    row["signal_group_frac"] = signal_group_fraction(result)
+    self._check_signal(step, row["signal_group_frac"])
     row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     row["prompt_lengths"] = [int(r.prompt_tokens.shape[0]) for r in result.rollouts]
     job.run_dir.log(row, step)
-    logging.info(
-        "step %d/%d  v%d  reward %.3f  held-out %s  token lag mean %.2f max %d  ESS %.3f  "
-        "tokens/s %.0f  ETA %.0fs", step, job.cfg.pipeline.num_steps, result.version,
-        result.reward_mean, "n/a" if job.last_eval is None else f"{job.last_eval:.3f}",
-        lag_mean, lag_max, row.get("ess", float("nan")), row["tokens_per_s"], row["eta_s"])
+    logging.info("%s", progress_line(job, row))
 
   def on_end(self, job: Job, time_s: float) -> None:
     del job, time_s
+
+
+def _duration(seconds: float | None) -> str:
+  if seconds is None:
+    return "--"
+  seconds = int(round(seconds))
+  return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(job: Job, row: dict) -> str:
+  """The progress line of a train row: step, reward, held-out accuracy, lag, ESS, the run time
+  and throughput on their clock, measured wall time and ETA."""
+  name, num_steps = row["clock"], job.cfg.pipeline.num_steps
+  held = "n/a" if job.last_eval is None else f"{job.last_eval:.3f}"
+  pct = 100.0 * row["step"] / num_steps
+  clock = (f"virtual t {row['time_s']:.2f}s, {row['tokens_per_s']:.0f} tok/s (modelled)"
+           if name == "virtual" else f"{row['tokens_per_s']:.0f} tok/s (measured)")
+  eta = ("ETA -- (after step 2; step 1 includes compiles)" if row["eta_s"] is None
+         else f"ETA {_duration(row['eta_s'])}")
+  return (f"step {row['step']}/{num_steps} ({pct:.0f}%)  v{row['version']}  reward "
+          f"{row['reward_mean']:.3f}  held-out {held}  token lag mean {row['token_lag_mean']:.2f} max "
+          f"{row['token_lag_max']}  ESS {row.get('ess', float('nan')):.3f}  |  {clock}  |  measured "
+          f"{_duration(row['wall_s'])} elapsed, {eta}")
 
 
 class Evaluation:
   """Held-out greedy accuracy with an engine on the learner mesh, every `eval_every` steps
   (not at the last step) and once at the end; its wall time is excluded from the run time."""
 
-  def __init__(self, job: Job):
+  def __init__(self, job: Job, eta: Eta | None = None):
+    self.eta = eta
     cfg = job.cfg
     eval_cfg = dataclasses.replace(
         cfg.sampler, num_slots=cfg.eval_slots,
@@ -136,16 +248,19 @@ class Evaluation:
       self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
-    job.clock.excluded += time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    job.clock.excluded += seconds
+    if self.eta is not None:
+      self.eta.eval_s = seconds
     job.last_eval = res.accuracy
     job.run_dir.log({"kind": "eval", "step": step, "version": job.learner.version,
-                     "time_s": time_s, "heldout_accuracy": res.accuracy,
-                     "wall_s": job.clock.wall_s(),
+                     **clock_rows(job, time_s), "heldout_accuracy": res.accuracy,
+                     "wall_s": job.clock.wall_s(), "eval_wall_s": seconds,
                      "mean_completion_tokens": res.mean_completion_tokens,
                      "eval_filtered_overlong": res.num_filtered,
                      "eval_failed_rewards": res.num_failed_rewards}, step)
-    logging.info("eval step %d: held-out accuracy %.3f (%d problems)", step, res.accuracy,
-                 res.num_problems)
+    logging.info("eval step %d: held-out accuracy %.3f (%d problems, measured %.1fs)", step,
+                 res.accuracy, res.num_problems, seconds)
     return res.accuracy
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
@@ -191,6 +306,26 @@ def save_cost_fit(job: Job) -> dict | None:
   return fit.to_dict()
 
 
+class Export:
+  """At the end: the trained policy as an HF model directory run_dir/hf/ (`RunConfig.export_hf`;
+  built-in model family only), with the run's tokenizer and generation config."""
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    del job, result, time_s
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    del time_s
+    if not job.cfg.export_hf:
+      return
+    if not isinstance(job.model, Transformer):
+      logging.warning("export_hf: %s has no HF format; nothing exported.",
+                      type(job.model).__name__)
+      return
+    path = job.run_dir.path / "hf"
+    model_dir.export_model_dir(path, jax.device_get(job.learner.params), job.model.cfg, job.tok)
+    logging.info("trained policy exported as an HF model directory: %s", path)
+
+
 class Report:
   """At the end: timeline.jsonl, Gantt chart and plots, the cost records and the fitted cost
   model of a threaded run, and the run summary (summary.json)."""
@@ -209,9 +344,11 @@ class Report:
     spans = job.timeline.spans()
     job.timeline.flush()  # timeline.jsonl: the spans not yet appended
     summary = job.timeline.summary() if spans else None
+    clock = plots.CLOCK_LABELS[clock_name(job)]
     if spans:
       timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
-                              title=f"{pcfg.driver} ({pcfg.mode})")
+                              title=f"Timeline of the meshes: {pcfg.driver} driver ({pcfg.mode})",
+                              xlabel=f"run time (s, {clock})")
     plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
     plots.plot_staleness(rows, str(rd.path / "staleness.png"))
@@ -220,7 +357,7 @@ class Report:
     rd.close()
     out = {
         "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,
-        "steps": job.learner.step, "time_s": time_s,
+        "steps": job.learner.step, "clock": clock_name(job), "time_s": time_s,
         "wall_s": time.perf_counter() - job.clock.wall0,
         "initial_heldout_accuracy": evals[0]["heldout_accuracy"] if evals else None,
         "final_heldout_accuracy": self._eval.final_accuracy,

@@ -35,14 +35,18 @@ import jax
 import numpy as np
 
 from rlax_pipe import costs as costs_lib
+from rlax_pipe import model_dir
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.learner import Learner
-from rlax_pipe.learner.checkpoint import CheckpointError
 from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io
+from rlax_pipe.pipeline import config_checks
+from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
+from rlax_pipe.pipeline import record as record_lib
 from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
@@ -64,14 +68,19 @@ def load_initial_params(init: str, param_dtype: str = "float32"):
   """(ModelConfig, host params) from "builtin" or an HF-format directory.
 
   Raises:
-    FileNotFoundError: naming the path and how to create it.
+    ConfigError: naming RunConfig.init, the path and how to create it, or what the HF loader
+      found wrong with the directory.
   """
   path = builtin_warm_start_path() if init == BUILTIN_INIT else pathlib.Path(init)
   if not (path / "config.json").exists():
-    hint = ("run `python experiments/sft.py --out_dir=rlax_pipe/assets/sft_arithmetic`"
-            if init == BUILTIN_INIT else "pass a directory with config.json + *.safetensors")
-    raise FileNotFoundError(f"no HF-format checkpoint at {path}: {hint}.")
-  return hf_io.load_hf_checkpoint(path, param_dtype=param_dtype)
+    hint = ("run `python experiments/sft.py --config.out_dir=rlax_pipe/assets/sft_arithmetic`"
+            if init == BUILTIN_INIT else
+            "pass an HF model directory with config.json + *.safetensors")
+    raise ConfigError(f"RunConfig.init={init!r}: no HF-format checkpoint at {path}: {hint}.")
+  try:
+    return hf_io.load_hf_checkpoint(path, param_dtype=param_dtype)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f"RunConfig.init={init!r}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -101,9 +110,15 @@ class JobClock:
 
 @dataclasses.dataclass
 class Job:
-  """The live components of one run (see the module docstring for who owns what)."""
+  """The live components of one run (see the module docstring for who owns what).
+
+  `cfg` is the resolved configuration (mesh shapes chosen for the devices present, the stop set
+  from the tokenizer); `given_cfg` the one given (what config.json records and a resume checks).
+  """
 
   cfg: RunConfig
+  given_cfg: RunConfig
+  plan: devices_lib.DevicePlan
   run_dir: RunDir
   tok: tokenizer_lib.Tokenizer
   task: Any
@@ -138,7 +153,8 @@ class Job:
     live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
     extra = {"worker": self.worker.state_dict(), "queue": queue_state,
              "in_flight_groups": [int(g) for g in live if g not in queued],
-             "time_s": time_s, "last_eval": self.last_eval}
+             "time_s": time_s, "last_eval": self.last_eval,
+             "config": to_jsonable(self.given_cfg)}
     step = self.learner.save(to_jsonable(extra))
     if not self.reproducible:
       self.timeline.flush()  # appended, never rewritten
@@ -160,27 +176,103 @@ def _sampler_target(model: Model, mesh) -> Any:
                       abstract, shardings)
 
 
-def _task_config(cfg: RunConfig) -> Any:
-  """The task's config dataclass from `cfg.task_config` (dataclass, dict of fields or None)."""
-  task_cfg = cfg.task_config
-  if isinstance(task_cfg, Mapping) and cfg.task in tasks.TASKS:
-    task_cfg = tasks.TASKS[cfg.task][1](**task_cfg)
-  if task_cfg is None and cfg.task == "jsonl":
-    task_cfg = tasks.JsonlConfig(path=cfg.jsonl_path)
-  return task_cfg
-
-
 def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
+  """Restores the newest checkpoint (resume) and makes the run dir a record of it."""
   if not cfg.resume:
     return None
-  try:
-    extra = learner.restore()
-  except CheckpointError as e:
-    logging.warning("resume requested but no usable checkpoint (%s); starting fresh.", e)
-    return None
-  rd.truncate_metrics(learner.step)
+  extra = learner.restore()
+  record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
   return extra
+
+
+def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
+  """The tokenizer of `cfg.tokenizer_path`, else of the init directory, else the shipped one."""
+  init = None if cfg.init == BUILTIN_INIT else cfg.init
+  field = "tokenizer_path" if cfg.tokenizer_path is not None else "init"
+  try:
+    return model_dir.tokenizer_for(init, cfg.tokenizer_path, cfg.prompt_format)[0]
+  except (FileNotFoundError, ValueError) as e:
+    raise ConfigError(f"RunConfig.{field}={getattr(cfg, field)!r} (tokenizer): {e}") from None
+
+
+def _task(cfg: RunConfig):
+  try:
+    return tasks.make_task(cfg.task, config_checks.task_config_of(cfg))
+  except ConfigError:
+    raise
+  except (FileNotFoundError, ValueError, ImportError) as e:
+    raise ConfigError(f"RunConfig.task={cfg.task!r} (task_config): {e}") from None
+
+
+def stop_ids_for(cfg: RunConfig, tok, model: Model) -> Any:
+  """The sampler's stop set of a run: `cfg.sampler.eos_id`, or, when empty (None and () both
+  normalise to ()), the tokenizer's stop ids with the model config's EOS ids
+  (`model_dir.stop_set`).
+
+  Args:
+    cfg: the run's config.
+    tok: the run's tokenizer (`Tokenizer`).
+    model: the policy model; its `cfg.eos_token_ids` (when it has them) join the set.
+
+  Returns:
+    int or tuple of int token ids (what `SamplerConfig.eos_id` takes).
+  """
+  if cfg.sampler.eos_id:
+    return cfg.sampler.eos_id
+  model_cfg = getattr(model, "cfg", None)
+  return model_dir.stop_set(tok, tuple(getattr(model_cfg, "eos_token_ids", ())))
+
+
+def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
+  """The tokenizer's ids index the model's embedding; sequences fit the model's context; top-p
+  leaves more than the argmax token (`config_checks` has the rules that need no model)."""
+  context = getattr(model, "max_seq_len", None)
+  if context is not None and cfg.sampler.max_seq_len > context:
+    raise ConfigError(
+        f"RunConfig.sampler.max_seq_len={cfg.sampler.max_seq_len} exceeds the context of the "
+        f"model of RunConfig.init={cfg.init!r} ({context} positions): lower sampler.max_seq_len "
+        f"(and pipeline.seq_len) to <= {context}.")
+  vocab = getattr(model, "vocab_size", None)
+  if vocab is None:
+    return
+  sampling, group_size = cfg.sampler.sampling, cfg.pipeline.group_size
+  if group_size >= 2 and not sampling.greedy and sampling.top_p * vocab <= 1.0:
+    # The most likely token has probability >= 1 / vocab >= top_p, so the nucleus is that one
+    # token, barring exact ties with it (`logprobs.processed_logprobs`): every sample of a group
+    # is the argmax completion.
+    raise ConfigError(
+        f"RunConfig.sampler.sampling.top_p={sampling.top_p:g} <= 1 / {vocab} (the model's "
+        f"vocabulary) with RunConfig.pipeline.group_size={group_size} learns nothing: the nucleus "
+        "holds only the most likely token (barring exact ties), so every sample of a group is the same and every "
+        f"group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise top_p above "
+        f"{1.0 / vocab:.3g} (1.0 = off).")
+  ids = [stops] if isinstance(stops, int) else list(stops)
+  if tok.vocab_size > vocab or any(i >= vocab for i in ids):
+    raise ConfigError(
+        f"the tokenizer ({tok.source}, {tok.vocab_size} ids, stop ids {ids}) does not fit the "
+        f"model of RunConfig.init={cfg.init!r} ({vocab} embeddings): use the model's own "
+        "tokenizer (RunConfig.tokenizer_path, or leave it None to use the one in the init "
+        "directory).")
+
+
+def _resolve(cfg: RunConfig, plan: devices_lib.DevicePlan, stops: Any) -> RunConfig:
+  """`cfg` with the chosen mesh shapes and stop set filled in."""
+  try:
+    sampler = dataclasses.replace(cfg.sampler, eos_id=stops)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(
+        f"the tokenizer's stop set {stops} does not fit RunConfig.sampler.eos_id ({e}); set "
+        "RunConfig.sampler.eos_id to the id that ends a completion.") from None
+  try:
+    learner = dataclasses.replace(cfg.learner, mesh_axes=plan.learner_mesh_axes)
+  except ValueError as e:  # a rule between the learner's fields and the mesh chosen here
+    raise ConfigError(
+        f"{str(e).replace('LearnerConfig.', 'RunConfig.learner.')} (the learner mesh was chosen "
+        f"for the devices present: {plan.describe()}; or set RunConfig.learner.mesh_axes)"
+    ) from None
+  return dataclasses.replace(cfg, sampler=sampler, learner=learner,
+                             sampler_mesh_axes=plan.sampler_mesh_axes)
 
 
 def _load_sampler_state(rd: RunDir, step: int) -> dict | None:
@@ -227,45 +319,12 @@ def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]
   return verify
 
 
-def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None) -> Job:
-  """Builds (and with `cfg.resume`, restores) every component of a run.
-
-  Raises:
-    FileExistsError: if the run directory holds checkpoints and `cfg.resume` is False.
-    ValueError / FileNotFoundError: from the components' own checks.
-  """
-  pcfg = cfg.pipeline
-  ckpts = pathlib.Path(cfg.run_dir) / "checkpoints"
-  if not cfg.resume and ckpts.exists() and any(ckpts.iterdir()):
-    raise FileExistsError(
-        f"run dir {cfg.run_dir} already holds checkpoints of an earlier run: pass resume=True "
-        "(--config.resume) to continue it, or choose a new run_dir (--config.run_dir).")
-  rd = RunDir(cfg.run_dir)
-  tok = tokenizer_lib.load_tokenizer(cfg.tokenizer_path)
-  task = tasks.make_task(cfg.task, _task_config(cfg))
-  split = sharding_lib.split_devices(jax.devices(), cfg.num_sampler_devices,
-                                     cfg.num_learner_devices)
-  learner_mesh = sharding_lib.make_mesh(split.learner, dict(cfg.learner.mesh_axes),
-                                        sharding_lib.LEARNER_RULES)
-  sampler_mesh = sharding_lib.make_mesh(split.sampler, dict(cfg.sampler_mesh_axes),
-                                        sharding_lib.SAMPLER_RULES)
-  model, sampler_model, params0 = _models(cfg, model, params)
-  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
-      cfg.learner.checkpoint, directory=rd.checkpoint_dir))
-  objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
-  learner = Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
-                    params=params0)
-  extra = _restore_learner(cfg, learner, rd)
-  offset = float(extra.get("time_s", 0.0)) if extra else 0.0
-  reproducible = pcfg.mode == "reproducible"
-  state = _load_sampler_state(rd, learner.step) if (extra and reproducible) else None
-
-  vstate = driver_lib.VirtualState(t_s=offset, t_l=offset)
-  if state is not None:
-    vstate.load_state_dict(state["clock"])
-  sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
-  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
-                                   path=rd.path / "timeline.jsonl", truncate=state is None)
+def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
+                   sampler_mesh, state: dict | None, sampler_clock, timeline):
+  """(weight channel, sampler engine): the engine holds the learner's weights, or, on an exact
+  resume (`state`), the weights and requests it held at the checkpoint with the learner's newest
+  version pending in the channel, as it was."""
+  pcfg, reproducible = cfg.pipeline, cfg.pipeline.mode == "reproducible"
   target = _sampler_target(model, sampler_mesh)
   verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
   channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
@@ -273,24 +332,70 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
                    on_span=None if reproducible else timeline.record)
   if state is None:
     channel.push(learner.params, learner.version)
-    engine = SamplerEngine(sampler_model, cfg.sampler, channel.take(timeout=pcfg.wait_timeout_s),
-                           **engine_kw)
-  else:  # exact resume: the sampler exactly as it was at the checkpoint
-    leaves, treedef = jax.tree.flatten(target)
-    initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
-                                           zip(state["engine"]["params"], leaves)])
-    engine = SamplerEngine(sampler_model, cfg.sampler,
-                           WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
-                           **engine_kw)
-    engine.load_state_dict(state["engine"])
-    channel.push(learner.params, learner.version)  # pending, as it was
-    timeline.load_state_dict(state["timeline"])
+    return channel, SamplerEngine(sampler_model, cfg.sampler,
+                                  channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
+  leaves, treedef = jax.tree.flatten(target)
+  initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
+                                         zip(state["engine"]["params"], leaves)])
+  engine = SamplerEngine(sampler_model, cfg.sampler,
+                         WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
+                         **engine_kw)
+  engine.load_state_dict(state["engine"])
+  channel.push(learner.params, learner.version)  # pending, as it was
+  timeline.load_state_dict(state["timeline"])
+  return channel, engine
 
-  queue = RolloutQueue(pcfg.staleness, pcfg.group_size)
-  worker = RolloutWorker(engine, task, tok, queue, pcfg)
+
+def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None) -> Job:
+  """Builds (and with `cfg.resume`, restores) every component of a run.
+
+  Raises:
+    ConfigError: for a user's mistake, naming the config field and the fix: a run dir that
+      holds checkpoints without resume, a resume without a checkpoint or with unnamed changes
+      (`record`), meshes that do not fit the devices (`devices`), an init directory, tokenizer
+      or task file that cannot be read, a tokenizer that does not fit the model.
+    ValueError / FileNotFoundError: from the components' own checks.
+  """
+  given = cfg
+  pcfg = cfg.pipeline
+  rd = record_lib.prepare_run_dir(cfg)
+  tok = _tokenizer(cfg)
+  task = _task(cfg)
+  plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
+  logging.info("devices: %s", plan.describe())
+  model, sampler_model, params0 = _models(cfg, model, params)
+  stops = stop_ids_for(cfg, tok, model)
+  _check_vocab(cfg, model, tok, stops)
+  cfg = _resolve(cfg, plan, stops)
+  learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)
+  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
+      cfg.learner.checkpoint, directory=rd.checkpoint_dir))
+  objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
+  learner = Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
+                    params=params0)
+  extra = _restore_learner(cfg=given, learner=learner, rd=rd)
+  if extra is None:
+    rd.write_config(given)
+  rd.write_json("run_info.json", {
+      "devices": plan.describe(), "sampler_mesh_axes": plan.sampler_mesh_axes,
+      "learner_mesh_axes": plan.learner_mesh_axes, "stop_ids": stops,
+      "tokenizer": str(tok.source), "prompt_format": cfg.prompt_format,
+      "start_step": learner.step})
+  offset = float(extra.get("time_s", 0.0)) if extra else 0.0
+  reproducible = pcfg.mode == "reproducible"
+  state = _load_sampler_state(rd, learner.step) if (extra and reproducible) else None
+  vstate = driver_lib.VirtualState(t_s=offset, t_l=offset)
+  if state is not None:
+    vstate.load_state_dict(state["clock"])
+  sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
+  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
+                                   path=rd.path / "timeline.jsonl", truncate=state is None)
+  channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
+                                   sampler_clock, timeline)
+  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
+           else RolloutQueue(pcfg.staleness, pcfg.group_size))
+  worker = RolloutWorker(engine, task, tok, queue, pcfg)  # one worker: it owns verifier processes
   if extra:
-    queue = RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness)
-    worker = RolloutWorker(engine, task, tok, queue, pcfg)
     worker_state = dict(extra["worker"])
     if state is None:  # the in-flight samples are lost with the sampler: never trained
       for gid in extra["in_flight_groups"]:
@@ -301,10 +406,10 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       worker_state["detached"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
-  rd.write_config(cfg)
-  return Job(cfg=cfg, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=learner_mesh,
-             learner=learner, channel=channel, engine=engine, queue=queue, worker=worker,
-             trainer=trainer, timeline=timeline, sampler_clock=sampler_clock, vstate=vstate,
+  return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,
+             learner_mesh=learner_mesh, learner=learner, channel=channel, engine=engine,
+             queue=queue, worker=worker, trainer=trainer, timeline=timeline,
+             sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
              last_eval=extra.get("last_eval") if extra else None,
              cost_recorder=None if reproducible else costs_lib.CostRecorder())

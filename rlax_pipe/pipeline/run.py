@@ -56,13 +56,21 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
     hooks: extra step hooks (`hooks.StepHook`), run after logging, evaluation and checkpoints.
 
   Raises:
+    ConfigError: a user's mistake found while building the job (names the field and the fix).
     Whatever a component raised; before re-raising, the learner state and the pipeline state are
     checkpointed (so `resume=True` continues from there).
   """
   job = build_job(cfg, model, params)
-  evaluation = hooks_lib.Evaluation(job)
+  logging.info("run directory: %s  (TensorBoard: tensorboard --logdir %s)", job.run_dir.path,
+               job.run_dir.path / "tb")
+  logging.info("run time is %s; wall-clock numbers are measured.",
+               "VIRTUAL (reproducible mode: modelled by pipeline.cost_model)"
+               if job.reproducible else "measured wall-clock (threaded mode)")
+  eta = hooks_lib.Eta()
+  evaluation = hooks_lib.Evaluation(job, eta)
   report = hooks_lib.Report(evaluation)
-  all_hooks = [hooks_lib.TrainLog(), evaluation, hooks_lib.Checkpoint(), *hooks, report]
+  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
+               *hooks, report]
   job.clock.wall0 = time.perf_counter()
   if job.last_eval is None:
     evaluation.evaluate(job, job.start_step, job.clock.offset)

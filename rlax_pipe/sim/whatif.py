@@ -235,8 +235,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str | None = None) ->
   ax.set_ylabel("trained completion tokens / s")
   ax.grid(alpha=0.3)
   ax.legend(fontsize="small")
-  if title:
-    ax.set_title(title)
+  ax.set_title(title or "Throughput vs device split (predicted)")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 

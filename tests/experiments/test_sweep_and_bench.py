@@ -2,11 +2,24 @@
 
 import json
 
+import pytest
+
 from lib import bench
 from lib import sweep
+from rlax_pipe.config_dict import ConfigError
+from rlax_pipe.run_dir import RunDir
 
 
-def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config):
+class _FakeJob:
+  """What `TargetCheck` reads of a job: the learner step and the run dir."""
+
+  def __init__(self, run_dir):
+    self.run_dir = RunDir(run_dir)
+    self.learner = type("L", (), {"step": 1})()
+
+
+def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config, saved_figures,
+                               assert_every_panel_labelled):
   base = tiny_config(tmp_path, tiny_init, steps=2)
   table = sweep.run_sweep(base, [0, None], ["tis_pg"], str(tmp_path / "sweep"))
   assert [r["max_lag"] for r in table] == ["0", "inf"]
@@ -16,13 +29,21 @@ def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config):
     assert r["samples_per_s"] > 0 and 0 < r["ess_mean"] <= 1.0 + 1e-5
   paths = sweep.plot_sweep(table, str(tmp_path / "sweep"))
   assert len(paths) == 6 and all((tmp_path / "sweep" / p.split("/")[-1]).exists() for p in paths)
+  assert_every_panel_labelled(saved_figures)
 
 
 def test_compare_reports_ratios(tmp_path, tiny_init, tiny_config):
   base = tiny_config(tmp_path, tiny_init, steps=2)
   summaries = bench.run_drivers(base, ("sync", "pipeline"), str(tmp_path / "bench"))
-  res = bench.compare(summaries, target=0.0)  # every eval reaches 0: time of the first eval
-  assert res["time_to_target_s_sync"] == 0.0
+  start = summaries["sync"]["initial_heldout_accuracy"]
+  # The issue's input: a target at (or below) the starting accuracy gave "time to target 0".
+  with pytest.raises(ConfigError, match=rf"--target_accuracy={start:g} is not above the "
+                                        rf"starting held-out accuracy {start:g}"):
+    bench.compare(summaries, target=start)
+  with pytest.raises(ConfigError, match="is not above"):
+    bench.TargetCheck(0.0).on_step(_FakeJob(tmp_path / "bench" / "sync"), None, 0.0)
+  res = bench.compare(summaries, target=1.0)  # above the start: not reached in 2 steps
+  assert res["time_to_target_s_sync"] is None and res["starting_accuracy"] == start
   assert res["throughput_ratio_pipeline_vs_sync"] > 0
   assert set(res["idle_fraction_pipeline"]) >= {"sampler", "learner"}
   json.dumps(res)

@@ -63,7 +63,8 @@ def test_resume_continues_from_checkpoint(tmp_path, tiny_init, tiny_config, trai
   first = tiny_config(tmp_path, tiny_init, steps=2)
   run_lib.run(first)
   resumed = dataclasses.replace(
-      first, resume=True, pipeline=dataclasses.replace(first.pipeline, num_steps=4))
+      first, resume=True, pipeline=dataclasses.replace(first.pipeline, num_steps=4),
+      change_on_resume=("pipeline.num_steps",))
   summary = run_lib.run(resumed)
   rows = train_rows(first.run_dir)
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -77,7 +78,8 @@ def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_
   part = tiny_config(tmp_path, tiny_init, steps=2, max_lag=2, run_name="part")
   run_lib.run(part)  # stands for a run killed after its step-2 checkpoint
   run_lib.run(dataclasses.replace(
-      part, resume=True, pipeline=dataclasses.replace(part.pipeline, num_steps=4)))
+      part, resume=True, pipeline=dataclasses.replace(part.pipeline, num_steps=4),
+      change_on_resume=("pipeline.num_steps",)))
   drop = ("wall_s", "eta_s")
   strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]
   assert strip(train_rows(tmp_path / "part")) == strip(train_rows(tmp_path / "whole"))

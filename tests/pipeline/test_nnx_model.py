@@ -185,7 +185,7 @@ def test_nnx_decoder_trains_and_samples_through_the_pipeline(tmp_path, tiny_conf
   assert summary["final_heldout_accuracy"] is not None
   # Resume from the NNX checkpoint and take one more step.
   resumed = run_lib.run(dataclasses.replace(cfg, resume=True, pipeline=dataclasses.replace(
-      cfg.pipeline, num_steps=4)), model=model)
+      cfg.pipeline, num_steps=4), change_on_resume=("pipeline.num_steps",)), model=model)
   assert resumed["steps"] == 4
   assert [r["step"] for r in train_rows(cfg.run_dir)] == [1, 2, 3, 4]
   # The checkpoint holds the NNX params tree at version 4 (a random policy earns no reward here,

@@ -196,9 +196,15 @@ def test_one_read_back_per_dispatch(params):
 
 
 def test_run_config_samples_stop_on_the_shipped_tokenizers_stop_ids():
-  """#14 item 1: with the library defaults a completion ends at the shipped tokenizer's EOS."""
-  from rlax_pipe.pipeline.run import RunConfig  # pylint: disable=import-outside-toplevel
-  from rlax_pipe.tokenizer import default_tokenizer  # pylint: disable=import-outside-toplevel
-  tok = default_tokenizer()
-  assert tok.eos_id in RunConfig().sampler.stop_ids
-  assert set(tok.stop_ids) <= set(RunConfig().sampler.stop_ids)
+  """#14 item 1: with the library defaults a completion ends at the shipped tokenizer's EOS:
+  RunConfig().sampler.eos_id is empty, and the job fills it from the run's tokenizer and model."""
+  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.model import Transformer
+  from rlax_pipe.pipeline import job as job_lib
+  from rlax_pipe.pipeline.run import RunConfig
+  from rlax_pipe.tokenizer import default_tokenizer
+  cfg, tok = RunConfig(), default_tokenizer()
+  assert cfg.sampler.stop_ids == ()
+  model_cfg, _ = job_lib.load_initial_params(cfg.init)
+  stops = normalize_stop_ids(job_lib.stop_ids_for(cfg, tok, Transformer(model_cfg)))
+  assert tok.eos_id in stops and set(tok.stop_ids) <= set(stops)
