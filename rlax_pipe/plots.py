@@ -88,6 +88,7 @@ def plot_staleness(rows: Sequence[dict], path: str) -> None:
     ax.plot([r["step"] for r in train], [r.get(key, np.nan) for r in train], label=label)
   ax.set_xlabel("learner step")
   ax.set_ylabel("staleness (learner steps)")
+  ax.set_title("Staleness of the trained samples: per sample (oldest token) and per token")
   ax.legend(loc="upper left")
   fig.savefig(path, dpi=90)
 
