@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from rlax_pipe import config as model_config
+from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
 from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
 from rlax_pipe.grading import GradingConfig
@@ -60,7 +61,14 @@ class PipelineConfig:
       (issue #14 item 9): "redispatch" (sample it again, same id and prompt) or "discard" (give
       up its group; counted as waste reason "lost"). Both are counted in the metrics.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
-      probe sequence (slow; catches a push that silently did not apply).
+      probe sequence (slow; catches a push that silently did not apply). Always on, and cheap:
+      the engine checks the checksums of the weights it decodes with after every swap.
+    lag0_logp_alarm: alarm threshold (nats) on the learner's mean |log pi - log mu| over lag-0
+      tokens (`logp_mismatch_mean`: tokens sampled with exactly the weights being trained),
+      which a sampler decoding with other weights than its tags say drives up (0.37 in the
+      case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
+      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
+      in its metrics row. None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards
@@ -88,6 +96,7 @@ class PipelineConfig:
   wait_timeout_floor_s: float = 60.0
   lost_sample_policy: str = "redispatch"
   debug_verify_push: bool = False
+  lag0_logp_alarm: float | None = 0.05
   reward_timeout_s: float = 5.0
   grading: GradingConfig = GradingConfig()
   cost_model: CostModel = CostModel()
@@ -183,6 +192,9 @@ class RunConfig:
       split) whose values may differ from the saved configuration on resume;
       each change is recorded in run_dir/config_changes.jsonl with the step it takes effect.
       Any other difference is refused.
+    distributed: the multi-process mode (`num_learner_processes` > 0: one `jax.distributed` job,
+      the first K processes the learner mesh, every other process a sampler replica on its own
+      devices; `launch/README.md`). 0 (default) = this single process splits its devices.
   """
 
   run_dir: str = "runs/pipeline_rl"
@@ -204,6 +216,7 @@ class RunConfig:
   export_hf: bool = True
   resume: bool = False
   change_on_resume: tuple[str, ...] = ()
+  distributed: DistributedConfig = DistributedConfig()
 
   def __post_init__(self):
     if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:

@@ -66,6 +66,15 @@ def sample_lag_stats(result: StepResult) -> tuple[float, int]:
   return (float(np.mean(lags)), int(max(lags))) if lags else (0.0, 0)
 
 
+def sampler_idle(idle: dict[str, float]) -> float:
+  """Idle fraction of the sampler: its lane, or the mean over the replicas' lanes ("sampler/r"
+  in a multi-process job); NaN without any."""
+  if "sampler" in idle:
+    return idle["sampler"]
+  lanes = [v for k, v in idle.items() if k.startswith("sampler/")]
+  return float(np.mean(lanes)) if lanes else float("nan")
+
+
 def clock_name(job: Job) -> str:
   """"virtual" (reproducible mode: modelled durations) or "measured" (threaded: wall clock)."""
   return "virtual" if job.reproducible else "measured"
@@ -177,7 +186,7 @@ class TrainLog:
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
-        "idle_sampler": summary.idle.get("sampler", float("nan")),
+        "idle_sampler": sampler_idle(summary.idle),
         "idle_learner": summary.idle.get("learner", float("nan")),
         "slot_occupancy": summary.slot_occupancy,
         "wasted_tokens": stats.waste.wasted_tokens,
@@ -236,8 +245,10 @@ class Evaluation:
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    self.engine = SamplerEngine(job.model, eval_cfg, job.learner.params,
-                                version=job.learner.version, mesh=job.learner_mesh)
+    version, params = self._params(job)
+    self.engine = SamplerEngine(job.model, eval_cfg,
+                                WeightUpdate(version, params, params_owned(job)),
+                                mesh=job.eval_mesh or job.learner_mesh)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
 
@@ -245,7 +256,7 @@ class Evaluation:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
+      self.engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     seconds = time.perf_counter() - t0
@@ -263,6 +274,12 @@ class Evaluation:
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
 
+  @staticmethod
+  def _params(job: Job) -> tuple[int, object]:
+    if job.eval_params is not None:
+      return job.eval_params()
+    return job.learner.version, job.learner.params
+
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
     step, pcfg = job.learner.step, job.cfg.pipeline
@@ -271,6 +288,12 @@ class Evaluation:
 
   def on_end(self, job: Job, time_s: float) -> None:
     self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+
+
+def params_owned(job: Job) -> bool:
+  """Whether the evaluation engine owns (and frees) the params it gets: copies made for it do,
+  the learner's own params do not."""
+  return job.eval_params is not None
 
 
 class Checkpoint:
@@ -322,7 +345,9 @@ class Export:
                       type(job.model).__name__)
       return
     path = job.run_dir.path / "hf"
-    model_dir.export_model_dir(path, jax.device_get(job.learner.params), job.model.cfg, job.tok)
+    # The learner's params, or (multi-process job) the lead's own copy of the newest version.
+    _, params = Evaluation._params(job)  # pylint: disable=protected-access
+    model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import time
 from typing import Sequence
 
+from absl import logging
+import jax
 import numpy as np
 
 from rlax_pipe import advantages as advantages_lib
@@ -88,6 +90,9 @@ class Trainer:
   def __init__(self, learner: Learner, queue: RolloutQueue, channel: WeightChannel,
                cfg: PipelineConfig):
     self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
+    # Bytes of one pushed version (weights travel in the learner's param dtype), whatever the
+    # channel: the in-process WeightChannel or a multi-process job's LearnerSender.
+    self.push_bytes = int(sum(x.nbytes for x in jax.tree.leaves(learner.params)))
 
   def micro_batch_plan(self, rows: int) -> tuple[int, int]:
     """(micro-batches, processed rows) of a learner step on `rows` rows."""
@@ -109,12 +114,30 @@ class Trainer:
     t3 = time.perf_counter()
     rows = int(batch.tokens.shape[0])
     micro, processed = self.micro_batch_plan(rows)
+    sample_metrics = grading.batch_metrics(rollouts)
+    sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=grading.batch_metrics(rollouts), rows=rows,
+        sample_metrics=sample_metrics, rows=rows,
         micro_batches=micro, processed_rows=processed,
-        push_bytes=self.channel.stats().bytes_per_version,
+        push_bytes=self.push_bytes,
         build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)
+
+
+def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str, int]:
+  """{"lag0_logp_alarm": 0 or 1}: 1 (and a warning) when the mean log-prob mismatch of lag-0
+  tokens exceeds `threshold` nats (see `PipelineConfig.lag0_logp_alarm`); {} when off or when
+  the step had no lag-0 token."""
+  if threshold is None or "logp_mismatch_mean" not in metrics:
+    return {}
+  mismatch = float(np.asarray(metrics["logp_mismatch_mean"]))
+  if mismatch > threshold:
+    logging.warning(
+        "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
+        "sampler may not decode with the weights its tokens are tagged with (or decodes at "
+        "another precision).", version, mismatch, threshold)
+    return {"lag0_logp_alarm": 1}
+  return {"lag0_logp_alarm": 0}

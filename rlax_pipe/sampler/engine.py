@@ -52,7 +52,7 @@ import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import engine_state, page_pool
+from rlax_pipe.sampler import engine_state, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -119,7 +119,7 @@ _REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "pree
                    "shared_prompt_copies")
 
 
-class SamplerEngine:
+class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
@@ -186,6 +186,8 @@ class SamplerEngine:
     self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
                         live_token_steps=0, finished=0, aborted=0, weight_updates=0)
     self._host_s = 0.0
+    self._weight_check = weight_check.WeightCheck()  # running weights vs the learner's
+    self._weight_check.start(self.weights.running)
 
   # --- public state -------------------------------------------------------------------------
   @property
@@ -457,6 +459,7 @@ class SamplerEngine:
     c["live_token_steps"] += live_steps
     c["finished"] += n_done
     self._release_retired()
+    self._weight_check.finish()
     return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
@@ -530,9 +533,11 @@ class SamplerEngine:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
-    """Swaps in the pending update (caller holds the step lock)."""
+    """Swaps in the pending update (caller holds the step lock); starts its weight check."""
+    self._weight_check.finish()  # started at an earlier step: its result is there by now
     if self.weights.swap():
       self._counts["weight_updates"] += 1
+      self._weight_check.start(self.weights.running)
     self._release_retired()
 
   def _release_retired(self) -> None:

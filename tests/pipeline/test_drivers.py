@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import numpy as np
+
 import pytest
 
 from rlax_pipe.pipeline import run as run_lib
@@ -83,3 +85,27 @@ def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_
   drop = ("wall_s", "eta_s")
   strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]
   assert strip(train_rows(tmp_path / "part")) == strip(train_rows(tmp_path / "whole"))
+
+
+def test_threaded_resume_continues_the_sampling_random_stream(tmp_path, tiny_init, tiny_config):
+  """Issue #14 item 11: after a threaded resume the sampler's key is the checkpointed one, not
+  key(seed) again (which would replay the first run's random stream)."""
+  from rlax_pipe.pipeline import job as job_lib  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.learner.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  first = tiny_config(tmp_path, tiny_init, mode="threaded", steps=2)
+  run_lib.run(first)
+  extra = Checkpointer(f"{first.run_dir}/checkpoints").restore_extra()
+  saved = [np.asarray(k, np.uint32) for k in extra["sampler_rng"]]
+  job = job_lib.build_job(dataclasses.replace(first, resume=True))
+  try:
+    now = job.engine.rng_state()
+    running = job.engine.weights.running
+    fresh = job_lib.SamplerEngine(job.engine.model, first.sampler, running.params,
+                                  version=running.version, mesh=job.engine.mesh).rng_state()
+    assert len(now) == len(saved) >= 1
+    for got, want, initial in zip(now, saved, fresh):
+      np.testing.assert_array_equal(got, want)
+      assert not np.array_equal(got, initial)
+  finally:
+    job.learner.close()
+    job.worker.close()
