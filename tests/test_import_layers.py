@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rlax_pipe"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("types", "config", "config_dict", "sharding", "platform_setup", "run_dir", "timeline",
      "tokenizer", "logprobs", "advantages", "offpolicy", "plots", "param_checksum", "cluster"),
-    ("model", "objectives", "tasks"),
+    ("model", "objectives", "tasks", "costs"),
     ("sampler", "learner", "grading", "model_dir"),
     ("evaluation",),
     ("pipeline",),

@@ -2,8 +2,9 @@
 
 Used by `experiments/sweep_staleness.py`. Every cell is a full reproducible run (same seed, task,
 model, devices); the table holds, per cell, throughput in device time (virtual clock), idle
-fraction of each mesh, mean ESS and importance-ratio variance, mean token lag and the held-out
-accuracy at the start and the end.
+fraction of each mesh, mean ESS and importance-ratio variance, both staleness measures (per-token
+lag and per-sample lag of the oldest token, mean and max) and the held-out accuracy at the start
+and the end.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
       "kl_k3_mean": train_mean("kl_k3"),
       "logp_mismatch_mean": train_mean("logp_mismatch_mean"),
       "frac_truncated_mean": train_mean("frac_truncated"),
-      "lag_mean": train_mean("lag_mean"),
-      "lag_max": max((r["lag_max"] for r in train), default=0),
+      "token_lag_mean": train_mean("token_lag_mean"),
+      "token_lag_max": max((r["token_lag_max"] for r in train), default=0),
+      "sample_lag_mean": train_mean("sample_lag_mean"),
+      "sample_lag_max": max((r["sample_lag_max"] for r in train), default=0),
       "heldout_start": evals[0]["heldout_accuracy"] if evals else None,
       "heldout_end": evals[-1]["heldout_accuracy"] if evals else None,
       "reward_last5": float(np.mean([r["reward_mean"] for r in train[-5:]])) if train else None,
@@ -84,7 +87,8 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
   """Writes the sweep figures; returns their paths.
 
   reward_vs_time.png and reward_vs_samples.png (batch reward curves per cell), ess_vs_lag.png,
-  ratio_var_vs_lag.png, throughput_idle_vs_lag.png.
+  ratio_var_vs_lag.png, staleness_vs_lag.png (per-sample and per-token mean staleness),
+  throughput_idle_vs_lag.png.
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
@@ -114,14 +118,18 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
   lags = sorted({r["max_lag"] for r in table}, key=lambda x: float("inf") if x == "inf"
                 else int(x))
   objs = sorted({r["objective"] for r in table})
-  for metric, name in (("ess_mean", "ess_vs_lag.png"), ("ratio_var_mean",
-                                                        "ratio_var_vs_lag.png")):
+  for metrics, name in ((("ess_mean",), "ess_vs_lag.png"),
+                        (("ratio_var_mean",), "ratio_var_vs_lag.png"),
+                        (("sample_lag_mean", "token_lag_mean"), "staleness_vs_lag.png")):
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot(1, 1, 1)
     for obj in objs:
-      ys = [next(r[metric] for r in table if r["max_lag"] == l and r["objective"] == obj)
-            for l in lags]
-      ax.plot(range(len(lags)), ys, "o-", label=obj)
+      for metric in metrics:
+        ys = [next(r[metric] for r in table if r["max_lag"] == l and r["objective"] == obj)
+              for l in lags]
+        ax.plot(range(len(lags)), ys, "o-",
+                label=obj if len(metrics) == 1 else f"{obj}: {metric}")
+    metric = metrics[0] if len(metrics) == 1 else "staleness (learner steps)"
     ax.set_xticks(range(len(lags)))
     ax.set_xticklabels(lags)
     ax.set_xlabel("max_lag (steps)")

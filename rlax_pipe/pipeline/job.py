@@ -35,6 +35,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import model_dir
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
@@ -136,6 +137,7 @@ class Job:
   clock: JobClock
   start_step: int
   last_eval: float | None
+  cost_recorder: costs_lib.CostRecorder | None = None  # threaded mode: timed operations
   # Held-out evaluation: the mesh of its engine (None = the learner mesh) and a function giving
   # (version, params) for it (None = the learner's own params). A multi-process job evaluates on
   # the lead's own devices with a copy of its staging params.
@@ -162,6 +164,7 @@ class Job:
              "config": to_jsonable(self.given_cfg)}
     step = self.learner.save(to_jsonable(extra))
     if not self.reproducible:
+      self.timeline.flush()  # appended, never rewritten
       return
     save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
                                        "clock": self.vstate.state_dict(),
@@ -413,7 +416,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   if state is not None:
     vstate.load_state_dict(state["clock"])
   sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
-  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter)
+  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
+                                   path=rd.path / "timeline.jsonl", truncate=state is None)
   channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
                                    sampler_clock, timeline)
   if state is None and extra and extra.get("sampler_rng") is not None:
@@ -430,6 +434,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
         queue.discard_group(int(gid))
       worker_state["round_open"] = 0  # and their round with them: a new round starts
       worker_state["truncated"] = []
+      worker_state["outstanding"] = []
+      worker_state["detached"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,
@@ -437,4 +443,5 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
              queue=queue, worker=worker, trainer=trainer, timeline=timeline,
              sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
-             last_eval=extra.get("last_eval") if extra else None)
+             last_eval=extra.get("last_eval") if extra else None,
+             cost_recorder=None if reproducible else costs_lib.CostRecorder())

@@ -40,7 +40,7 @@ def _drive(job: Job, hooks: Sequence[hooks_lib.StepHook], todo: int) -> float:
         job.worker, job.trainer, job.channel, pcfg, job.timeline, todo, on_step,
         start_time=job.clock.offset, sampler_clock=job.sampler_clock, state=job.vstate)
   return driver_lib.run_threaded(job.worker, job.trainer, job.channel, pcfg, job.timeline, todo,
-                                 on_step)
+                                 on_step, recorder=job.cost_recorder)
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,

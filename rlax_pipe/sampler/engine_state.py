@@ -161,7 +161,7 @@ def load_state_dict(engine, state: dict) -> None:
     _load_replica(r, rs)
   e._uids = itertools.count(int(state["next_uid"]))
   e._sums = {k: float(v) for k, v in state["sums"].items()}
-  e._counts = {k: int(v) for k, v in state["counts"].items()}
+  e._counts.update({k: int(v) for k, v in state["counts"].items()})
   e._host_s = float(state["host_s"])
   e._group_replica = {key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
   e._queue.clear()

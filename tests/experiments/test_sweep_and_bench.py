@@ -23,11 +23,12 @@ def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config, saved_figures,
   base = tiny_config(tmp_path, tiny_init, steps=2)
   table = sweep.run_sweep(base, [0, None], ["tis_pg"], str(tmp_path / "sweep"))
   assert [r["max_lag"] for r in table] == ["0", "inf"]
-  assert table[0]["lag_max"] == 0  # max_lag 0 under block is synchronous
+  assert table[0]["token_lag_max"] == 0  # max_lag 0 under block is synchronous
+  assert table[0]["sample_lag_max"] == 0 and table[0]["sample_lag_mean"] == 0.0
   for r in table:
     assert r["samples_per_s"] > 0 and 0 < r["ess_mean"] <= 1.0 + 1e-5
   paths = sweep.plot_sweep(table, str(tmp_path / "sweep"))
-  assert len(paths) == 5 and all((tmp_path / "sweep" / p.split("/")[-1]).exists() for p in paths)
+  assert len(paths) == 6 and all((tmp_path / "sweep" / p.split("/")[-1]).exists() for p in paths)
   assert_every_panel_labelled(saved_figures)
 
 

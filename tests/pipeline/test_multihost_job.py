@@ -108,7 +108,7 @@ def _check_weights_and_samples(run_dir, num_replicas, group_size=2):
     got = np.zeros_like(want)
     got[:len(row["lag_hist"])] = row["lag_hist"][:len(want)]
     np.testing.assert_array_equal(got, want)
-    assert row["lag_max"] <= MAX_LAG
+    assert row["token_lag_max"] <= MAX_LAG
     # Samples of lag 0 only were decoded with exactly the weights being trained (fp32,
     # recomputed KV); a step without any has no mismatch to report (absent, not 0).
     assert ("logp_mismatch_max" in row) == (row["step"] in equal_weight), row
@@ -137,7 +137,7 @@ def test_four_processes_train_with_in_flight_updates(tmp_path, tiny_init, jax_ca
   train, samples, mixed = _check_weights_and_samples(run_dir, num_replicas=2)
   assert [r["step"] for r in train] == list(range(1, 7))
   assert {s["replica"] for s in samples} == {0, 1}  # both replicas fed the learner
-  assert mixed > 0 or any(r["lag_max"] > 0 for r in train), "no in-flight update was used"
+  assert mixed > 0 or any(r["token_lag_max"] > 0 for r in train), "no in-flight update was used"
   summary = json.loads((run_dir / "summary.json").read_text())
   q = summary["queue"]  # every admitted group is trained, dropped or ready; none is missing
   assert q["partial_groups"] == q["in_flight_groups"] == 0
@@ -199,7 +199,7 @@ def test_a_killed_replica_ends_the_job_and_resume_with_one_replica_finishes(
   assert [r["step"] for r in train] == list(range(1, 7))
   summary = json.loads((run_dir / "summary.json").read_text())
   assert summary["steps"] == 6 and summary["topology"]["num_replicas"] == 1
-  assert all(r["lag_max"] <= MAX_LAG for r in train)
+  assert all(r["token_lag_max"] <= MAX_LAG for r in train)
 
 
 FAKE_SRUN = """#!/usr/bin/env bash

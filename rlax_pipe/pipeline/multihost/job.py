@@ -215,7 +215,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
   job = job_lib.Job(
       cfg=cfg, given_cfg=given, plan=None, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=mesh, learner=learner,
       channel=sender, engine=proxy, queue=queue, worker=worker,
-      trainer=Trainer(learner, queue, sender, pcfg), timeline=timeline_lib.Timeline(),
+      trainer=Trainer(learner, queue, sender, pcfg), timeline=timeline_lib.Timeline(path=rd.path / "timeline.jsonl"),
       sampler_clock=None, vstate=driver_lib.VirtualState(),
       clock=job_lib.JobClock(False, offset), start_step=learner.step,
       last_eval=extra.get("last_eval") if extra else None,
