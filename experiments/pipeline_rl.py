@@ -13,6 +13,8 @@ r"""Pipeline RL main job: sampler and learner on separate meshes, in-flight weig
       --config.task_config.path=train.jsonl --config.task_config.eval_path=test.jsonl \
       --config.prompt_format.kind=chat     # an HF model directory on a dataset file
   python3 experiments/pipeline_rl.py --helpfull    # every config field, with units and defaults
+  python3 launch/local_multiprocess.py --num_processes=4 --num_learner_processes=2 -- \
+      --config.pipeline.mode=threaded    # one jax.distributed job: 2 learner processes, 2 replicas
 
 Devices: by default the sampler and learner meshes are chosen from the devices present (one
 device is shared by both roles); --config.sampler_mesh_axes / --config.learner.mesh_axes set them.
@@ -30,6 +32,7 @@ platform_setup.request_cpu_devices(8)
 # pylint: disable=wrong-import-position
 from absl import app
 
+from lib import cluster_cli
 from lib import config_cli
 from rlax_pipe.pipeline import run as run_lib
 
@@ -40,7 +43,9 @@ def main(argv):
   del argv
   config_cli.setup_logging()
   with config_cli.user_errors():
-    summary = run_lib.run(config_cli.run_config(_CONFIG.value))
+    cfg = cluster_cli.with_flags(config_cli.run_config(_CONFIG.value))
+    cluster_cli.join_if_multiprocess(cfg)  # multi-process mode: before any other JAX work
+    summary = run_lib.run(cfg)
   print(json.dumps(summary))
 
 

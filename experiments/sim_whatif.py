@@ -4,7 +4,8 @@
   python experiments/sim_whatif.py --num_devices=128 --max_lags=1,4,16 --png=/tmp/split.png
   python experiments/sim_whatif.py --policies=block,drop     # admission control vs dropping
 
-Cost assumptions are in rlax_pipe/sim/whatif.py's docstring. Prints one JSON object.
+The cost model is the analytic one of rlax_pipe.costs (named chip, model shape; assumptions in
+its docstring and in rlax_pipe/sim/whatif.py's). Prints one JSON object.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from absl import flags
 from rlax_pipe.sim import whatif
 
 _DEVICES = flags.DEFINE_integer("num_devices", 64, "Accelerators shared by sampler and learner.")
-_PARAMS = flags.DEFINE_float("params", 8.0e9, "Model parameters (count).")
+_CHIP = flags.DEFINE_string("chip", "H100", "Accelerator (a name of rlax_pipe.costs.CHIPS).")
 _LAGS = flags.DEFINE_list("max_lags", ["1", "2", "4", "8"], "Pipeline max_lag values (steps).")
 _POLICIES = flags.DEFINE_list("policies", ["block"], "Staleness policies of the pipeline "
                               "settings: block (admission) and/or drop.")
@@ -35,7 +36,7 @@ def main(argv):
   del argv
   d = whatif.Cluster()
   cluster = dataclasses.replace(
-      d, num_devices=_DEVICES.value, model=dataclasses.replace(d.model, params=_PARAMS.value),
+      d, num_devices=_DEVICES.value, chip=_CHIP.value,
       workload=dataclasses.replace(d.workload, groups_per_step=_GROUPS.value,
                                    group_size=_GROUP.value,
                                    mean_completion_tokens=_MEAN.value,

@@ -77,6 +77,22 @@ def plot_lag_hist(rows: Sequence[dict], path: str) -> None:
   fig.savefig(path, dpi=90)
 
 
+def plot_staleness(rows: Sequence[dict], path: str) -> None:
+  """Both staleness measures per learner step: per-token (mean lag over the trained tokens) and
+  per-sample (mean over the trained samples of their oldest token's lag, Applied Compute's)."""
+  train = [r for r in rows if r.get("kind") == "train"]
+  fig = _figure()
+  ax = fig.add_subplot(1, 1, 1)
+  for key, label in (("sample_lag_mean", "per-sample (oldest token), mean"),
+                     ("token_lag_mean", "per-token, mean")):
+    ax.plot([r["step"] for r in train], [r.get(key, np.nan) for r in train], label=label)
+  ax.set_xlabel("learner step")
+  ax.set_ylabel("staleness (learner steps)")
+  ax.set_title("Staleness of the trained samples: per sample (oldest token) and per token")
+  ax.legend(loc="upper left")
+  fig.savefig(path, dpi=90)
+
+
 def plot_idle(rows: Sequence[dict], path: str) -> None:
   """Idle fraction of each mesh over learner steps (cumulative from the run start)."""
   train = [r for r in rows if r.get("kind") == "train"]

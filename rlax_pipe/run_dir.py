@@ -118,8 +118,10 @@ def read_metrics(run_dir: str | pathlib.Path) -> list[dict]:
 
 
 # Files written at the end of a run (or per session), removed when a record is reset/truncated.
-END_FILES = ("timeline.jsonl", "summary.json", "gantt.png", "reward_accuracy.png",
-             "lag_hist.png", "idle.png", "run_info.json")
+# timeline.jsonl is not one: it is appended as the run goes and a resume truncates it to the
+# checkpoint's span count (`Timeline.load_state_dict`); a fresh start removes it.
+END_FILES = ("summary.json", "gantt.png", "reward_accuracy.png", "lag_hist.png", "idle.png",
+             "run_info.json")
 CHANGES_FILE = "config_changes.jsonl"
 
 
@@ -173,7 +175,7 @@ class RunDir:
     """
     self.close()
     removed = []
-    for name in ("metrics.jsonl", CHANGES_FILE, "config.json") + END_FILES:
+    for name in ("metrics.jsonl", CHANGES_FILE, "config.json", "timeline.jsonl") + END_FILES:
       if (self.path / name).exists():
         (self.path / name).unlink()
         removed.append(name)

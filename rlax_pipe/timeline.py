@@ -6,6 +6,12 @@ From the spans: busy / idle fraction per component over a window, sampler slot o
 time the sampler stalled on weight pushes, the time the learner waited for batches; JSONL
 export / import; a Gantt chart PNG.
 
+Control-plane costs do not grow with the run: a `Timeline` keeps a running summary updated in
+O(1) per span (`Timeline.summary()`, equal to `summarize` over the whole run when each
+component's spans are recorded in start order, as every driver does), and a file-backed
+timeline appends new spans to its JSONL file (`flush`) instead of rewriting it; its
+`state_dict` is the number of spans written, so a checkpoint never copies the timeline.
+
 Kind conventions (any string works; these names are what the summaries look for):
   sampler: "prefill", "decode" (slots_active / slots_total set), "wait_weights", "wait_admission"
   learner: "train_step", "wait_batch"
@@ -18,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import pathlib
 import threading
 import time
 from typing import Callable, Iterable, Iterator, Sequence
@@ -103,22 +111,78 @@ class VirtualClock:
       self._t = float(t)
 
 
+class RunningSummary:
+  """O(1)-per-span totals from which `summary` gives `summarize`'s numbers over the whole run.
+
+  Busy time per component is a union: a span adds only the part after the latest end seen for
+  its component, which is the exact union when each component's spans arrive in start order.
+  """
+
+  def __init__(self):
+    self.t0, self.t1 = math.inf, -math.inf
+    self.busy: dict[str, float] = {}
+    self.last_end: dict = {}  # union bookkeeping: latest end per component (and wait kind)
+    self.slot_num = self.slot_den = 0.0
+    self.push_stall_s = self.queue_wait_s = 0.0
+
+  def add(self, s: Span) -> None:
+    """Accounts for one span."""
+    self.t0, self.t1 = min(self.t0, s.start), max(self.t1, s.end)
+    self.busy.setdefault(s.component, 0.0)
+    if not is_idle_kind(s.kind):
+      self.busy[s.component] += self._new_part(s.component, s)
+    if s.component == "sampler" and s.kind == "decode" and s.slots_total is not None:
+      self.slot_num += s.slots_active * s.duration
+      self.slot_den += s.slots_total * s.duration
+    if s.component == "sampler" and s.kind == WAIT_WEIGHTS:
+      self.push_stall_s += self._new_part(("stall",), s)
+    if s.component == "learner" and s.kind == WAIT_BATCH:
+      self.queue_wait_s += self._new_part(("wait",), s)
+
+  def _new_part(self, key, s: Span) -> float:
+    last = self.last_end.get(key, -math.inf)
+    self.last_end[key] = max(last, s.end)
+    return max(0.0, s.end - max(s.start, last))
+
+  def summary(self) -> TimelineSummary:
+    """The summary over [first start, last end] of everything added."""
+    if self.t1 < self.t0:
+      return TimelineSummary((0.0, 0.0), {}, {}, 0.0, 0.0, 0.0)
+    width = self.t1 - self.t0
+    busy = {c: (b / width if width > 0 else 0.0) for c, b in sorted(self.busy.items())}
+    return TimelineSummary(
+        window=(self.t0, self.t1), busy=busy, idle={c: 1.0 - b for c, b in busy.items()},
+        slot_occupancy=self.slot_num / self.slot_den if self.slot_den > 0 else 0.0,
+        push_stall_s=self.push_stall_s, queue_wait_s=self.queue_wait_s)
+
+
 class Timeline:
-  """Thread-safe span recorder.
+  """Thread-safe span recorder with a running summary and optional append-only JSONL file.
 
   Example:
-    tl = Timeline()                       # or Timeline(clock=VirtualClock())
+    tl = Timeline()                       # or Timeline(clock=VirtualClock(), path="t.jsonl")
     with tl.span("learner", "train_step"):
       ...
     tl.record("sampler", "decode", t0, t1, slots_active=5, slots_total=8)
-    summary = summarize(tl.spans())
+    summary = tl.summary()                # O(components), whatever the number of spans
+    tl.flush()                            # appends the spans not yet written to the file
   """
 
-  def __init__(self, clock: Callable[[], float] = time.perf_counter):
-    """Args: clock: zero-argument callable returning seconds (`VirtualClock` works)."""
+  def __init__(self, clock: Callable[[], float] = time.perf_counter,
+               path: str | pathlib.Path | None = None, truncate: bool = True):
+    """Args:
+      clock: zero-argument callable returning seconds (`VirtualClock` works).
+      path: JSONL file the spans are appended to by `flush`; None = memory only.
+      truncate: empty the file now (a new timeline); False when `load_state_dict` follows.
+    """
     self._clock = clock
     self._spans: list[Span] = []
     self._lock = threading.Lock()
+    self._running = RunningSummary()
+    self._path = None if path is None else pathlib.Path(path)
+    self._written = 0
+    if self._path is not None and truncate:
+      self._path.write_text("")
 
   def now(self) -> float:
     """The clock's current time, seconds."""
@@ -130,7 +194,24 @@ class Timeline:
     span = Span(component, kind, float(start), float(end), slots_active, slots_total)
     with self._lock:
       self._spans.append(span)
+      self._running.add(span)
     return span
+
+  def summary(self) -> TimelineSummary:
+    """`summarize` of every span so far, from the running totals (O(components))."""
+    with self._lock:
+      return self._running.summary()
+
+  def flush(self) -> int:
+    """Appends the spans recorded since the last flush to the file; returns spans written in
+    all (no-op without a file)."""
+    with self._lock:
+      new, self._written = self._spans[self._written:], len(self._spans)
+      written = self._written
+    if self._path is not None and new:
+      with open(self._path, "a") as f:
+        f.write("".join(json.dumps(dataclasses.asdict(s)) + "\n" for s in new))
+    return written
 
   @contextlib.contextmanager
   def span(self, component: str, kind: str, slots_active: int | None = None,
@@ -150,14 +231,41 @@ class Timeline:
     return sorted(out, key=lambda s: (s.start, s.end))
 
   def state_dict(self) -> dict:
-    """JSON-able spans (the clock is not part of the state)."""
+    """File-backed: flushes, then {"num_spans": spans in the file} (the checkpoint never
+    copies the timeline); memory only: the JSON-able spans. The clock is not part of it."""
+    if self._path is not None:
+      return {"num_spans": self.flush()}
     return {"spans": [dataclasses.asdict(s) for s in self.spans()]}
 
   def load_state_dict(self, state: dict) -> None:
-    """Replaces the recorded spans by those of a `state_dict`."""
-    spans = [Span(**d) for d in state["spans"]]
+    """Restores a `state_dict`: the first "num_spans" spans of this timeline's file (the file
+    is truncated to them), or the listed "spans".
+
+    Raises:
+      ValueError: for "num_spans" without a file, or a file with fewer spans.
+    """
+    if "num_spans" in state:
+      n = int(state["num_spans"])
+      if self._path is None or not self._path.exists():
+        raise ValueError(f"Timeline.load_state_dict: {n} spans are in a file, but this timeline "
+                         "has none; build it with path=<the run's timeline.jsonl>.")
+      with open(self._path) as f:
+        lines = [line for line in f if line.strip()][:n]
+      if len(lines) < n:
+        raise ValueError(f"Timeline.load_state_dict: {self._path} has {len(lines)} spans, the "
+                         f"checkpoint expects {n}.")
+      self._path.write_text("".join(lines))
+      spans = [Span(**json.loads(line)) for line in lines]
+      written = n
+    else:
+      spans, written = [Span(**d) for d in state["spans"]], 0
+      if self._path is not None:
+        self._path.write_text("")
+    running = RunningSummary()
+    for sp in sorted(spans, key=lambda x: (x.start, x.end)):
+      running.add(sp)
     with self._lock:
-      self._spans = spans
+      self._spans, self._running, self._written = spans, running, written
 
   def to_jsonl(self, path: str) -> None:
     """Writes one JSON object per span."""

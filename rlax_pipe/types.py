@@ -137,8 +137,14 @@ class WeightUpdate:
     donated: True when the receiver owns the arrays and frees them once replaced (the channel's
       copies); False when the sender keeps using them (e.g. the learner's own params handed to
       an evaluation engine): the receiver then only drops its references.
+    checksum: the learner's `rlax_pipe.param_checksum.checksum` of this version (uint32 per
+      leaf, device or host array), or None. When given, the engine checks that the weights it
+      decodes with after the swap have exactly these checksums (`WeightMismatchError`
+      otherwise): a copy that landed stale or partial data, or an engine that kept old weights
+      under a new version tag, cannot go unnoticed.
   """
 
   version: int
   params: Any
   donated: bool = False
+  checksum: Any = None

@@ -6,7 +6,8 @@ import inspect
 import pytest
 
 PACKAGES = ["rlax_pipe.model", "rlax_pipe.sampler", "rlax_pipe.learner", "rlax_pipe.pipeline",
-            "rlax_pipe.tasks", "rlax_pipe.sim", "rlax_pipe.tokenizer"]
+            "rlax_pipe.tasks", "rlax_pipe.sim", "rlax_pipe.tokenizer",
+            "rlax_pipe.costs"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

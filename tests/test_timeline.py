@@ -87,3 +87,45 @@ def test_jsonl_round_trip_and_gantt(tmp_path):
   png = tmp_path / "gantt.png"
   tl.plot_gantt(t.spans(), str(png), title="toy run")
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_running_summary_equals_summarize_on_random_sequential_spans():
+  import random  # pylint: disable=import-outside-toplevel
+  rng = random.Random(0)
+  t = tl.Timeline(clock=tl.VirtualClock())
+  clocks = {"sampler": 0.0, "learner": 0.0, "channel": 0.0}
+  for _ in range(500):
+    c = rng.choice(list(clocks))
+    start = clocks[c] + rng.choice([0.0, rng.random()])
+    end = start + rng.random()
+    kind = rng.choice(["decode", "prefill", tl.WAIT_WEIGHTS, tl.WAIT_BATCH, "train_step"])
+    slots = (rng.randint(0, 8), 8) if kind == "decode" else (None, None)
+    t.record(c, kind, start, end, *slots)
+    clocks[c] = max(start, end - (0.2 if rng.random() < 0.1 else 0.0))  # overlaps, start-ordered
+  got, want = t.summary(), tl.summarize(t.spans())
+  assert got.window == want.window
+  assert got.busy == pytest.approx(want.busy)
+  assert got.slot_occupancy == pytest.approx(want.slot_occupancy)
+  assert got.push_stall_s == pytest.approx(want.push_stall_s)
+  assert got.queue_wait_s == pytest.approx(want.queue_wait_s)
+  assert tl.Timeline().summary().busy == {}
+
+
+def test_file_backed_timeline_appends_and_resumes(tmp_path):
+  path = tmp_path / "timeline.jsonl"
+  t = tl.Timeline(clock=tl.VirtualClock(), path=path)
+  t.record("sampler", "decode", 0, 1, 2, 4)
+  assert t.state_dict() == {"num_spans": 1}  # a checkpoint holds a count, not the spans
+  t.record("learner", "train_step", 1, 2)
+  t.flush()
+  size = path.stat().st_size
+  t.record("learner", "train_step", 2, 3)
+  t.flush()
+  assert path.read_text().count("\n") == 3 and path.stat().st_size > size  # appended
+  r = tl.Timeline(clock=tl.VirtualClock(), path=tmp_path / "other.jsonl")
+  r._path = path  # pylint: disable=protected-access  (a resumed run opens the same file)
+  r.load_state_dict({"num_spans": 2})
+  assert len(r.spans()) == 2 and path.read_text().count("\n") == 2  # truncated to the checkpoint
+  assert r.summary().busy == tl.summarize(r.spans()).busy
+  with pytest.raises(ValueError, match="expects 5"):
+    r.load_state_dict({"num_spans": 5})

@@ -199,7 +199,8 @@ def interval_bars(rows: Sequence[dict], out_dir: str, name: str, metrics: Sequen
 
 
 TABLE_METRICS = ("heldout_end", "reward_last5", "ess_mean", "ratio_var_mean", "kl_k3_mean",
-                 "frac_truncated_mean", "lag_mean", "lag_max", "samples_per_device_s")
+                 "frac_truncated_mean", "token_lag_mean", "sample_lag_mean", "token_lag_max",
+                 "samples_per_device_s")
 
 
 def markdown(rows: Sequence[dict], metrics: Sequence[str] = TABLE_METRICS) -> str:

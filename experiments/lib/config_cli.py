@@ -67,11 +67,12 @@ RL_RENAMED: Mapping[str, str] = {
     "wait_timeout_s": "--config.pipeline.wait_timeout_s",
     "debug_verify_push": "--config.pipeline.debug_verify_push",
     "seed": "--config.pipeline.seed, --config.sampler.seed and --config.learner.seed",
-    "cost_decode_base_s": "--config.pipeline.cost_model.decode_base_s",
-    "cost_decode_per_slot_s": "--config.pipeline.cost_model.decode_per_slot_s",
-    "cost_prefill_per_token_s": "--config.pipeline.cost_model.prefill_per_token_s",
-    "cost_train_base_s": "--config.pipeline.cost_model.train_base_s",
-    "cost_train_per_token_s": "--config.pipeline.cost_model.train_per_token_s",
+    "cost_decode_base_s": "--config.pipeline.cost_model.decode_step_s (or a measured model: "
+                          "--config.pipeline.cost_model_file=<run>/cost_fit.json)",
+    "cost_decode_per_slot_s": "--config.pipeline.cost_model.slot_step_s",
+    "cost_prefill_per_token_s": "--config.pipeline.cost_model.prefill_token_s",
+    "cost_train_base_s": "--config.pipeline.cost_model.train_step_s",
+    "cost_train_per_token_s": "--config.pipeline.cost_model.train_token_s",
     "cost_push_s": "--config.pipeline.cost_model.push_s",
 }
 

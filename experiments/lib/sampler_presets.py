@@ -22,6 +22,7 @@ import numpy as np
 
 from rlax_pipe import model as model_lib
 from rlax_pipe.config import ModelConfig
+from rlax_pipe.costs import chips
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.engine import SamplerEngine
 
@@ -39,29 +40,15 @@ LLAMA_3_2_1B = ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads
                            compute_dtype="bfloat16", max_seq_len=4096)
 PRESETS: dict[str, ModelConfig] = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B}
 
-# HBM bandwidth in GB/s (1e9 bytes/s), matched against `jax.Device.device_kind` (substring,
-# first match). Sources: NVIDIA H200 datasheet (4.8 TB/s); NVIDIA H100 datasheet (SXM 3.35 TB/s,
-# PCIe 2.0 TB/s); NVIDIA A100 datasheet (80GB SXM 2,039 GB/s, 40GB 1,555 GB/s); NVIDIA L4
-# datasheet (300 GB/s); Google Cloud TPU system architecture pages (v4 1,200 GB/s, v5e 819 GB/s,
-# v5p 2,765 GB/s, v6e 1,640 GB/s).
-CHIPS: tuple[tuple[str, float], ...] = (
-    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB", 2039.0), ("A100", 1555.0), ("L4", 300.0), ("TPU v4", 1200.0),
-    ("TPU v5 lite", 819.0), ("TPU v5e", 819.0), ("TPU v5p", 2765.0), ("TPU v5", 2765.0),
-    ("TPU v6", 1640.0),
-)
-
-
 def chip_bandwidth_gbps(device: jax.Device | None = None) -> tuple[str, float | None]:
-  """(device kind, HBM GB/s from `CHIPS`, or None for an unknown chip or a CPU)."""
+  """(device kind, HBM GB/s from the one chip table `rlax_pipe.costs.chips` (vendors' data
+  sheets), or None for an unknown chip or a CPU)."""
   device = device or jax.devices()[0]
   kind = getattr(device, "device_kind", device.platform)
   if device.platform == "cpu":
     return kind, None
-  for name, gbps in CHIPS:
-    if name.lower() in kind.lower():
-      return kind, gbps
-  return kind, None
+  c = chips.chip_for_device(kind)
+  return kind, (None if c is None else c.hbm_bandwidth / 1e9)
 
 
 def reduced(model_cfg: ModelConfig, n_layers: int = 2, vocab_size: int = 4096) -> ModelConfig:
@@ -96,7 +83,7 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
     name: a key of `PRESETS`.
     slots: decode slots (default 64 on an accelerator, 4 on CPU).
     prompt_len, new_tokens: tokens per request.
-    hbm_gbps: HBM bandwidth override (GB/s); default from `CHIPS` by device kind.
+    hbm_gbps: HBM bandwidth override (GB/s); default from `rlax_pipe.costs.chips` by device kind.
     full: run the full-size preset (default: on an accelerator only; CPU runs `reduced`).
     attention_impl: the sampler's attention switch ("auto" = Pallas kernel on GPU/TPU).
     seed: PRNG seed.
@@ -152,6 +139,6 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
       "decode_tokens_per_s": tokens / elapsed, "decode_step_ms": 1e3 * step_s,
       "weight_bytes": weight_bytes(params), "bytes_per_step": bytes_per_step,
       "hbm_gbps": gbps, "hbm_gbps_source": "--hbm_gbps" if hbm_gbps else (
-          "sampler_presets.CHIPS" if table_gbps else None),
+          "rlax_pipe.costs.chips" if table_gbps else None),
       "roofline_fraction": roofline_fraction(bytes_per_step, step_s, gbps),
   }

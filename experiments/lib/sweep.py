@@ -3,8 +3,9 @@
 Used by `experiments/sweep_staleness.py`. Every cell is a full reproducible run per seed (same
 task, model, devices; `lib.seeds` sets the seed and reduces the seeds to a mean and a 95%
 t-interval per metric); the table holds, per cell, throughput in device time (virtual clock)
-also per device-second, idle fraction of each mesh, mean ESS and importance-ratio variance, mean
-token lag and the held-out accuracy at the start and the end with its evaluation noise.
+also per device-second, idle fraction of each mesh, mean ESS and importance-ratio variance, both
+staleness measures (per-token lag and per-sample lag of the oldest token, mean and max) and the
+held-out accuracy at the start and the end with its evaluation noise.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
       "kl_k3_mean": train_mean("kl_k3"),
       "logp_mismatch_mean": train_mean("logp_mismatch_mean"),
       "frac_truncated_mean": train_mean("frac_truncated"),
-      "lag_mean": train_mean("lag_mean"),
-      "lag_max": max((r["lag_max"] for r in train), default=0),
+      "token_lag_mean": train_mean("token_lag_mean"),
+      "token_lag_max": max((r["token_lag_max"] for r in train), default=0),
+      "sample_lag_mean": train_mean("sample_lag_mean"),
+      "sample_lag_max": max((r["sample_lag_max"] for r in train), default=0),
       "heldout_start": evals[0]["heldout_accuracy"] if evals else None,
       "heldout_end": end,
       "eval_problems": eval_problems,
@@ -173,8 +176,8 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
   their paths.
 
   reward_vs_time.png and reward_vs_samples.png (batch reward per step, shaded interval),
-  ess_vs_lag.png, ratio_var_vs_lag.png, throughput_idle_vs_lag.png, pareto.png
-  (`plot_pareto`).
+  ess_vs_lag.png, ratio_var_vs_lag.png, staleness_vs_lag.png (per-sample and per-token mean
+  staleness), throughput_idle_vs_lag.png, pareto.png (`plot_pareto`).
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
@@ -202,14 +205,18 @@ def plot_sweep(table: Sequence[dict], out_dir: str) -> list[str]:
     save(fig, name)
   lags = _lag_order(table)
   objs = sorted({r["objective"] for r in table})
-  for metric, name in (("ess_mean", "ess_vs_lag.png"), ("ratio_var_mean",
-                                                        "ratio_var_vs_lag.png")):
+  for metrics, name in ((("ess_mean",), "ess_vs_lag.png"),
+                        (("ratio_var_mean",), "ratio_var_vs_lag.png"),
+                        (("sample_lag_mean", "token_lag_mean"), "staleness_vs_lag.png")):
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot(1, 1, 1)
     for obj in objs:
       sel = [next(r for r in table if r["max_lag"] == l and r["objective"] == obj) for l in lags]
-      ax.errorbar(range(len(lags)), [r[metric] for r in sel], yerr=[_ci(r, metric) for r in sel],
-                  fmt="o-", capsize=3, label=obj)
+      for metric in metrics:
+        ax.errorbar(range(len(lags)), [r[metric] for r in sel],
+                    yerr=[_ci(r, metric) for r in sel], fmt="o-", capsize=3,
+                    label=obj if len(metrics) == 1 else f"{obj}: {metric}")
+    metric = metrics[0] if len(metrics) == 1 else "staleness (learner steps)"
     ax.set_xticks(range(len(lags)))
     ax.set_xticklabels(lags)
     ax.set_xlabel("max_lag (steps)")

@@ -3,7 +3,9 @@ checkpoints, `Learner`. Mesh building and the generic sharding helpers live in
 `rlax_pipe.sharding`; the model is passed in (`rlax_pipe.model.Model`)."""
 
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
-from rlax_pipe.learner.checkpoint import CheckpointError, Checkpointer, Restored
+from rlax_pipe.learner.checkpoint import (
+    CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+    Checkpointer, Restored)
 from rlax_pipe.learner.config import (
     BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
 from rlax_pipe.learner.learner import (
@@ -17,11 +19,12 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig", "CheckpointError",
-    "Checkpointer", "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "OptimizerConfig",
-    "REMAT_POLICIES", "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_state",
-    "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state",
-    "learner_mesh", "learning_rate", "lower_accumulate", "make_optimizer", "make_step_fns",
-    "param_shardings", "plan_micro_batches", "run_benchmark", "sharded_abstract_state",
-    "state_shardings", "synthetic_batch", "token_loss",
+    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig",
+    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError",
+    "CheckpointNotFoundError", "Checkpointer", "GradAccum", "Learner", "LearnerConfig",
+    "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES", "Restored", "SCHEDULES", "StepFns",
+    "TrainState", "abstract_state", "batch_arrays", "batch_sharding", "completion_mask",
+    "decay_mask", "init_state", "learner_mesh", "learning_rate", "lower_accumulate",
+    "make_optimizer", "make_step_fns", "param_shardings", "plan_micro_batches", "run_benchmark",
+    "sharded_abstract_state", "state_shardings", "synthetic_batch", "token_loss",
 ]

@@ -123,7 +123,8 @@ def run_benchmark(model: ModelLike, learner_cfg: LearnerConfig,
   time, host-to-device batch transfer included, compile excluded. After the timed steps, one
   step per size of `_probe_sizes` checks that other batch sizes reuse the compiled programs.
   MFU = model FLOPs per token (`flops.model_flops_per_token`) x tokens per second / (peak per
-  chip x chips); the peak comes from `peak_tflops` or `flops.PEAK_TFLOPS_BF16` by device kind.
+  chip x chips); the peak comes from `peak_tflops` or, by device kind, from the chip table
+  `rlax_pipe.costs.chips`.
 
   Returns:
     JSON-able dict: tokens_per_s, completion_tokens_per_s, step_s (mean seconds per step),

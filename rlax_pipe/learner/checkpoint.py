@@ -10,26 +10,53 @@ Layout (orbax v0 `CheckpointManager`, one directory per step):
 Saves are asynchronous: `save` returns after the device-to-host copy, the files are written in a
 background thread. Restores read onto the shardings of the abstract target given, so a state
 saved on one mesh (e.g. 2 x 2 fsdp x tp on devices 0-3) restores onto another (e.g. 4-way tp
-on devices 4-7). Restoring the latest checkpoint falls back to older ones when the newest is
-incomplete (no commit marker) or unreadable, with an absl error log line per bad step. Bad step
-directories are left in place (a wrong abstract target would fail the same way and must not
-destroy good checkpoints); the next `save` of the same step replaces one.
+on devices 4-7).
+
+What can go wrong with a restore is told apart (issue #14 item 11), each its own error class:
+  * `CheckpointNotFoundError`: no checkpoint in the directory, or the step asked for is not there
+    (the message lists the steps that are);
+  * `CheckpointCorruptError`: a step is incomplete (no commit marker: the save did not finish) or
+    its files cannot be read;
+  * `CheckpointMismatchError`: the step is readable but holds another tree than the target (a
+    leaf missing, extra, or of another shape or dtype: another model or optimizer); raised at
+    once, never a reason to fall back (an older step of the same run would not fit either).
+Restoring the newest checkpoint falls back to older ones only past corrupt steps, loudly: an
+absl error line per skipped step, and `Restored.skipped` / `Restored.skip_reasons` for the
+caller's metrics. Bad step directories are left in place (the next `save` of the same step
+replaces one).
+
+Multi-process jobs: pass `active_processes` (the processes whose devices hold the state, e.g.
+the learner's processes); only they call the checkpointer, with orbax barriers among them.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from absl import logging
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 COMMIT_MARKER = "commit_success.txt"
 
 
 class CheckpointError(RuntimeError):
-  """No usable checkpoint (all candidates incomplete or unreadable), or a bad explicit step."""
+  """A checkpoint could not be restored (base class of the specific errors below)."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+  """No checkpoint in the directory, or the requested step does not exist."""
+
+
+class CheckpointCorruptError(CheckpointError):
+  """A step is incomplete (the save did not finish) or its files cannot be read."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A readable step holds another tree (leaves, shapes, dtypes) than the restore target."""
 
 
 class Restored(NamedTuple):
@@ -40,12 +67,14 @@ class Restored(NamedTuple):
     state: the restored pytree, on the shardings of the abstract target.
     extra: the JSON dict saved with it.
     skipped: steps newer than `step` that were found incomplete or unreadable.
+    skip_reasons: one message per skipped step, same order.
   """
 
   step: int
   state: Any
   extra: dict
   skipped: tuple[int, ...]
+  skip_reasons: tuple[str, ...] = ()
 
 
 class Checkpointer:
@@ -57,21 +86,35 @@ class Checkpointer:
     >>> restored = ckpt.restore(sharded_abstract_state)   # newest usable step
   """
 
-  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+               active_processes: Sequence[int] | None = None):
     """Opens (and creates) a checkpoint directory.
 
     Args:
-      directory: checkpoint root (absolute or relative path).
+      directory: checkpoint root (absolute or relative path; shared by every active process).
       keep: keep the newest `keep` (>= 1) steps; older ones are deleted after each save.
       async_save: write files in a background thread after the device-to-host copy.
+      active_processes: in a multi-process job, the processes that hold the state and call
+        this checkpointer (the lowest one writes the JSON extra); None = every process.
     """
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep} must be >= 1.")
     self._dir = os.path.abspath(directory)
+    multiprocessing = ocp.options.MultiprocessingOptions()
+    if active_processes is not None and jax.process_count() > 1:
+      active = sorted(set(int(p) for p in active_processes))
+      multiprocessing = ocp.options.MultiprocessingOptions(
+          primary_host=active[0], active_processes=set(active),
+          barrier_sync_key_prefix="learner")
+      os.makedirs(self._dir, exist_ok=True)  # orbax cannot create it for a process subset
     self._options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    self._manager = ocp.CheckpointManager(self._dir, item_names=("state", "extra"),
-                                          options=self._options)
+        max_to_keep=keep, enable_async_checkpointing=async_save,
+        create=multiprocessing.active_processes is None,
+        multiprocessing_options=multiprocessing)
+    self._manager = ocp.CheckpointManager(
+        self._dir, options=self._options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "extra": ocp.JsonCheckpointHandler()})
 
   @property
   def directory(self) -> str:
@@ -104,6 +147,12 @@ class Checkpointer:
       self._manager.wait_until_finished()
       logging.info("Checkpointer: replacing existing checkpoint step %d in %s.", step, self._dir)
       self._manager.delete(step)
+    if jax.process_count() > 1 and all(
+        getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(state)):
+      # One process holds the whole state in a multi-process job (a one-process learner): orbax
+      # refuses process-local arrays there, so the host copy is written (same files; restores
+      # onto any sharding like a saved global array).
+      state = jax.device_get(state)
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)), force=True)
 
@@ -120,31 +169,60 @@ class Checkpointer:
       step: a specific step, or None for the newest usable one.
 
     Returns:
-      Restored(step, state, extra, skipped).
+      Restored(step, state, extra, skipped, skip_reasons).
 
     Raises:
-      CheckpointError: when `step` is given and is incomplete or unreadable, or when no step
-        in the directory can be restored (the message lists each failure).
+      CheckpointNotFoundError: no checkpoint in the directory, or `step` is not one of them.
+      CheckpointCorruptError: `step` (or, with step None, every step) is incomplete or
+        unreadable; the message lists each failure.
+      CheckpointMismatchError: the step holds another tree than `abstract_state` (names the
+        differing leaves).
     """
     self.wait()
     self._manager.reload()  # see steps written by others since this manager was opened
-    candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
-    if not candidates:
-      raise CheckpointError(f"no checkpoint in {self._dir}.")
+    available = sorted(self._manager.all_steps(), reverse=True)
+    if not available:
+      raise CheckpointNotFoundError(f"no checkpoint in {self._dir}.")
+    if step is not None and step not in available:
+      raise CheckpointNotFoundError(
+          f"checkpoint step {step} is not in {self._dir}; it holds steps {sorted(available)}.")
     failures, skipped = [], []
-    for s in candidates:
+    for s in [step] if step is not None else available:
       try:
-        return Restored(s, *self._restore_step(s, abstract_state), skipped=tuple(skipped))
-      except Exception as e:  # pylint: disable=broad-except  (any read failure = bad step)
-        reason = f"{type(e).__name__}: {str(e)[:300]}"
-        failures.append(f"step {s}: {reason}")
+        state, extra = self._restore_step(s, abstract_state)
+        return Restored(s, state, extra, skipped=tuple(skipped),
+                        skip_reasons=tuple(failures))
+      except CheckpointCorruptError as e:
+        failures.append(f"step {s}: {e}")
         if step is not None:
-          break
+          raise
         skipped.append(s)
         logging.error(
             "Checkpointer: checkpoint step %d in %s is incomplete or corrupt (%s); falling back "
-            "to the previous checkpoint.", s, self._dir, reason)
-    raise CheckpointError(f"could not restore from {self._dir}: " + "; ".join(failures))
+            "to the previous checkpoint.", s, self._dir, e)
+    raise CheckpointCorruptError(f"could not restore from {self._dir}: " + "; ".join(failures))
+
+  def restore_extra(self, step: int | None = None) -> dict:
+    """The JSON extra dict of `step` (default: the newest step with a commit marker).
+
+    Raises:
+      CheckpointNotFoundError: no such step.
+      CheckpointCorruptError: its extra cannot be read.
+    """
+    self.wait()
+    self._manager.reload()
+    steps = [s for s in sorted(self._manager.all_steps(), reverse=True)
+             if os.path.exists(os.path.join(self._dir, str(s), COMMIT_MARKER))]
+    if not steps or (step is not None and step not in steps):
+      raise CheckpointNotFoundError(f"no complete checkpoint{'' if step is None else f' {step}'} "
+                                    f"in {self._dir}.")
+    s = steps[0] if step is None else step
+    try:
+      out = self._manager.restore(s, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointCorruptError(f"step {s}: extra unreadable ({type(e).__name__}: "
+                                   f"{str(e)[:200]})") from None
+    return dict(out.extra or {})
 
   def close(self) -> None:
     """Waits for pending saves and releases orbax resources."""
@@ -154,7 +232,69 @@ class Checkpointer:
   def _restore_step(self, step: int, abstract_state: Any):
     marker = os.path.join(self._dir, str(step), COMMIT_MARKER)
     if not os.path.exists(marker):
-      raise CheckpointError(f"missing commit marker {marker} (the save did not finish)")
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()))
+      raise CheckpointCorruptError(f"missing commit marker {marker} (the save did not finish)")
+    try:
+      saved = self._manager.item_metadata(step)["state"]
+    except Exception as e:  # pylint: disable=broad-except  (any read failure = corrupt step)
+      raise CheckpointCorruptError(
+          f"state metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+    if saved is None:
+      raise CheckpointCorruptError("no state metadata")
+    check_tree_matches(saved, abstract_state, f"checkpoint step {step} in {self._dir}")
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (any read failure = corrupt step)
+      raise CheckpointCorruptError(
+          f"unreadable ({type(e).__name__}: {str(e)[:300]})") from None
     return out.state, dict(out.extra or {})
+
+
+def _path_names(path) -> tuple[str, ...]:
+  out = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def _leaves_by_path(tree: Any) -> dict[tuple[str, ...], Any]:
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+  return {_path_names(p): leaf for p, leaf in leaves}
+
+
+def check_tree_matches(saved_metadata: Any, abstract_state: Any, what: str) -> None:
+  """Compares a saved state's metadata tree (orbax `TreeMetadata` or a pytree of objects with
+  shape and dtype) with a restore target.
+
+  Raises:
+    CheckpointMismatchError: naming up to 5 missing / unexpected leaves or the first leaves
+      whose shape or dtype differ, with both sides.
+  """
+  saved = _leaves_by_path(getattr(saved_metadata, "tree", saved_metadata))
+  want = _leaves_by_path(abstract_state)
+  missing = sorted("/".join(p) for p in want.keys() - saved.keys())
+  extra = sorted("/".join(p) for p in saved.keys() - want.keys())
+  if missing or extra:
+    raise CheckpointMismatchError(
+        f"{what} holds another tree than the restore target: target leaves missing from it "
+        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, leaves only in it {extra[:5]}"
+        f"{' ...' if len(extra) > 5 else ''} (another model or optimizer? restore with the "
+        "configuration it was saved with).")
+  bad = []
+  for p, leaf in want.items():
+    got = saved[p]
+    if not (hasattr(got, "shape") and hasattr(got, "dtype")):
+      continue
+    if tuple(got.shape) != tuple(leaf.shape) or np.dtype(got.dtype) != np.dtype(leaf.dtype):
+      bad.append(f"{'/'.join(p)}: saved {tuple(got.shape)} {np.dtype(got.dtype).name}, target "
+                 f"{tuple(leaf.shape)} {np.dtype(leaf.dtype).name}")
+  if bad:
+    raise CheckpointMismatchError(
+        f"{what} does not fit the restore target: {'; '.join(bad[:5])}"
+        f"{' ...' if len(bad) > 5 else ''} (another model size or dtype?).")

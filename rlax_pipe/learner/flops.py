@@ -9,24 +9,7 @@ chunked-logit recomputation are not credited), so it is comparable across implem
 from __future__ import annotations
 
 from rlax_pipe.config import ModelConfig
-
-# Dense (no structured sparsity) peak matmul throughput per chip, TFLOP/s, in bfloat16, keyed by
-# a substring of `jax.Device.device_kind`. Sources: the vendors' data sheets (NVIDIA quotes
-# "with sparsity" figures; the dense rate is half of them).
-PEAK_TFLOPS_BF16: dict[str, tuple[float, str]] = {
-    "H200": (989.5, "NVIDIA H200 Tensor Core GPU datasheet (2024): BF16 1,979 TFLOPS with "
-                    "sparsity (SXM), dense = half"),
-    "H100": (989.5, "NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 1,979 TFLOPS with "
-                    "sparsity (SXM), dense = half"),
-    "A100": (312.0, "NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS dense"),
-    "L4": (121.0, "NVIDIA L4 Tensor Core GPU datasheet (2023): BF16 242 TFLOPS with sparsity, "
-                  "dense = half"),
-    "TPU v6 lite": (918.0, "Google Cloud TPU v6e documentation: 918 TFLOPS bf16 per chip"),
-    "TPU v5 lite": (197.0, "Google Cloud TPU v5e documentation: 197 TFLOPS bf16 per chip"),
-    "TPU v5p": (459.0, "Google Cloud TPU v5p documentation: 459 TFLOPS bf16 per chip"),
-    "TPU v4": (275.0, "Google Cloud TPU v4 documentation: 275 TFLOPS bf16 per chip"),
-}
-
+from rlax_pipe.costs import chips
 
 def matmul_params(cfg: ModelConfig) -> int:
   """N: parameters that take part in a matmul per token (attention and MLP projections of every
@@ -59,10 +42,11 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def peak_tflops(device_kind: str) -> tuple[float | None, str]:
-  """(dense bf16 peak TFLOP/s, source) of a chip named by `jax.Device.device_kind`, or (None,
-  reason) when the table does not know it (pass the peak explicitly then)."""
-  for key, (value, source) in PEAK_TFLOPS_BF16.items():
-    if key.lower() in device_kind.lower():
-      return value, source
-  return None, (f"device kind {device_kind!r} is not in PEAK_TFLOPS_BF16 "
-                f"({sorted(PEAK_TFLOPS_BF16)}); pass its peak explicitly (--peak_tflops)")
+  """(dense bf16 peak TFLOP/s, source) of a chip named by `jax.Device.device_kind`, from the one
+  chip table `rlax_pipe.costs.chips` (vendors' data sheets; NVIDIA's "with sparsity" bf16 rates
+  halved), or (None, reason) when the table does not know it (pass the peak explicitly then)."""
+  c = chips.chip_for_device(device_kind)
+  if c is not None:
+    return c.peak_flops_bf16 / 1e12, f"rlax_pipe.costs.chips {c.name}: {c.source}"
+  return None, (f"device kind {device_kind!r} is not in rlax_pipe.costs.chips.CHIPS "
+                f"({[c.name for c in chips.CHIPS]}); pass its peak explicitly (--peak_tflops)")

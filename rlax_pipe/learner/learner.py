@@ -211,8 +211,9 @@ class Learner:
     self._checkpointer = None
     ckpt = cfg.checkpoint
     if ckpt.directory is not None:
-      self._checkpointer = checkpoint_lib.Checkpointer(ckpt.directory, keep=ckpt.keep,
-                                                       async_save=ckpt.async_save)
+      self._checkpointer = checkpoint_lib.Checkpointer(
+          ckpt.directory, keep=ckpt.keep, async_save=ckpt.async_save,
+          active_processes=sorted({d.process_index for d in mesh.devices.flat}))
     self._pending = None  # device metrics of the last dispatched step, not yet checked
     self._compiled: _Compiled | None = None
     self._accum = None  # (GradAccum, BatchStats) device buffers, zero between batches
@@ -221,6 +222,7 @@ class Learner:
     self._flags = {v: jax.device_put(np.bool_(v), rep) for v in (False, True)}
     self._zeros_cache: dict[tuple[int, ...], jax.Array] = {}
     self.restored_extra: dict | None = None
+    self.last_restore: checkpoint_lib.Restored | None = None
     logging.info("Learner: mesh %s on devices %s; initial state from %s.", dict(mesh.shape),
                  [d.id for d in mesh.devices.flat],
                  "checkpoint" if restore else "given params" if params is not None else "random")
@@ -422,6 +424,7 @@ class Learner:
     target = train_state_lib.sharded_abstract_state(self.model, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
     self._state, self._pending = restored.state, None
+    self.last_restore = restored._replace(state=None)  # step, skipped steps and why
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
                  self.version, self._checkpointer.directory,
                  f", skipping bad steps {list(restored.skipped)}" if restored.skipped else "")

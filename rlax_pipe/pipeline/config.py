@@ -8,7 +8,9 @@ import math
 from typing import Any
 
 from rlax_pipe import config as model_config
+from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
+from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
@@ -21,44 +23,7 @@ BUILTIN_INIT = "builtin"
 
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
 MODES: tuple[str, ...] = ("reproducible", "threaded")
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-  """Virtual-clock durations (seconds) of the reproducible mode, per device-mesh operation.
-
-  The reproducible mode runs sampler and learner on one host thread and advances each mesh's
-  clock by these modelled durations, so the timeline shows what separate hardware would do and
-  the same seed gives the same run. `experiments/calibrate_sim.py`-style fits from a threaded
-  run's timeline give realistic values; the defaults are shaped like an accelerator (a decode
-  step costs little more with more active slots, i.e. memory-bound decoding).
-
-  Attributes:
-    decode_base_s: one decode step with no active slot (>= 0).
-    decode_per_slot_s: added per active slot (>= 0).
-    prefill_per_token_s: per prefilled token (>= 0).
-    train_base_s: one learner step, fixed part (>= 0).
-    train_per_token_s: per trained token (real, not padding) (>= 0).
-    push_s: one weight push, learner to sampler (>= 0).
-  """
-
-  decode_base_s: float = 0.010
-  decode_per_slot_s: float = 0.0002
-  prefill_per_token_s: float = 0.00002
-  train_base_s: float = 0.05
-  train_per_token_s: float = 0.0001
-  push_s: float = 0.005
-
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      if getattr(self, f.name) < 0:
-        raise ValueError(f"CostModel.{f.name}={getattr(self, f.name)} must be >= 0.")
-
-  def decode(self, active_slots: int) -> float:
-    return self.decode_base_s + self.decode_per_slot_s * active_slots
-
-  def train(self, tokens: int) -> float:
-    return self.train_base_s + self.train_per_token_s * tokens
+LOST_SAMPLE_POLICIES: tuple[str, ...] = ("redispatch", "discard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +37,8 @@ class PipelineConfig:
       versions) or "pipeline" (samplers never stop; in-flight weight updates between two decode
       steps; per-token lag bounded by `staleness`).
     mode: "reproducible" (one thread, deterministic interleaving on a virtual clock driven by
-      `cost_model`: same seed, same run) or "threaded" (sampler in its own thread, real clock).
+      the cost model: same seed, same run) or "threaded" (sampler in its own thread, real clock,
+      grading on its own thread).
     num_steps: learner optimizer steps to run (>= 1).
     group_size: samples per prompt (>= 1; the group-relative advantages, every estimator of
       `rlax_pipe.advantages`, need >= 2, which `RunConfig` checks).
@@ -84,14 +50,33 @@ class PipelineConfig:
     eval_every: learner steps between held-out evaluations (>= 1); also at step 0 and the end.
     eval_problems: held-out problems per evaluation (>= 1).
     checkpoint_every: learner steps between checkpoints (>= 1).
-    wait_timeout_s: limit of every blocking wait (seconds, > 0); the error says what was awaited.
+    wait_timeout_s: limit of every blocking wait (seconds, > 0; the error says what was awaited
+      and names samples that have not arrived), or None to scale it to measured step times:
+      `wait_timeout_factor` x the longest interval between two learner batches seen so far, at
+      least `wait_timeout_floor_s` (and `driver.STARTUP_WAIT_S` before the first batch, which
+      includes compiles).
+    wait_timeout_factor: multiple of the measured batch interval (> 1) when wait_timeout_s is None.
+    wait_timeout_floor_s: smallest scaled timeout (seconds, > 0).
+    lost_sample_policy: what to do with a sample the engine no longer holds that never came back
+      (issue #14 item 9): "redispatch" (sample it again, same id and prompt) or "discard" (give
+      up its group; counted as waste reason "lost"). Both are counted in the metrics.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
-      probe sequence (slow; catches a push that silently did not apply).
+      probe sequence (slow; catches a push that silently did not apply). Always on, and cheap:
+      the engine checks the checksums of the weights it decodes with after every swap.
+    lag0_logp_alarm: alarm threshold (nats) on the learner's mean |log pi - log mu| over lag-0
+      tokens (`logp_mismatch_mean`: tokens sampled with exactly the weights being trained),
+      which a sampler decoding with other weights than its tags say drives up (0.37 in the
+      case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
+      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
+      in its metrics row. None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards
       (`rlax_pipe.grading`).
-    cost_model: virtual-clock durations for the reproducible mode.
+    cost_model: virtual-clock durations for the reproducible mode (`rlax_pipe.costs.CostModel`;
+      the default is hand-set, labelled so in its `source`, never a measurement).
+    cost_model_file: a stored cost model (a calibration's cost_fit.json, `costs.CostFit.save`)
+      that replaces `cost_model` when set.
     seed: seed of prompt order and sampling.
   """
 
@@ -106,11 +91,16 @@ class PipelineConfig:
   eval_every: int = 10
   eval_problems: int = 128
   checkpoint_every: int = 5
-  wait_timeout_s: float = 600.0
+  wait_timeout_s: float | None = None
+  wait_timeout_factor: float = 20.0
+  wait_timeout_floor_s: float = 60.0
+  lost_sample_policy: str = "redispatch"
   debug_verify_push: bool = False
+  lag0_logp_alarm: float | None = 0.05
   reward_timeout_s: float = 5.0
   grading: GradingConfig = GradingConfig()
   cost_model: CostModel = CostModel()
+  cost_model_file: str | None = None
   seed: int = 0
 
   def __post_init__(self):
@@ -122,13 +112,31 @@ class PipelineConfig:
                  "checkpoint_every"):
       if getattr(self, name) < 1:
         raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= 1.")
-    if not self.wait_timeout_s > 0 or not self.reward_timeout_s > 0:
-      raise ValueError("PipelineConfig.wait_timeout_s and reward_timeout_s must be > 0.")
+    if (self.wait_timeout_s is not None and not self.wait_timeout_s > 0) or (
+        not self.reward_timeout_s > 0):
+      raise ValueError("PipelineConfig.wait_timeout_s (or None) and reward_timeout_s must be > 0.")
+    if not self.wait_timeout_factor > 1 or not self.wait_timeout_floor_s > 0:
+      raise ValueError(f"PipelineConfig.wait_timeout_factor={self.wait_timeout_factor} must be "
+                       f"> 1 and wait_timeout_floor_s={self.wait_timeout_floor_s} > 0.")
+    if self.lost_sample_policy not in LOST_SAMPLE_POLICIES:
+      raise ValueError(f"PipelineConfig.lost_sample_policy={self.lost_sample_policy!r}; choose "
+                       f"one of {LOST_SAMPLE_POLICIES}.")
 
   @property
   def groups_per_step(self) -> int:
     """Prompt groups per learner batch (set in `staleness.groups_per_step`)."""
     return self.staleness.groups_per_step
+
+  def resolved_cost_model(self) -> CostModel:
+    """The virtual clock's cost model: `cost_model_file`'s when set, else `cost_model`.
+
+    Raises:
+      FileNotFoundError / ValueError: from `costs.load_cost_model`.
+    """
+    if self.cost_model_file:
+      from rlax_pipe.costs import load_cost_model  # pylint: disable=import-outside-toplevel
+      return load_cost_model(self.cost_model_file)
+    return self.cost_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +192,9 @@ class RunConfig:
       split) whose values may differ from the saved configuration on resume;
       each change is recorded in run_dir/config_changes.jsonl with the step it takes effect.
       Any other difference is refused.
+    distributed: the multi-process mode (`num_learner_processes` > 0: one `jax.distributed` job,
+      the first K processes the learner mesh, every other process a sampler replica on its own
+      devices; `launch/README.md`). 0 (default) = this single process splits its devices.
   """
 
   run_dir: str = "runs/pipeline_rl"
@@ -205,6 +216,7 @@ class RunConfig:
   export_hf: bool = True
   resume: bool = False
   change_on_resume: tuple[str, ...] = ()
+  distributed: DistributedConfig = DistributedConfig()
 
   def __post_init__(self):
     if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:

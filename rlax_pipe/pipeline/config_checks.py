@@ -71,12 +71,17 @@ def _check_objective(cfg) -> None:
 
 
 def _check_timeouts(cfg) -> None:
+  """A reward call must end well within the learner's wait: the fixed `wait_timeout_s`, or,
+  when that is None (scaled to measured intervals), its floor `wait_timeout_floor_s`."""
   p = cfg.pipeline
-  if p.reward_timeout_s >= p.wait_timeout_s:
+  name, wait = "wait_timeout_s", p.wait_timeout_s
+  if wait is None:
+    name, wait = "wait_timeout_floor_s", p.wait_timeout_floor_s
+  if p.reward_timeout_s >= wait:
     raise ConfigError(
         f"RunConfig.pipeline.reward_timeout_s={p.reward_timeout_s} >= "
-        f"RunConfig.pipeline.wait_timeout_s={p.wait_timeout_s}: one slow reward call would time "
-        "out the learner's wait for a batch; keep reward_timeout_s well below wait_timeout_s.")
+        f"RunConfig.pipeline.{name}={wait}: one slow reward call would time "
+        f"out the learner's wait for a batch; keep reward_timeout_s well below {name}.")
 
 
 def _check_learning_signal(cfg) -> None:

@@ -2,33 +2,45 @@
 
 Two modes, same components (`RolloutWorker`, `Trainer`, `WeightChannel`, `RolloutQueue`):
 
-- `run_reproducible`: one thread; a conservative discrete-event interleaving of decode steps and
-  learner steps on two virtual clocks (one per mesh) whose durations come from `CostModel`. The
-  actor with the smaller clock moves next; samples finished at sampler time t become visible to
-  the learner at learner time >= t; a push made at the end of a learner step becomes visible to
-  the sampler at its first step boundary after the push's arrival time (a round-based sampler
-  installs, when a round starts, the newest version that has arrived; a version superseded while
-  a round runs is skipped). Same seed, same run.
-- `run_threaded`: the sampler loop runs in its own thread and the learner loop in the calling
-  thread, on the real clock. Every wait has a timeout whose error says what was awaited; an
-  exception on either side stops both and is re-raised in the caller with its original traceback.
+- `run_reproducible`: one thread; a conservative discrete-event interleaving of engine steps and
+  learner steps on two virtual clocks (one per mesh) whose durations come from the cost model
+  (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the labelled hand-set
+  default). The actor with the smaller clock moves next; samples finished at sampler time t
+  become visible to the learner at learner time >= t; a push made at the end of a learner step
+  becomes visible to the sampler at its first step boundary after the push's arrival time (a
+  round-based sampler installs, when a round starts, the newest version that has arrived; a
+  version superseded while a round runs is skipped). Same seed, same run. Every rule it applies
+  is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
+- `run_threaded`: the sampler loop runs in its own thread, grading in a grader thread (off the
+  sampler's serial path) and the learner loop in the calling thread, on the real clock. Every
+  wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured interval
+  between batches) whose error says what was awaited; an exception on any side stops all and is
+  re-raised in the caller with its original traceback. With a `CostRecorder` it times every
+  operation for the measured cost model (`rlax_pipe.costs.fit`); an operation during which XLA
+  compiled anything (any thread, `CompileCounter`) is flagged and left out of the fit.
 
 Both record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
-wait_batch, channel: push) and call `on_step(result, now)` after every learner step (logging,
-evaluation, checkpoints).
+wait_batch/hooks, channel: push) and call `on_step(result, now)` after every learner step
+(logging, evaluation, checkpoints). Both check every sampler step for samples lost in flight
+and, under policy `drop`, abort groups that became too stale (`RolloutWorker`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
+import queue as queue_lib
 import threading
 import time
 from typing import Callable
 
 from absl import logging
+import jax
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import QueueClosed, rollout_from_dict, rollout_to_dict
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
@@ -36,6 +48,44 @@ from rlax_pipe.pipeline.trainer import StepResult, Trainer
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 OnStep = Callable[[StepResult, float], None]
+
+# jax.monitoring events whose durations are XLA compile work (tracing, lowering, compiling).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/jaxpr_trace_duration")
+
+
+class CompileCounter:
+  """Counts compile events of this process (any thread) and their seconds while active, and
+  hands each one's interval [end - duration, end] (perf_counter seconds) to `on_compile`.
+
+  Example:
+    with CompileCounter() as compiles:
+      ...                      # compiles.count, compiles.seconds
+  """
+
+  def __init__(self, on_compile: Callable[[float, float], None] | None = None):
+    self.count, self.seconds = 0, 0.0
+    self._on_compile = on_compile
+
+  def _listener(self, event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    if event in COMPILE_EVENTS:
+      self.count += 1
+      self.seconds += duration
+      if self._on_compile is not None:
+        end = time.perf_counter()
+        self._on_compile(end - duration, end)
+
+  def __enter__(self) -> CompileCounter:
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+# Limit of the first waits of a run whose wait_timeout_s is None (they include XLA compiles).
+STARTUP_WAIT_S = 900.0
 
 
 @dataclasses.dataclass
@@ -50,6 +100,7 @@ class VirtualState:
     next_seq: next sequence number for `transit` ties.
     pending_arrival: arrival time of the version waiting in the weight channel, or None.
     learner_must_act: the sampler is stuck at t_s == t_l; the learner moves next.
+    installs: weight swaps applied since the last engine step (charged to it).
   """
 
   t_s: float = 0.0
@@ -58,11 +109,13 @@ class VirtualState:
   next_seq: int = 0
   pending_arrival: float | None = None
   learner_must_act: bool = False
+  installs: int = 0
 
   def state_dict(self) -> dict:
     """JSON-able copy (rollouts in transit included)."""
     return {"t_s": self.t_s, "t_l": self.t_l, "next_seq": self.next_seq,
             "pending_arrival": self.pending_arrival, "learner_must_act": self.learner_must_act,
+            "installs": self.installs,
             "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
 
   def load_state_dict(self, state: dict) -> None:
@@ -70,6 +123,7 @@ class VirtualState:
     self.t_s, self.t_l = float(state["t_s"]), float(state["t_l"])
     self.next_seq, self.pending_arrival = int(state["next_seq"]), state["pending_arrival"]
     self.learner_must_act = bool(state["learner_must_act"])
+    self.installs = int(state.get("installs", 0))
     self.transit = [(t, n, rollout_from_dict(r)) for t, n, r in state["transit"]]
 
 
@@ -87,11 +141,30 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
           "groups_per_step and the sampler's slots allow a full batch.")
 
 
+def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
+  """The cost-model features of one engine step from the engine's counters before and after
+  it (`SamplerStats`); one decode step per dispatch when the engine does not count dispatches."""
+  steps = after.decode_steps - before.decode_steps
+  dispatches = (after.dispatches - before.dispatches if hasattr(after, "dispatches")
+                else steps)
+  return costs_lib.EngineStep(
+      installs=installs, prefill_calls=after.prefill_calls - before.prefill_calls,
+      prefill_tokens=after.prefill_tokens - before.prefill_tokens, dispatches=dispatches,
+      decode_steps=steps, slot_steps=after.generated_tokens - before.generated_tokens,
+      live_token_steps=after.live_token_steps - before.live_token_steps)
+
+
+def _sampler_housekeeping(worker: RolloutWorker) -> None:
+  worker.check_lost()
+  worker.abort_too_stale()
+
+
 def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,
                      cfg: PipelineConfig, timeline: timeline_lib.Timeline, num_steps: int,
                      on_step: OnStep, start_time: float = 0.0,
                      sampler_clock: timeline_lib.VirtualClock | None = None,
-                     state: VirtualState | None = None) -> float:
+                     state: VirtualState | None = None,
+                     cost: costs_lib.CostModel | None = None) -> float:
   """Runs `num_steps` learner steps on virtual clocks (see module docstring).
 
   Args:
@@ -99,6 +172,7 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
       rollout timings are in virtual seconds).
     state: the interleaving state to continue from and to update in place (a resumed run passes
       the checkpointed one); None = a fresh one starting at `start_time`.
+    cost: the cost model (default `cfg.resolved_cost_model()`).
 
   Returns:
     The virtual time (seconds) at which the last learner step and its push completed.
@@ -106,40 +180,40 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
   Raises:
     DeadlockError: when neither side can move.
   """
-  cost, engine = cfg.cost_model, worker.engine
+  cost = cost or cfg.resolved_cost_model()
+  engine = worker.engine
   st = state if state is not None else VirtualState(t_s=start_time, t_l=start_time)
   steps_done = 0
 
   def deliver(now: float):
-    if st.pending_arrival is not None and st.pending_arrival <= now and (
-        worker.may_install_weights()):
-      w = channel.take(timeout=cfg.wait_timeout_s)
-      worker.install(w)
+    if rules.weights_deliverable(st.pending_arrival, now, worker.may_install_weights()):
+      worker.install(channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
       st.pending_arrival = None
+      st.installs += 1
 
   while steps_done < num_steps:
-    if st.t_s < st.t_l or (st.t_s == st.t_l and not st.learner_must_act):
+    if rules.sampler_moves_next(st.t_s, st.t_l, st.learner_must_act):
       if sampler_clock is not None:
         sampler_clock.set(st.t_s)
       deliver(st.t_s)
+      _sampler_housekeeping(worker)
       worker.top_up()
       if engine.has_work:
         before = engine.stats()
         finished = worker.step()
-        after = engine.stats()
-        prefill_s = cost.prefill_per_token_s * (after.prefill_tokens - before.prefill_tokens)
-        active = after.generated_tokens - before.generated_tokens
+        feats = engine_features(before, engine.stats(), st.installs)
+        prefill_s, rest_s = cost.engine_step(feats)
+        st.installs = 0
         if prefill_s > 0:
           timeline.record("sampler", "prefill", st.t_s, st.t_s + prefill_s)
         st.t_s += prefill_s
         if sampler_clock is not None:
           sampler_clock.set(st.t_s)
-        if active:  # a dispatch of n decode steps: n fixed costs + one per generated token
-          steps = max(after.decode_steps - before.decode_steps, 1)
-          dt = steps * cost.decode(active / steps)
-          timeline.record("sampler", "decode", st.t_s, st.t_s + dt,
-                          slots_active=round(active / steps), slots_total=engine.num_slots)
-          st.t_s += dt
+        if feats.decode_steps:  # a dispatch of K decode steps (slots: mean over its steps)
+          timeline.record("sampler", "decode", st.t_s, st.t_s + rest_s,
+                          slots_active=round(feats.slot_steps / feats.decode_steps),
+                          slots_total=engine.num_slots)
+        st.t_s += rest_s
         for r in finished:
           heapq.heappush(st.transit, (st.t_s, st.next_seq, r))
           st.next_seq += 1
@@ -165,75 +239,148 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         continue
       st.learner_must_act = False
       result = trainer.train_on(groups)
-      dt = cost.train(result.completion_tokens)
+      dt = cost.train(result.processed_rows * cfg.seq_len, result.micro_batches)
+      push = cost.push(result.push_bytes)
       timeline.record("learner", "train_step", st.t_l, st.t_l + dt)
-      timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + cost.push_s)
-      st.t_l += dt + cost.push_s
+      timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + push)
+      st.t_l += dt + push
       st.pending_arrival = st.t_l
       steps_done += 1
       on_step(result, st.t_l)
   return st.t_l
 
 
+def wait_timeout(cfg: PipelineConfig, intervals) -> float:
+  """The limit of the learner's next wait for a batch: `cfg.wait_timeout_s` when set, else
+  `wait_timeout_factor` x the longest recent interval between batches (seconds), at least
+  `wait_timeout_floor_s`; `STARTUP_WAIT_S` before any interval was measured."""
+  if cfg.wait_timeout_s is not None:
+    return cfg.wait_timeout_s
+  if not intervals:
+    return STARTUP_WAIT_S
+  return max(cfg.wait_timeout_floor_s, cfg.wait_timeout_factor * max(intervals))
+
+
+class _Grader:
+  """Grades finished rollouts on its own thread and puts them into the queue, so the sampler
+  loop never waits for verifiers."""
+
+  def __init__(self, worker: RolloutWorker, trainer: Trainer, errors: list):
+    self._worker, self._trainer, self._errors = worker, trainer, errors
+    self._inbox: queue_lib.Queue = queue_lib.Queue()
+    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-grader", daemon=True)
+    self._thread.start()
+
+  def submit(self, rollouts) -> None:
+    if rollouts:
+      self._inbox.put(list(rollouts))
+
+  def _loop(self) -> None:
+    try:
+      while (batch := self._inbox.get()) is not None:
+        for r in self._worker.grade_batch(batch):
+          self._trainer.queue.put(r)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._errors.append(e)
+      self._trainer.queue.close()
+
+  def close(self, timeout: float) -> None:
+    self._inbox.put(None)
+    self._thread.join(timeout=timeout)
+
+
 def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,
                  cfg: PipelineConfig, timeline: timeline_lib.Timeline, num_steps: int,
-                 on_step: OnStep) -> float:
+                 on_step: OnStep, recorder: costs_lib.CostRecorder | None = None) -> float:
   """Runs `num_steps` learner steps with the sampler loop in a background thread.
+
+  Args:
+    recorder: if given, every sampler-loop iteration that runs the engine, every train step,
+      push and the learner's host work per step are recorded for `costs.fit_cost_model`.
 
   Returns:
     Wall-clock time (seconds, the timeline's clock) at the end.
 
   Raises:
-    Whatever either side raised (the sampler's exception with its traceback); `QueueTimeout`
-    when no batch arrives within `cfg.wait_timeout_s`.
+    Whatever any side raised (the sampler's or grader's exception with its traceback);
+    `QueueTimeout` when no batch arrives within the wait limit (`wait_timeout`).
   """
   engine = worker.engine
   stop = threading.Event()
   errors: list[BaseException] = []
   clock = timeline.now
+  grader = _Grader(worker, trainer, errors)
 
   def sampler_loop():
     try:
       while not stop.is_set():
+        t0 = time.perf_counter()
+        installs = 0
         if worker.may_install_weights():
           w = channel.try_take()
           if w is not None:
             worker.install(w)
+            installs = 1
+        _sampler_housekeeping(worker)
         worker.top_up()
         if engine.has_work:
-          for r in worker.step():
-            trainer.queue.put(r)
+          before = engine.stats()
+          finished = worker.engine_step()
+          after = engine.stats()
+          grader.submit(finished)
+          if recorder is not None:
+            f = engine_features(before, after, installs)
+            recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                            **dataclasses.asdict(f))
         else:
-          t0 = clock()
+          t_wait = clock()
           time.sleep(0.002)
-          timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t0, clock())
+          timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, clock())
     except BaseException as e:  # pylint: disable=broad-except
       errors.append(e)
       trainer.queue.close()
 
+  compiles = CompileCounter(recorder.add_compile if recorder is not None else None).__enter__()
   thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
   thread.start()
+  intervals: collections.deque[float] = collections.deque(maxlen=20)
+  last_batch = None
   try:
     for _ in range(num_steps):
       t0 = clock()
       try:
         groups = trainer.queue.get_batch(cfg.groups_per_step, trainer.learner.version,
-                                         timeout=cfg.wait_timeout_s)
+                                         timeout=wait_timeout(cfg, intervals))
       except QueueClosed:
         if errors:
           raise errors[0]  # pylint: disable=raise-missing-from
         raise
       t1 = clock()
+      if last_batch is not None:
+        intervals.append(t1 - last_batch)
+      last_batch = t1
       timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
       result = trainer.train_on(groups)
       t2 = clock()
       timeline.record("learner", "train_step", t1, t2)
       on_step(result, t2)
+      t3 = clock()
+      timeline.record("learner", "hooks", t2, t3)
+      if recorder is not None:  # (the timeline's clock is perf_counter in threaded mode)
+        recorder.record("train_step", result.train_s, start_s=t1 + result.build_s,
+                        tokens=result.processed_rows * cfg.seq_len,
+                        micro_batches=result.micro_batches)
+        recorder.record("push", result.push_s, start_s=t2 - result.push_s,
+                        bytes=result.push_bytes)
+        recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
       if errors:
         raise errors[0]
   finally:
     stop.set()
-    thread.join(timeout=cfg.wait_timeout_s)
+    limit = cfg.wait_timeout_s or STARTUP_WAIT_S
+    thread.join(timeout=limit)
     if thread.is_alive():
-      logging.error("sampler thread did not stop within %.0f s", cfg.wait_timeout_s)
+      logging.error("sampler thread did not stop within %.0f s", limit)
+    grader.close(timeout=limit)
+    compiles.__exit__()
   return clock()

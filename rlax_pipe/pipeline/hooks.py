@@ -16,6 +16,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import evaluation
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import model_dir
@@ -52,6 +53,26 @@ def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
     return 0.0, 0
   lags = np.arange(counts.shape[0])
   return float((counts * lags).sum() / total), int(lags[counts > 0].max())
+
+
+def sample_lag_stats(result: StepResult) -> tuple[float, int]:
+  """(mean, max) per-sample staleness of a step's trained samples: the lag of each sample's
+  oldest token, v - min(policy_versions), at the version v the batch was trained at
+  (Applied Compute's definition; DESIGN.md "Staleness"). Samples without a reward (not trained)
+  and without tokens are left out; (0.0, 0) when none is left."""
+  v = result.version - 1
+  lags = [v - int(r.policy_versions.min()) for r in result.rollouts
+          if r.policy_versions.size and not np.isnan(r.reward)]
+  return (float(np.mean(lags)), int(max(lags))) if lags else (0.0, 0)
+
+
+def sampler_idle(idle: dict[str, float]) -> float:
+  """Idle fraction of the sampler: its lane, or the mean over the replicas' lanes ("sampler/r"
+  in a multi-process job); NaN without any."""
+  if "sampler" in idle:
+    return idle["sampler"]
+  lanes = [v for k, v in idle.items() if k.startswith("sampler/")]
+  return float(np.mean(lanes)) if lanes else float("nan")
 
 
 def clock_name(job: Job) -> str:
@@ -147,8 +168,10 @@ class TrainLog:
     self.steps_this_session += 1
     step, m, pcfg = job.learner.step, result.metrics, job.cfg.pipeline
     lag_mean, lag_max = lag_stats(m["lag_hist"])
-    versions = np.concatenate([r.policy_versions for r in result.rollouts])
-    summary = timeline_lib.summarize(job.timeline.spans())
+    sample_lags = sample_lag_stats(result)
+    versions = np.concatenate([r.policy_versions for r in result.rollouts]) if result.rollouts \
+        else np.zeros(0, np.int32)
+    summary = job.timeline.summary()  # running totals: O(1) per step, not O(spans)
     wall = job.clock.wall_s()
     self.eta.step(wall)
     eta = self.eta.seconds_left(wall, pcfg.num_steps - step,
@@ -159,13 +182,16 @@ class TrainLog:
         **clock_rows(job, time_s, stats.trained_tokens),
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
         "completion_tokens": result.completion_tokens,
-        "lag_mean": lag_mean, "lag_max": lag_max,
+        "token_lag_mean": lag_mean, "token_lag_max": lag_max,
+        "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
-        "idle_sampler": summary.idle.get("sampler", float("nan")),
+        "idle_sampler": sampler_idle(summary.idle),
         "idle_learner": summary.idle.get("learner", float("nan")),
         "slot_occupancy": summary.slot_occupancy,
         "wasted_tokens": stats.waste.wasted_tokens,
+        "rejected_samples": stats.rejected_samples,  # duplicates / foreign samples, whole run
+        "lost_groups": stats.waste.lost_groups,
         "eta_s": eta,
     }
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
@@ -175,6 +201,7 @@ class TrainLog:
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
+    row["prompt_lengths"] = [int(r.prompt_tokens.shape[0]) for r in result.rollouts]
     job.run_dir.log(row, step)
     logging.info("%s", progress_line(job, row))
 
@@ -200,8 +227,8 @@ def progress_line(job: Job, row: dict) -> str:
   eta = ("ETA -- (after step 2; step 1 includes compiles)" if row["eta_s"] is None
          else f"ETA {_duration(row['eta_s'])}")
   return (f"step {row['step']}/{num_steps} ({pct:.0f}%)  v{row['version']}  reward "
-          f"{row['reward_mean']:.3f}  held-out {held}  lag mean {row['lag_mean']:.2f} max "
-          f"{row['lag_max']}  ESS {row.get('ess', float('nan')):.3f}  |  {clock}  |  measured "
+          f"{row['reward_mean']:.3f}  held-out {held}  token lag mean {row['token_lag_mean']:.2f} max "
+          f"{row['token_lag_max']}  ESS {row.get('ess', float('nan')):.3f}  |  {clock}  |  measured "
           f"{_duration(row['wall_s'])} elapsed, {eta}")
 
 
@@ -218,8 +245,10 @@ class Evaluation:
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    self.engine = SamplerEngine(job.model, eval_cfg, job.learner.params,
-                                version=job.learner.version, mesh=job.learner_mesh)
+    version, params = self._params(job)
+    self.engine = SamplerEngine(job.model, eval_cfg,
+                                WeightUpdate(version, params, params_owned(job)),
+                                mesh=job.eval_mesh or job.learner_mesh)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
 
@@ -227,7 +256,7 @@ class Evaluation:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(job.learner.version, job.learner.params))
+      self.engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     seconds = time.perf_counter() - t0
@@ -245,6 +274,12 @@ class Evaluation:
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
 
+  @staticmethod
+  def _params(job: Job) -> tuple[int, object]:
+    if job.eval_params is not None:
+      return job.eval_params()
+    return job.learner.version, job.learner.params
+
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
     step, pcfg = job.learner.step, job.cfg.pipeline
@@ -253,6 +288,12 @@ class Evaluation:
 
   def on_end(self, job: Job, time_s: float) -> None:
     self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+
+
+def params_owned(job: Job) -> bool:
+  """Whether the evaluation engine owns (and frees) the params it gets: copies made for it do,
+  the learner's own params do not."""
+  return job.eval_params is not None
 
 
 class Checkpoint:
@@ -267,6 +308,25 @@ class Checkpoint:
     job.save(time_s)
     job.learner.close()
     job.worker.close()
+
+
+def save_cost_fit(job: Job) -> dict | None:
+  """Threaded runs: writes the timed operations (cost_records.jsonl) and the cost model fitted
+  to them with confidence intervals (cost_fit.json, `costs.fit_cost_model`) into the run
+  directory; returns the fit's dict (None without records)."""
+  rec = job.cost_recorder
+  if rec is None or not rec.records():
+    return None
+  rd = job.run_dir.path
+  rec.to_jsonl(rd / "cost_records.jsonl")
+  pcfg = job.cfg.pipeline
+  fit = costs_lib.fit_cost_model(
+      rec.records(), source=(f"measured: threaded {pcfg.driver} run {rd}, "
+                             f"{job.cfg.num_sampler_devices} sampler + "
+                             f"{job.cfg.num_learner_devices} learner devices "
+                             f"({jax.devices()[0].device_kind})"))
+  fit.save(rd / "cost_fit.json")
+  return fit.to_dict()
 
 
 class Export:
@@ -285,12 +345,15 @@ class Export:
                       type(job.model).__name__)
       return
     path = job.run_dir.path / "hf"
-    model_dir.export_model_dir(path, jax.device_get(job.learner.params), job.model.cfg, job.tok)
+    # The learner's params, or (multi-process job) the lead's own copy of the newest version.
+    _, params = Evaluation._params(job)  # pylint: disable=protected-access
+    model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
 
 
 class Report:
-  """At the end: timeline.jsonl, Gantt chart and plots, and the run summary (summary.json)."""
+  """At the end: timeline.jsonl, Gantt chart and plots, the cost records and the fitted cost
+  model of a threaded run, and the run summary (summary.json)."""
 
   def __init__(self, evaluation_hook: Evaluation):
     self._eval = evaluation_hook
@@ -304,8 +367,8 @@ class Report:
     rows = rd.read_metrics()
     evals = [r for r in rows if r["kind"] == "eval"]
     spans = job.timeline.spans()
-    job.timeline.to_jsonl(str(rd.path / "timeline.jsonl"))
-    summary = timeline_lib.summarize(spans) if spans else None
+    job.timeline.flush()  # timeline.jsonl: the spans not yet appended
+    summary = job.timeline.summary() if spans else None
     clock = plots.CLOCK_LABELS[clock_name(job)]
     if spans:
       timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
@@ -313,7 +376,9 @@ class Report:
                               xlabel=f"run time (s, {clock})")
     plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
+    plots.plot_staleness(rows, str(rd.path / "staleness.png"))
     plots.plot_idle(rows, str(rd.path / "idle.png"))
+    save_cost_fit(job)
     rd.close()
     out = {
         "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,

@@ -6,6 +6,7 @@ sampler engine, rollout queue, rollout worker and trainer (restoring them with `
 protocol, `state_dict()` / `load_state_dict(state)`:
 
   learner            TrainState (orbax checkpoint, `Learner.save` / `restore`)
+  sampling PRNG      the engine's keys (`rng_state`), in every mode   } JSON beside the learner
   queue, admission   `RolloutQueue` (staleness admission inside)    } JSON beside the learner
   worker, task iter. `RolloutWorker` (prompt / group / sample ids)  } checkpoint ("extra")
   engine, scheduler, allocator   `SamplerEngine` (the other two inside)   } reproducible runs:
@@ -34,6 +35,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import model_dir
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
@@ -117,7 +119,7 @@ class Job:
 
   cfg: RunConfig
   given_cfg: RunConfig
-  plan: devices_lib.DevicePlan
+  plan: devices_lib.DevicePlan | None  # None in a multi-process job (its topology.json)
   run_dir: RunDir
   tok: tokenizer_lib.Tokenizer
   task: Any
@@ -135,6 +137,12 @@ class Job:
   clock: JobClock
   start_step: int
   last_eval: float | None
+  cost_recorder: costs_lib.CostRecorder | None = None  # threaded mode: timed operations
+  # Held-out evaluation: the mesh of its engine (None = the learner mesh) and a function giving
+  # (version, params) for it (None = the learner's own params). A multi-process job evaluates on
+  # the lead's own devices with a copy of its staging params.
+  eval_mesh: Any = None
+  eval_params: Callable[[], tuple[int, Any]] | None = None
 
   @property
   def reproducible(self) -> bool:
@@ -151,10 +159,12 @@ class Job:
     live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
     extra = {"worker": self.worker.state_dict(), "queue": queue_state,
              "in_flight_groups": [int(g) for g in live if g not in queued],
+             "sampler_rng": to_jsonable(self.engine.rng_state()),
              "time_s": time_s, "last_eval": self.last_eval,
              "config": to_jsonable(self.given_cfg)}
     step = self.learner.save(to_jsonable(extra))
     if not self.reproducible:
+      self.timeline.flush()  # appended, never rewritten
       return
     save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
                                        "clock": self.vstate.state_dict(),
@@ -163,6 +173,14 @@ class Job:
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
     for old in steps[:-self.cfg.learner.checkpoint.keep]:
       shutil.rmtree(self._state_dir(old), ignore_errors=True)
+
+
+def engine_keys(saved: Any) -> list:
+  """The engine keys in a checkpoint's "sampler_rng": a list (single process), or a multi-process
+  job's {"replicas": [...]} (its first replica's keys)."""
+  if isinstance(saved, dict):
+    return next((k for k in saved.get("replicas", []) if k is not None), [])
+  return saved
 
 
 def _sampler_target(model: Model, mesh) -> Any:
@@ -180,7 +198,20 @@ def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | Non
   extra = learner.restore()
   record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
+  log_restore_fallback(learner, rd)
   return extra
+
+
+def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
+  """A resume that fell back past corrupt checkpoints says so in metrics.jsonl (kind
+  "checkpoint_fallback": the step restored, the steps skipped and why) besides the log."""
+  info = learner.last_restore
+  if info is None or not info.skipped:
+    return
+  logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
+                info.step, list(info.skipped), "; ".join(info.skip_reasons))
+  rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
+          "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
 
 
 def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
@@ -385,9 +416,14 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   if state is not None:
     vstate.load_state_dict(state["clock"])
   sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
-  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter)
+  timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
+                                   path=rd.path / "timeline.jsonl", truncate=state is None)
   channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
                                    sampler_clock, timeline)
+  if state is None and extra and extra.get("sampler_rng") is not None:
+    # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
+    # would otherwise replay the first run's stream from key(seed)).
+    engine.load_rng_state(engine_keys(extra["sampler_rng"]))
   queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
            else RolloutQueue(pcfg.staleness, pcfg.group_size))
   worker = RolloutWorker(engine, task, tok, queue, pcfg)  # one worker: it owns verifier processes
@@ -398,6 +434,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
         queue.discard_group(int(gid))
       worker_state["round_open"] = 0  # and their round with them: a new round starts
       worker_state["truncated"] = []
+      worker_state["outstanding"] = []
+      worker_state["detached"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,
@@ -405,4 +443,5 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
              queue=queue, worker=worker, trainer=trainer, timeline=timeline,
              sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
-             last_eval=extra.get("last_eval") if extra else None)
+             last_eval=extra.get("last_eval") if extra else None,
+             cost_recorder=None if reproducible else costs_lib.CostRecorder())

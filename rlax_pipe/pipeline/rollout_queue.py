@@ -2,22 +2,30 @@
 
 The sampler `put`s every finished `Rollout` (aborted ones too, with finish_reason "aborted"); a
 group is ready once all `group_size` samples arrived. The learner `get_batch`es the oldest ready
-groups. Under policy `block` the sampler asks `try_admit` before starting a group. The staleness
-decisions are the pure functions of `staleness.py`; this class only adds storage, a lock and a
-condition variable. Use it threaded (`get_batch` with a timeout) or from one thread in a
-deterministic interleaving (`try_get_batch`).
+groups. The sampler asks `try_admit` before starting a group (naming its sample ids). The
+staleness decisions are the pure functions of `staleness.py`; this class only adds storage, a
+lock and a condition variable. Use it threaded (`get_batch` with a timeout) or from one thread in
+a deterministic interleaving (`try_get_batch`).
 
 "Oldest" means smallest oldest-token policy version, ties broken by the order in which groups
-became ready (FIFO).
+became ready (FIFO). Every event costs O(log n) in the number of live groups: ready groups sit
+in a heap keyed by (oldest version, arrival), admission in `staleness.AdmissionLedger`.
+
+Lost and duplicated samples (issue #14 item 9): a sample put twice, a sample of a group that is
+already complete (ready, trained or discarded) and a sample the group was not admitted with are
+rejected and counted (`QueueStats.rejected_samples`), never fatal and never reopening a group.
+`missing_samples` names the samples a group still waits for; `discard_group(..., "lost")` gives
+up on a group whose samples will not come (counted as waste reason "lost").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -25,6 +33,9 @@ from rlax_pipe.pipeline import staleness
 from rlax_pipe.types import Rollout
 
 Group = tuple[Rollout, ...]
+
+
+_COMPLETE_KEPT = 1 << 14
 
 
 class QueueTimeout(TimeoutError):
@@ -47,6 +58,8 @@ class QueueStats:
     trained_groups, trained_samples, trained_tokens: handed to the learner (completion tokens).
     learner_version: newest learner version the queue has been told about.
     waste: discarded work, by reason.
+    rejected_samples: samples put twice, put after their group was complete, or not of their
+      group's admitted sample ids (rejected, not stored).
   """
 
   ready_groups: int
@@ -58,6 +71,7 @@ class QueueStats:
   trained_tokens: int
   learner_version: int
   waste: staleness.WasteCounters
+  rejected_samples: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +109,8 @@ def rollout_from_dict(d: dict[str, Any]) -> Rollout:
 
 
 def _check_format(state: dict[str, Any]) -> None:
-  if state.get("format") != 1:
-    raise ValueError(f"RolloutQueue state: unknown format {state.get('format')!r} (expected 1).")
+  if state.get("format") not in (1, 2):
+    raise ValueError(f"RolloutQueue state: unknown format {state.get('format')!r} (expected 2).")
 
 
 class RolloutQueue:
@@ -104,7 +118,7 @@ class RolloutQueue:
 
   Example (deterministic, one thread):
     q = RolloutQueue(StalenessConfig("block", max_lag=1, groups_per_step=2), group_size=4)
-    if q.try_admit(group_id=0, sampler_version=0): ...start 4 samples of group 0...
+    if q.try_admit(group_id=0, sampler_version=0, sample_ids=range(4)): ...start the samples...
     q.put(rollout)                                  # for each finished sample
     batch = q.try_get_batch(2, learner_version=0)   # None until 2 fresh groups are ready
   """
@@ -123,15 +137,26 @@ class RolloutQueue:
       raise ValueError(f"RolloutQueue: group_size={group_size} must be >= 1.")
     self._config, self._group_size = config, group_size
     self._cond = threading.Condition()
+    self._reset()
+
+  def _reset(self) -> None:
     self._partial: dict[int, list[Rollout]] = {}
-    self._ready: list[_Ready] = []
+    self._ready: dict[int, _Ready] = {}          # group id -> ready group
+    self._heap: list[tuple[int, int, int]] = []  # (oldest version, seq, group id), lazy
     self._abandoned: dict[int, int] = {}  # group id -> samples still expected
+    self._abandon_reason: dict[int, str] = {}
+    self._expected: dict[int, tuple[int, ...]] = {}  # live group id -> its sample ids
+    # Groups that were ready, trained or discarded: the newest _COMPLETE_KEPT of them, so a late
+    # duplicate is rejected instead of reopening its group.
+    self._complete: dict[int, None] = {}
+    self._ready_live = 0  # ready groups that are live in the admission ledger
     self._seq = 0
     self._learner_version = 0
     self._last_batch_version = -1  # version the newest handed-out batch is trained at
-    self._admission = staleness.admission_init()
+    self._admission = staleness.AdmissionLedger()
     self._waste = staleness.WasteCounters()
     self._trained = [0, 0, 0]  # groups, samples, tokens
+    self._rejected = 0
     self._closed = False
 
   @property
@@ -141,34 +166,51 @@ class RolloutQueue:
 
   # ------------------------------------------------------------------ sampler side
 
-  def try_admit(self, group_id: int, sampler_version: int) -> bool:
+  def try_admit(self, group_id: int, sampler_version: int,
+                sample_ids: Iterable[int] | None = None) -> bool:
     """Asks to start prompt group `group_id` with the sampler's current weights version.
 
     Under `block` and `learner-wait` this applies `staleness.can_admit`; other policies always
-    admit. Admitted
-    groups are tracked so that the bound holds and waits can report what is in flight.
+    admit. Admitted groups are tracked so that the bound holds and waits can report what is in
+    flight.
+
+    Args:
+      group_id: the group.
+      sampler_version: the version the sampler decodes with now.
+      sample_ids: the group's sample ids (so that missing and foreign samples can be named);
+        None = not tracked.
 
     Returns:
       True if the group was admitted (start it now), False if it must wait.
 
     Raises:
-      ValueError: if `group_id` is already live.
+      ValueError: if `group_id` is already live, or `sample_ids` has not `group_size` ids.
     """
+    ids = None if sample_ids is None else tuple(int(i) for i in sample_ids)
+    if ids is not None and len(ids) != self._group_size:
+      raise ValueError(f"RolloutQueue.try_admit: group {group_id} has {len(ids)} sample ids, "
+                       f"group_size is {self._group_size}.")
     with self._cond:
       nxt = self._next_train_version_locked()
-      if not staleness.can_admit(self._admission, sampler_version, self._config, nxt):
+      if not self._admission.can_admit(sampler_version, self._config, nxt):
         return False
-      self._admission = staleness.admission_admit(
-          self._admission, group_id, sampler_version, self._config, nxt)
+      self._admission.admit(group_id, sampler_version, self._config, nxt)
+      if ids is not None:
+        self._expected[group_id] = ids
       return True
 
   def admission_headroom(self, sampler_version: int) -> int | None:
     """How many more groups may be admitted now (None = unlimited)."""
     with self._cond:
-      return staleness.admission_headroom(self._admission, sampler_version, self._config,
-                                          self._next_train_version_locked())
+      return self._admission.headroom(sampler_version, self._config,
+                                      self._next_train_version_locked())
 
-  def put(self, rollout: Rollout, learner_version: int | None = None) -> None:
+  def next_train_version(self) -> int:
+    """Smallest version the learner's next batch can be trained at."""
+    with self._cond:
+      return self._next_train_version_locked()
+
+  def put(self, rollout: Rollout, learner_version: int | None = None) -> bool:
     """Adds one finished sample; completes, drops or holds its group.
 
     A complete group is discarded if any sample was aborted (reason "aborted"), if no sample has a
@@ -182,28 +224,35 @@ class RolloutQueue:
       learner_version: the learner's current version if the caller knows it (else the newest
         version seen by `get_batch` / `set_learner_version` is used).
 
-    Raises:
-      ValueError: if the group already holds a sample with the same sample_id.
+    Returns:
+      False when the sample was rejected (a duplicate, a sample of a complete group, or not one
+      of its group's admitted sample ids) and counted in `rejected_samples`; True otherwise.
     """
     with self._cond:
       if learner_version is not None:
         self._learner_version = max(self._learner_version, learner_version)
       gid = rollout.group_id
       if gid in self._abandoned:
-        self._waste = staleness.count_waste(self._waste, "aborted", 0, 1,
-                                            rollout.num_completion_tokens)
+        self._waste = staleness.count_waste(self._waste, self._abandon_reason.get(gid, "aborted"),
+                                            0, 1, rollout.num_completion_tokens)
         self._abandoned[gid] -= 1
         if self._abandoned[gid] <= 0:
           del self._abandoned[gid]
-        return
-      members = self._partial.setdefault(gid, [])
-      if any(r.sample_id == rollout.sample_id for r in members):
-        raise ValueError(f"RolloutQueue.put: sample {rollout.sample_id} of group {gid} was "
-                         "already put.")
+          self._abandon_reason.pop(gid, None)
+        return True
+      members = self._partial.get(gid, [])
+      expected = self._expected.get(gid)
+      if (gid in self._complete or any(r.sample_id == rollout.sample_id for r in members)
+          or (expected is not None and rollout.sample_id not in expected)):
+        self._rejected += 1
+        return False
+      self._partial[gid] = members
       members.append(rollout)
       if len(members) < self._group_size:
-        return
+        return True
       group = tuple(sorted(self._partial.pop(gid), key=lambda r: r.sample_id))
+      self._mark_complete(gid)
+      self._expected.pop(gid, None)
       if any(r.finish_reason == "aborted" for r in group):
         self._discard([group], "aborted")
       elif all(math.isnan(r.reward) for r in group):
@@ -211,32 +260,46 @@ class RolloutQueue:
       elif staleness.is_too_stale(_oldest(group), self._learner_version, self._config.max_lag):
         self._discard([group], "stale")
       else:
-        self._ready.append(_Ready(self._seq, _oldest(group), group))
+        self._push_ready(_Ready(self._seq, _oldest(group), group))
         self._seq += 1
         overflow = staleness.queue_overflow(len(self._ready), self._config.queue_capacity_groups)
         if overflow:
-          self._ready.sort(key=lambda g: g.key)
-          victims, self._ready = self._ready[:overflow], self._ready[overflow:]
-          self._discard([g.rollouts for g in victims], "overflow")
+          self._discard([self._pop_oldest().rollouts for _ in range(overflow)], "overflow")
       self._cond.notify_all()
+      return True
 
-  def discard_group(self, group_id: int) -> None:
-    """Abandons a group (e.g. its samples were aborted and will not all be put).
+  def missing_samples(self, group_id: int) -> list[int] | None:
+    """Sample ids of a live group that have not been put (None when its ids are not known)."""
+    with self._cond:
+      expected = self._expected.get(group_id)
+      if expected is None:
+        return None
+      arrived = {r.sample_id for r in self._partial.get(group_id, ())}
+      return [i for i in expected if i not in arrived]
 
-    Samples already received are counted as aborted waste; samples of it put later are counted
-    and ignored. Admission is released.
+  def discard_group(self, group_id: int, reason: str = "aborted") -> None:
+    """Abandons a group (its samples were aborted, are too stale, or were lost).
+
+    Samples already received are counted as waste of `reason`; samples of it put later are
+    counted the same way and ignored. Admission is released.
+
+    Raises:
+      ValueError: if `reason` is not a waste reason.
     """
+    if reason not in staleness.WASTE_REASONS:
+      raise ValueError(f"discard_group: reason {reason!r} not in {staleness.WASTE_REASONS}.")
     with self._cond:
       members = self._partial.pop(group_id, [])
-      for i, g in enumerate(self._ready):
-        if g.rollouts[0].group_id == group_id:
-          members = list(self._ready.pop(i).rollouts)
-          break
-      self._waste = staleness.count_waste(self._waste, "aborted", 1, len(members),
+      if group_id in self._ready:
+        members = list(self._remove_ready(group_id).rollouts)
+      self._waste = staleness.count_waste(self._waste, reason, 1, len(members),
                                           _tokens(members))
       remaining = self._group_size - len(members)
-      if remaining > 0:
+      if remaining > 0 and group_id not in self._complete:
         self._abandoned[group_id] = remaining
+        self._abandon_reason[group_id] = reason
+      self._mark_complete(group_id)
+      self._expected.pop(group_id, None)
       self._retire([group_id], trained=False)
       self._cond.notify_all()
 
@@ -246,6 +309,12 @@ class RolloutQueue:
     """Tells the queue the learner's version (used by put-time drops)."""
     with self._cond:
       self._learner_version = max(self._learner_version, learner_version)
+
+  @property
+  def learner_version(self) -> int:
+    """Newest learner version the queue was told about."""
+    with self._cond:
+      return self._learner_version
 
   def try_get_batch(self, num_groups: int, learner_version: int) -> list[Group] | None:
     """Non-blocking `get_batch`: the batch, or None if not enough fresh groups are ready."""
@@ -268,12 +337,12 @@ class RolloutQueue:
 
     Returns:
       `num_groups` groups, oldest first; each group's samples sorted by sample_id. Under
-      `learner-wait` it waits while a due group (`staleness.due_groups`) is still in flight,
+      `learner-wait` it waits while a due group (`staleness.due_bound`) is still in flight,
       puts due groups first, and returns more than `num_groups` groups when more are due.
 
     Raises:
       QueueTimeout: after `timeout`; the message gives groups wanted / ready / partially
-        finished / in flight.
+        finished / in flight, and names samples that have not arrived.
       QueueClosed: if the queue is closed.
       ValueError: if a token's version is newer than `learner_version`, or num_groups is
         invalid.
@@ -293,7 +362,8 @@ class RolloutQueue:
               f"RolloutQueue.get_batch: waited {timeout} s for {num_groups} groups at learner "
               f"version {learner_version}: {len(self._ready)} ready, {len(self._partial)} "
               f"partially finished, {self._in_flight_locked()} admitted and not finished "
-              f"(policy {self._config.policy}, max_lag {self._config.max_lag}).")
+              f"(policy {self._config.policy}, max_lag {self._config.max_lag})"
+              f"{self._missing_text_locked(learner_version)}.")
         self._cond.wait(left)
 
   def close(self) -> None:
@@ -312,27 +382,38 @@ class RolloutQueue:
           in_flight_groups=self._in_flight_locked(),
           admitted_groups=self._admission.num_admitted, trained_groups=self._trained[0],
           trained_samples=self._trained[1], trained_tokens=self._trained[2],
-          learner_version=self._learner_version, waste=self._waste)
+          learner_version=self._learner_version, waste=self._waste,
+          rejected_samples=self._rejected)
+
+  def in_flight_group_ids(self) -> list[int]:
+    """Live groups not yet ready (admitted and not complete), oldest admission first; O(n)."""
+    with self._cond:
+      return [g for g, _ in self._admission.live() if g not in self._ready]
 
   # ------------------------------------------------------------------ resume
 
   def state_dict(self) -> dict[str, Any]:
     """Plain-dict state (config, counters, admission, pending rollouts as numpy) for resume."""
     with self._cond:
+      ready = sorted(self._ready.values(), key=lambda g: g.key)
       return {
-          "format": 1,
+          "format": 2,
           "config": dataclasses.asdict(self._config),
           "group_size": self._group_size,
           "seq": self._seq,
           "learner_version": self._learner_version,
           "last_batch_version": self._last_batch_version,
           "trained": list(self._trained),
+          "rejected": self._rejected,
           "waste": dataclasses.asdict(self._waste),
-          "admission": staleness.admission_to_dict(self._admission),
+          "admission": self._admission.to_dict(),
+          "expected": [[g, list(ids)] for g, ids in self._expected.items()],
           "ready": [{"seq": g.seq, "rollouts": [rollout_to_dict(r) for r in g.rollouts]}
-                    for g in self._ready],
+                    for g in ready],
           "partial": [[rollout_to_dict(r) for r in m] for m in self._partial.values()],
-          "abandoned": [[g, n] for g, n in self._abandoned.items()],
+          "abandoned": [[g, n, self._abandon_reason.get(g, "aborted")]
+                        for g, n in self._abandoned.items()],
+          "complete": list(self._complete),
       }
 
   @classmethod
@@ -364,20 +445,25 @@ class RolloutQueue:
       self._load_locked(state)
 
   def _load_locked(self, state: dict[str, Any]) -> None:
-    self._ready, self._partial = [], {}
+    self._reset()
     self._seq = int(state["seq"])
     self._learner_version = int(state["learner_version"])
     self._last_batch_version = int(state.get("last_batch_version", -1))
     self._trained = [int(x) for x in state["trained"]]
+    self._rejected = int(state.get("rejected", 0))
     self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
-    self._admission = staleness.admission_from_dict(state["admission"])
+    self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
+    self._expected = {int(g): tuple(int(i) for i in ids) for g, ids in state.get("expected", [])}
     for g in state["ready"]:
       rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
-      self._ready.append(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
+      self._push_ready(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
     for members in state["partial"]:
       rs = [rollout_from_dict(d) for d in members]
       self._partial[rs[0].group_id] = rs
-    self._abandoned = {int(g): int(n) for g, n in state["abandoned"]}
+    for entry in state["abandoned"]:
+      self._abandoned[int(entry[0])] = int(entry[1])
+      self._abandon_reason[int(entry[0])] = entry[2] if len(entry) > 2 else "aborted"
+    self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
 
   # ------------------------------------------------------------------ internals
 
@@ -393,48 +479,97 @@ class RolloutQueue:
     return max(self._learner_version, self._last_batch_version + 1)
 
   def _in_flight_locked(self) -> int:
-    ready_ids = {g.rollouts[0].group_id for g in self._ready}
-    return sum(1 for gid, _ in self._admission.live if gid not in ready_ids)
+    return self._admission.num_live - self._ready_live
+
+  def _mark_complete(self, gid: int) -> None:
+    self._complete[gid] = None
+    if len(self._complete) > _COMPLETE_KEPT:
+      del self._complete[next(iter(self._complete))]
+
+  def _push_ready(self, g: _Ready) -> None:
+    gid = g.rollouts[0].group_id
+    self._ready[gid] = g
+    self._ready_live += self._admission.is_live(gid)
+    heapq.heappush(self._heap, (g.oldest_version, g.seq, gid))
+
+  def _remove_ready(self, gid: int) -> _Ready:
+    g = self._ready.pop(gid)
+    self._ready_live -= self._admission.is_live(gid)
+    return g
+
+  def _peek_oldest(self) -> _Ready | None:
+    while self._heap:
+      _, seq, gid = self._heap[0]
+      g = self._ready.get(gid)
+      if g is not None and g.seq == seq:
+        return g
+      heapq.heappop(self._heap)
+    return None
+
+  def _pop_oldest(self) -> _Ready:
+    g = self._peek_oldest()
+    heapq.heappop(self._heap)
+    return self._remove_ready(g.rollouts[0].group_id)
 
   def _retire(self, group_ids, trained: bool):
-    live = {g for g, _ in self._admission.live}
-    ids = [g for g in group_ids if g in live]
+    ids = [g for g in group_ids if self._admission.is_live(g)]
     if ids:
-      self._admission = staleness.admission_retire(self._admission, ids, trained)
+      self._admission.retire(ids, trained)
 
   def _discard(self, groups: list[Group], reason: str):
     for group in groups:
       self._waste = staleness.count_waste(self._waste, reason, 1, len(group), _tokens(group))
     self._retire([g[0].group_id for g in groups], trained=False)
 
+  def _missing_text_locked(self, learner_version: int) -> str:
+    waiting = self._admission.due(learner_version, self._config) or [
+        g for g, _ in self._admission.live()[:8] if g not in self._ready]
+    names = []
+    for gid in waiting[:4]:
+      expected = self._expected.get(gid)
+      if expected is not None:
+        arrived = {r.sample_id for r in self._partial.get(gid, ())}
+        names.append(f"group {gid}: samples {[i for i in expected if i not in arrived]}")
+    return ("; not arrived: " + ", ".join(names)) if names else ""
+
   def _try_get_locked(self, num_groups: int, learner_version: int) -> list[Group] | None:
     self._learner_version = max(self._learner_version, learner_version)
-    self._ready.sort(key=lambda g: g.key)
-    fresh, stale = staleness.partition_by_staleness(
-        [g.oldest_version for g in self._ready], learner_version, self._config.max_lag)
+    stale = []
+    while (g := self._peek_oldest()) is not None and staleness.is_too_stale(
+        g.oldest_version, learner_version, self._config.max_lag):
+      stale.append(self._pop_oldest().rollouts)
     if stale:
-      self._discard([self._ready[i].rollouts for i in stale], "stale")
-      self._ready = [self._ready[i] for i in fresh]
+      self._discard(stale, "stale")
       self._cond.notify_all()
-    due = staleness.due_groups(self._admission, learner_version, self._config)
-    if due:  # learner-wait: every due group must be ready and in this batch, else wait
-      ready_ids = {g.rollouts[0].group_id for g in self._ready}
-      if any(gid not in ready_ids for gid in due):
-        return None
-      first = set(due)
-      self._ready.sort(key=lambda g: (g.rollouts[0].group_id not in first, g.key))
-      num_groups = max(num_groups, len(due))
-    if len(self._ready) < num_groups:
+    due = self._admission.due(learner_version, self._config)
+    if any(gid not in self._ready for gid in due):
+      return None  # learner-wait: every due group must be ready and in this batch
+    take = staleness.batch_size(len(self._ready), len(due), num_groups)
+    if take is None:
       return None
-    groups = [g.rollouts for g in self._ready[:num_groups]]
-    for group in groups:
-      for r in group:
+    chosen = sorted((self._ready[gid] for gid in due), key=lambda g: g.key)
+    due_set = set(due)
+    rest = []
+    while len(chosen) + len(rest) < take:
+      g = self._pop_oldest()
+      if g.rollouts[0].group_id in due_set:
+        continue
+      rest.append(g)
+    chosen += rest
+    for g in chosen:
+      for r in g.rollouts:
         if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
+          for h in chosen:  # put everything back: the failed get loses nothing
+            if h.rollouts[0].group_id not in self._ready:
+              self._push_ready(h)
           raise ValueError(
               f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
               f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
               "version the batch will be trained at.")
-    self._ready = self._ready[num_groups:]
+    for gid in due:
+      if gid in self._ready:
+        self._remove_ready(gid)
+    groups = [g.rollouts for g in chosen]
     self._last_batch_version = max(self._last_batch_version, learner_version)
     self._retire([g[0].group_id for g in groups], trained=True)
     self._trained[0] += len(groups)

@@ -1,16 +1,18 @@
 """Sampler side of a run: feeds prompt groups to the engine, grades finished samples, queues them.
 
 The worker owns the task iterator (prompt, group and sample counters, restorable from a
-checkpoint) and applies the driver's rule for when new groups may start and when new weights may
-be installed:
+checkpoint) and applies the driver's rules for when new groups may start and when new weights may
+be installed: the pure functions of `rules.py` (shared with the simulator) and the staleness
+admission of the queue.
 
-- "pipeline": keep every decode slot busy (new groups are submitted while no more than one
-  group's worth of requests would wait for a slot, and the staleness admission allows it); install
-  new weights at any decode-step boundary.
-- "async-batch": generate in rounds of `groups_per_step` groups; weights are installed only
-  between rounds (so no sample mixes versions).
-- "sync": rounds too, and round r starts only once the weights of version r (trained on rounds
-  0..r-1) are installed, so every token has lag 0.
+Samples that go missing or stale in flight (issue #14 item 9): the worker keeps the requests it
+handed to the engine and not yet got back; when the engine holds fewer than that (an O(1) check
+per step), the missing ones are named and, by `PipelineConfig.lost_sample_policy`, re-dispatched
+(same sample id, same prompt) or their group is discarded (waste reason "lost"); both are
+counted. Under policy `drop` the worker aborts groups in flight whose oldest token is already too
+stale for the learner's next batch (checked when the learner's version changes): with the
+engine's per-request `abort` when it has one, else by discarding the group in the queue so its
+samples are counted and ignored when they finish.
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
 completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, completions cut
@@ -22,10 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from typing import Any, Sequence
+
+from absl import logging
+import numpy as np
 
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe import grading
+from rlax_pipe.pipeline import rules
+from rlax_pipe.pipeline import staleness
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.sampler import Request, SamplerEngine
@@ -76,8 +83,13 @@ class RolloutWorker:
                                  start_method=g.verifier_start_method)
     self._monitor = grading.FailureMonitor(g.max_failure_fraction, g.failure_window)
     self._truncated: set[int] = set()  # sample ids whose prompt was truncated
-    self._lock = threading.Lock()      # per-step counters are read from the learner's thread
+    self._lock = threading.Lock()      # counters (learner thread), _truncated (grader thread)
     self._step_counts = self._zero_counts()
+    # Requests handed to the engine and not returned: sample id -> (group id, prompt index,
+    # prompt ids); checked against the engine for lost samples.
+    self._outstanding: dict[int, tuple[int, int, Any]] = {}
+    self._detached: set[int] = set()  # given-up samples the engine may still be running
+    self._stale_checked_version = -1
 
   @property
   def reward_stats(self) -> RewardStats:
@@ -90,7 +102,8 @@ class RolloutWorker:
 
   @staticmethod
   def _zero_counts() -> dict[str, int]:
-    return dict.fromkeys(("filtered_overlong", "prompts_truncated")
+    return dict.fromkeys(("filtered_overlong", "prompts_truncated", "samples_lost",
+                          "samples_redispatched", "groups_lost", "groups_aborted_stale")
                          + tuple(f"reward_{o}" for o in OUTCOMES), 0)
 
   def _count(self, key: str, n: int = 1) -> None:
@@ -99,8 +112,10 @@ class RolloutWorker:
 
   def pop_metrics(self) -> dict[str, float | int]:
     """Counts since the previous call: `filtered_overlong` (prompts skipped as over-long),
-    `prompts_truncated`, `reward_<outcome>` for each verifier outcome, and `reward_failed_frac`
-    (failed share of those calls; NaN without any call)."""
+    `prompts_truncated`, `reward_<outcome>` for each verifier outcome, `reward_failed_frac`
+    (failed share of those calls; NaN without any call), `samples_lost` (requests the engine no
+    longer held that never came back), `samples_redispatched`, `groups_lost` (discarded for a
+    lost sample) and `groups_aborted_stale` (policy drop, in flight)."""
     with self._lock:
       counts, self._step_counts = self._step_counts, self._zero_counts()
     calls = sum(counts[f"reward_{o}"] for o in OUTCOMES)
@@ -119,39 +134,34 @@ class RolloutWorker:
 
   # ---- rules --------------------------------------------------------------------------------
   def may_install_weights(self) -> bool:
-    """Whether new weights may be installed now (pipeline: always; rounds: between rounds)."""
-    return self.cfg.driver == "pipeline" or not self.engine.has_work
+    """Whether new weights may be installed now (`rules.may_install_weights`)."""
+    return rules.may_install_weights(self.cfg.driver, self.engine.has_work)
 
   def _free_slots(self) -> int:
     e = self.engine
     return e.num_slots - e.num_active - e.num_waiting
 
   def top_up(self) -> int:
-    """Starts as many new prompt groups as the driver's rule and the admission policy allow.
+    """Starts as many new prompt groups as the driver's rule (`rules.begin_top_up`,
+    `rules.may_start_group`) and the admission policy allow.
 
     Returns:
       Number of groups started.
     """
     cfg, c = self.cfg, self.counters
-    if cfg.driver != "pipeline" and self._round_open == 0:
-      if self.engine.has_work:
-        return 0
-      if cfg.driver == "sync" and self.weights_version < c.rounds_started:
-        return 0  # wait for the weights trained on the previous round
-      c.rounds_started += 1
-      self._round_open = cfg.groups_per_step
+    state = rules.RoundState(c.rounds_started, self._round_open)
+    state, ok = rules.begin_top_up(cfg.driver, state, has_work=self.engine.has_work,
+                                   weights_version=self.weights_version,
+                                   groups_per_step=cfg.groups_per_step)
     started = 0
-    while True:
-      if cfg.driver == "pipeline" and self._free_slots() < 0:
-        break  # one group may wait beyond the slots, so a freed slot refills at the next step
-      if cfg.driver != "pipeline" and self._round_open == 0:
-        break
-      if not self.queue.try_admit(c.next_group, self.weights_version):
+    while ok and rules.may_start_group(cfg.driver, state, self._free_slots()):
+      ids = range(c.next_sample, c.next_sample + cfg.group_size)
+      if not self.queue.try_admit(c.next_group, self.weights_version, sample_ids=ids):
         break
       self._submit_group()
+      state = rules.group_started(cfg.driver, state)
       started += 1
-      if cfg.driver != "pipeline":
-        self._round_open -= 1
+    c.rounds_started, self._round_open = state.rounds_started, state.round_open
     return started
 
   def _next_prompt(self) -> grading.PreparedPrompt:
@@ -178,12 +188,89 @@ class RolloutWorker:
       self._count("prompts_truncated")
     for _ in range(self.cfg.group_size):
       if prepared.truncated:
-        self._truncated.add(c.next_sample)
-      self.engine.submit(Request(prompt_tokens=prepared.ids, sample_id=c.next_sample,
-                                 group_id=c.next_group, prompt_index=c.next_prompt))
+        with self._lock:
+          self._truncated.add(c.next_sample)
+      self._submit(c.next_sample, c.next_group, c.next_prompt, prepared.ids)
       c.next_sample += 1
     c.next_group += 1
     c.next_prompt += 1
+
+  def _submit(self, sample_id: int, group_id: int, prompt_index: int, ids) -> None:
+    self.engine.submit(Request(prompt_tokens=ids, sample_id=sample_id, group_id=group_id,
+                               prompt_index=prompt_index))
+    self._outstanding[sample_id] = (group_id, prompt_index, ids)
+
+  # ---- lost and too-stale samples -----------------------------------------------------------
+  def check_lost(self) -> list[int]:
+    """Finds requests the engine no longer holds that never came back (O(1) unless some are
+    missing) and handles them by `PipelineConfig.lost_sample_policy`.
+
+    Returns:
+      The lost sample ids (sorted), re-dispatched or discarded with their group.
+    """
+    e = self.engine
+    if e.num_active + e.num_waiting - len(self._detached) >= len(self._outstanding):
+      return []
+    held = e.unfinished()
+    self._detached &= held.keys()
+    lost = sorted(sid for sid in self._outstanding if sid not in held)
+    if not lost:
+      return []
+    self._count("samples_lost", len(lost))
+    groups = {}
+    for sid in lost:
+      groups.setdefault(self._outstanding[sid][0], []).append(sid)
+    logging.warning("rollout worker: samples %s never came back from the engine (%s).", lost,
+                    self.cfg.lost_sample_policy)
+    for gid, sids in groups.items():
+      if self.cfg.lost_sample_policy == "redispatch":
+        for sid in sids:
+          _, prompt_index, ids = self._outstanding.pop(sid)
+          self._submit(sid, gid, prompt_index, ids)
+        self._count("samples_redispatched", len(sids))
+      else:
+        for sid in sids:
+          self._outstanding.pop(sid)
+        self._abandon_group(gid, "lost")
+        self._count("groups_lost")
+    return lost
+
+  def abort_too_stale(self) -> int:
+    """Policy `drop`: aborts groups in flight whose oldest token is already too stale for the
+    learner's next batch (they could never be trained). Checked once per learner version.
+
+    Returns:
+      Number of groups aborted.
+    """
+    st = self.queue.config
+    if st.policy != "drop" or st.max_lag is None:
+      return 0
+    version = self.queue.next_train_version()
+    if version == self._stale_checked_version:
+      return 0
+    self._stale_checked_version = version
+    doomed = {self._outstanding[sid][0] for sid, oldest in self.engine.unfinished().items()
+              if oldest is not None and sid in self._outstanding
+              and staleness.is_too_stale(oldest, version, st.max_lag)}
+    for gid in sorted(doomed):
+      self._abandon_group(gid, "stale")
+      self._count("groups_aborted_stale")
+    return len(doomed)
+
+  def _abandon_group(self, gid: int, reason: str) -> None:
+    """Gives up a group: the queue counts it (and its late samples) as waste of `reason`; its
+    requests still in the engine are aborted when the engine can abort one request, else they
+    run on detached (no longer outstanding; counted by the queue when they finish)."""
+    self.queue.discard_group(gid, reason)
+    abort = getattr(self.engine, "abort", None)
+    for sid in [s for s, (g, _, _) in self._outstanding.items() if g == gid]:
+      del self._outstanding[sid]
+      if abort is None:
+        self._detached.add(sid)
+        continue
+      rollout = abort(sid)
+      if rollout is not None:
+        self.queue.put(rollout)
 
   # ---- work ---------------------------------------------------------------------------------
   def _completion_budget(self, rollout: Rollout) -> int:
@@ -192,15 +279,17 @@ class RolloutWorker:
 
   def grade_batch(self, rollouts: Sequence[Rollout]) -> list[Rollout]:
     """The rollouts with their rewards: the verifier's (NaN when it failed), then the overlong
-    policy; aborted samples are returned ungraded.
+    policy; aborted samples are returned ungraded. Thread-safe with respect to the sampler
+    thread (the threaded driver grades on a grader thread).
 
     Raises:
       grading.RewardFailureError: when too many recent verifier calls failed.
     """
     live = [r for r in rollouts if r.finish_reason != "aborted"]
-    for r in rollouts:
-      if r.finish_reason == "aborted":
-        self._truncated.discard(r.sample_id)
+    with self._lock:
+      for r in rollouts:
+        if r.finish_reason == "aborted":
+          self._truncated.discard(r.sample_id)
     items = [(self.task.problem(r.prompt_index, "train"), self.tok.decode(r.completion_tokens))
              for r in live]
     verdicts = self.verifier.grade(items, [r.sample_id for r in live])
@@ -209,8 +298,9 @@ class RolloutWorker:
       self._count(f"reward_{v.outcome}")
       reward = grading.apply_overlong_policy(v.reward, r, self.cfg.grading,
                                              self._completion_budget(r))
-      truncated = r.sample_id in self._truncated
-      self._truncated.discard(r.sample_id)
+      with self._lock:
+        truncated = r.sample_id in self._truncated
+        self._truncated.discard(r.sample_id)
       graded[r.sample_id] = dataclasses.replace(r, reward=float(reward),
                                                 prompt_truncated=truncated)
     for r, v in zip(live, verdicts):
@@ -221,18 +311,35 @@ class RolloutWorker:
     """`grade_batch` of one rollout."""
     return self.grade_batch([rollout])[0]
 
+  def engine_step(self) -> list[Rollout]:
+    """One engine step (admit / prefill as needed + decoding); returns the ungraded rollouts
+    that finished (the threaded driver grades them off the sampler's serial path)."""
+    finished = self.engine.step()
+    for r in finished:
+      self._outstanding.pop(r.sample_id, None)
+      self._detached.discard(r.sample_id)
+    return finished
+
   def step(self) -> list[Rollout]:
-    """One engine step (admit/prefill as needed + one decode step); returns graded rollouts."""
-    return self.grade_batch(self.engine.step())
+    """`engine_step`, then `grade_batch` of what finished."""
+    return self.grade_batch(self.engine_step())
 
   def state_dict(self) -> dict:
-    """Task-iterator counters, the open round and the in-flight samples whose prompt was
-    truncated (JSON-able; the engine saves its own state)."""
+    """Task-iterator counters, the open round, the in-flight samples whose prompt was truncated
+    and the requests in the engine (JSON-able; the engine saves its own state)."""
+    with self._lock:
+      truncated = sorted(self._truncated)
     return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open,
-            "truncated": sorted(self._truncated)}
+            "truncated": truncated,
+            "outstanding": [[sid, g, p, [int(t) for t in ids]]
+                            for sid, (g, p, ids) in self._outstanding.items()],
+            "detached": sorted(self._detached)}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`."""
     self.counters = WorkerCounters(**state["counters"])
     self._round_open = int(state["round_open"])
     self._truncated = {int(s) for s in state.get("truncated", ())}
+    self._outstanding = {int(sid): (int(g), int(p), np.asarray(ids, np.int32))
+                         for sid, g, p, ids in state.get("outstanding", ())}
+    self._detached = {int(s) for s in state.get("detached", ())}

@@ -40,7 +40,7 @@ def _drive(job: Job, hooks: Sequence[hooks_lib.StepHook], todo: int) -> float:
         job.worker, job.trainer, job.channel, pcfg, job.timeline, todo, on_step,
         start_time=job.clock.offset, sampler_clock=job.sampler_clock, state=job.vstate)
   return driver_lib.run_threaded(job.worker, job.trainer, job.channel, pcfg, job.timeline, todo,
-                                 on_step)
+                                 on_step, recorder=job.cost_recorder)
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
@@ -55,11 +55,19 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
       `cfg.learner.seed`. Ignored when `model` is None.
     hooks: extra step hooks (`hooks.StepHook`), run after logging, evaluation and checkpoints.
 
+  With `cfg.distributed.num_learner_processes` > 0 this is one process's role in a
+  multi-process job (`rlax_pipe.pipeline.multihost.run`; call it in every process after
+  `rlax_pipe.cluster.initialize`); the summary is returned on process 0.
+
   Raises:
     ConfigError: a user's mistake found while building the job (names the field and the fix).
     Whatever a component raised; before re-raising, the learner state and the pipeline state are
-    checkpointed (so `resume=True` continues from there).
+    checkpointed (so `resume=True` continues from there; multi-process jobs resume from their
+    last periodic checkpoint).
   """
+  if cfg.distributed.multiprocess:
+    from rlax_pipe.pipeline import multihost  # pylint: disable=import-outside-toplevel
+    return multihost.run(cfg, model=model, params=params, hooks=hooks)
   job = build_job(cfg, model, params)
   logging.info("run directory: %s  (TensorBoard: tensorboard --logdir %s)", job.run_dir.path,
                job.run_dir.path / "tb")

@@ -13,14 +13,16 @@ Policies (`StalenessConfig.policy`):
     safe, see `can_admit`): the sampler does not start a group that could break the bound.
     Nothing needs dropping.
   * ``drop``: groups whose oldest token is already too stale for the version they would be
-    trained at are discarded (prime-rl style), at put time, at batch time, and in flight
-    (`is_too_stale` tells the sampler to abort them).
+    trained at are discarded (prime-rl style), at put time, at batch time, and in flight:
+    `RolloutWorker.abort_too_stale` applies `is_too_stale` to each running sample's first token
+    when the learner's version changes and gives up its group (aborting its requests when the
+    engine can abort one).
   * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work
     ahead of the learner) plus a learner-side gate: the learner never takes a step that would
     leave behind a live group whose tokens would then exceed max_lag; it waits for such a
     *due* group and trains every due group (so a batch may hold more than groups_per_step
     groups). A straggler then stalls the learner instead of the sampler: higher slot occupancy
-    and throughput when sampling is the bottleneck, more mean staleness (see `due_groups`).
+    and throughput when sampling is the bottleneck, more mean staleness (see `due_bound`).
   * ``queue-drop``: the queue holds at most `queue_capacity_groups` ready groups and drops the
     oldest ones beyond that (Applied Compute, "Predicting and Controlling Staleness in Fully
     Asynchronous RL Training", 2026). When `max_lag` is also set it stays a hard cap at batch time.
@@ -28,18 +30,20 @@ Policies (`StalenessConfig.policy`):
 Every policy counts wasted tokens (generated completion tokens that are never trained), split by
 reason: ``stale`` (too old), ``overflow`` (queue-drop), ``aborted`` (a sample in the group was
 aborted), ``unscored`` (no sample of the group has a reward: every verifier call failed, or the
-overlong policy masked every sample).
+overlong policy masked every sample), ``lost`` (a sample never arrived and the group was given
+up instead of re-dispatched).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 POLICIES: tuple[str, ...] = ("block", "learner-wait", "drop", "queue-drop")
-WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored")
+WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored", "lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,45 +147,17 @@ def areal_admission_allowed(num_admitted: int, version: int, groups_per_step: in
   return max_lag is None or num_admitted // groups_per_step <= version + max_lag
 
 
-@dataclasses.dataclass(frozen=True)
-class AdmissionState:
-  """Groups admitted by the sampler and not yet retired (trained or discarded).
-
-  Attributes:
-    num_admitted: groups ever admitted.
-    num_trained: groups retired by being handed to the learner.
-    num_discarded: groups retired without training (dropped, aborted).
-    live: (group_id, admission_version) of the groups in flight or waiting in the queue, in
-      admission order. admission_version is the sampler's weights version when the group was
-      admitted: all of its tokens carry versions >= it.
-  """
-
-  num_admitted: int = 0
-  num_trained: int = 0
-  num_discarded: int = 0
-  live: tuple[tuple[int, int], ...] = ()
-
-  @property
-  def num_net(self) -> int:
-    """Admitted groups that are not discarded (live + trained)."""
-    return self.num_admitted - self.num_discarded
-
-
-def admission_init() -> AdmissionState:
-  """Empty admission state."""
-  return AdmissionState()
-
-
-def admission_headroom(state: AdmissionState, sampler_version: int, config: StalenessConfig,
-                       next_train_version: int | None = None) -> int | None:
+def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_version: int,
+                       config: StalenessConfig, next_train_version: int | None = None
+                       ) -> int | None:
   """How many more groups `block` / `learner-wait` let the sampler start now (None = unlimited).
 
-  block: headroom = B * (a_min + k + 1) - n, where n = `state.num_net`, B = groups_per_step,
-  k = max_lag and a_min = the smallest admission version among live groups (or
-  `sampler_version` when none is live). See `can_admit` for why.
-  learner-wait: headroom = B * (v + k + 1) - n with v = `sampler_version` (AReaL Eq. 3), and 0
-  while v + k < `next_train_version` (a group admitted now would already be too stale for the
-  learner's next batch). Policies `drop` and `queue-drop` never limit admission.
+  block: headroom = B * (a_min + k + 1) - n, where n = `num_net` (admitted groups not
+  discarded), B = groups_per_step, k = max_lag and a_min = the smallest admission version among
+  live groups (`oldest_live_version`, or `sampler_version` when none is live). See `can_admit`
+  for why. learner-wait: headroom = B * (v + k + 1) - n with v = `sampler_version` (AReaL
+  Eq. 3), and 0 while v + k < `next_train_version` (a group admitted now would already be too
+  stale for the learner's next batch). Policies `drop` and `queue-drop` never limit admission.
   """
   if config.policy not in ("block", "learner-wait") or config.max_lag is None:
     return None
@@ -189,41 +165,21 @@ def admission_headroom(state: AdmissionState, sampler_version: int, config: Stal
   if config.policy == "learner-wait":
     if next_train_version is not None and sampler_version + k < next_train_version:
       return 0
-    return max(0, b * (sampler_version + k + 1) - state.num_net)
-  a_min = min([v for _, v in state.live] + [sampler_version])
-  return max(0, b * (a_min + k + 1) - state.num_net)
+    return max(0, b * (sampler_version + k + 1) - num_net)
+  a_min = sampler_version if oldest_live_version is None else min(oldest_live_version,
+                                                                  sampler_version)
+  return max(0, b * (a_min + k + 1) - num_net)
 
 
-def due_groups(state: AdmissionState, train_version: int, config: StalenessConfig
-               ) -> list[int]:
-  """learner-wait: live groups that must be in the batch trained at `train_version`.
+def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: int,
+              config: StalenessConfig, next_train_version: int | None = None) -> bool:
+  """Whether the sampler may start one more prompt group now.
 
-  A group admitted at version a has tokens of versions >= a; left out of the batch trained at
-  v, it is trained at v + 1 or later, with lag >= v + 1 - a. So it is due when
-  v + 1 - a > max_lag. The learner trains a batch only if every due group is ready and in it
-  (`RolloutQueue` waits otherwise), hence every group is trained at a version <= a + max_lag:
-  the first batch at version >= a + max_lag after the admission includes it, and admission
-  (`admission_headroom`) guarantees a + max_lag >= the version of the next batch. The wait
-  always ends: a due group is in flight and the sampler keeps decoding it. Empty for the other
-  policies and for max_lag None.
-
-  Returns:
-    Group ids in admission order.
-  """
-  if config.policy != "learner-wait" or config.max_lag is None:
-    return []
-  return [g for g, a in state.live if train_version + 1 - a > config.max_lag]
-
-
-def can_admit(state: AdmissionState, sampler_version: int, config: StalenessConfig,
-              next_train_version: int | None = None) -> bool:
-  """Whether the sampler may start one more prompt group now (policy `block`).
-
-  Rule: admit group number n (0-based, counting admitted groups that were not discarded) only
-  while floor(n / B) <= a_min + k, where a_min is the smallest admission version among live
-  (admitted, not yet trained or discarded) groups, the new one included (its admission version is
-  `sampler_version`). This is AReaL Eq. 3 with the *oldest live* admission version in place of
-  the current version.
+  Rule (policy `block`): admit group number n (0-based, counting admitted groups that were not
+  discarded) only while floor(n / B) <= a_min + k, where a_min is the smallest admission version
+  among live (admitted, not yet trained or discarded) groups, the new one included (its
+  admission version is `sampler_version`). This is AReaL Eq. 3 with the *oldest live* admission
+  version in place of the current version.
 
   Proof sketch that no token with lag > k is trained, whatever order the learner trains ready
   groups in: take a group m admitted at version a_m; its tokens have versions >= a_m because the
@@ -239,71 +195,179 @@ def can_admit(state: AdmissionState, sampler_version: int, config: StalenessConf
   the version run ahead of the admission count).
 
   Policy `learner-wait` admits by AReaL Eq. 3 on `sampler_version` instead and leaves the
-  per-token bound to the learner-side gate (`due_groups`).
+  per-token bound to the learner-side gate (`due_bound`). Pure function of scalars; the
+  bookkeeping that feeds it is `AdmissionLedger` (O(log n) per event).
 
   Args:
-    state: current admission state.
+    num_net: admitted groups not discarded (live + trained).
+    oldest_live_version: smallest admission version among live groups (None: none live).
     sampler_version: the version of the weights the sampler decodes with now (not the learner's
       version, which may be ahead of it).
     config: staleness config; `drop`, `queue-drop`, or max_lag None always admit.
     next_train_version: learner-wait only: the smallest version the learner's next batch can be
       trained at (None = not known, no check).
-
-  Returns:
-    True when one more group may be admitted.
   """
-  headroom = admission_headroom(state, sampler_version, config, next_train_version)
+  headroom = admission_headroom(num_net, oldest_live_version, sampler_version, config,
+                                next_train_version)
   return headroom is None or headroom > 0
 
 
-def admission_admit(state: AdmissionState, group_id: int, sampler_version: int,
-                    config: StalenessConfig, next_train_version: int | None = None
-                    ) -> AdmissionState:
-  """Records the admission of `group_id` at `sampler_version`.
+def due_bound(train_version: int, config: StalenessConfig) -> int | None:
+  """learner-wait: live groups admitted at a version <= this bound must be in the batch trained
+  at `train_version` (None: no group is ever due).
 
-  Raises:
-    ValueError: if `can_admit` is False, or `group_id` is already live.
+  A group admitted at version a has tokens of versions >= a; left out of the batch trained at
+  v, it is trained at v + 1 or later, with lag >= v + 1 - a. So it is due when v + 1 - a >
+  max_lag, i.e. a <= v - max_lag. The learner trains a batch only if every due group is ready
+  and in it (`RolloutQueue` waits otherwise), hence every group is trained at a version <=
+  a + max_lag: the first batch at version >= a + max_lag after the admission includes it, and
+  admission (`admission_headroom`) guarantees a + max_lag >= the version of the next batch. The
+  wait always ends: a due group is in flight and the sampler keeps decoding it. None for the
+  other policies and for max_lag None.
   """
-  if any(g == group_id for g, _ in state.live):
-    raise ValueError(f"admission_admit: group {group_id} is already live.")
-  if not can_admit(state, sampler_version, config, next_train_version):
-    raise ValueError(
-        f"admission_admit: group {group_id} would break max_lag={config.max_lag} "
-        f"({state.num_net} groups admitted net, oldest live admission version "
-        f"{min([v for _, v in state.live] + [sampler_version])}, groups_per_step="
-        f"{config.groups_per_step}); check can_admit first.")
-  return dataclasses.replace(state, num_admitted=state.num_admitted + 1,
-                             live=state.live + ((group_id, sampler_version),))
+  if config.policy != "learner-wait" or config.max_lag is None:
+    return None
+  return train_version - config.max_lag
 
 
-def admission_retire(state: AdmissionState, group_ids: Iterable[int], trained: bool
-                     ) -> AdmissionState:
-  """Retires live groups: handed to the learner (`trained=True`) or discarded.
+def batch_size(num_ready: int, num_due: int, groups_per_step: int) -> int | None:
+  """The learner's batch rule: how many ready groups the next step takes, or None to wait.
 
-  Raises:
-    KeyError: if a group is not live.
+  At least `groups_per_step`, and every due group (learner-wait; the caller checks that they are
+  all ready): max(groups_per_step, num_due) when that many are ready.
   """
-  gone = set(group_ids)
-  live_ids = {g for g, _ in state.live}
-  unknown = sorted(gone - live_ids)
-  if unknown:
-    raise KeyError(f"admission_retire: groups {unknown} are not live.")
-  live = tuple((g, v) for g, v in state.live if g not in gone)
-  if trained:
-    return dataclasses.replace(state, num_trained=state.num_trained + len(gone), live=live)
-  return dataclasses.replace(state, num_discarded=state.num_discarded + len(gone), live=live)
+  take = max(groups_per_step, num_due)
+  return take if num_ready >= take else None
 
 
-def admission_to_dict(state: AdmissionState) -> dict[str, Any]:
-  """Plain-dict form of an `AdmissionState` (for resume)."""
-  return {"num_admitted": state.num_admitted, "num_trained": state.num_trained,
-          "num_discarded": state.num_discarded, "live": [list(x) for x in state.live]}
+class AdmissionLedger:
+  """Groups admitted by the sampler and not yet retired (trained or discarded).
 
+  O(log n) per admission and retirement (n = live groups): live groups are kept per admission
+  version, with a heap of the distinct versions for the oldest one, so no event walks or copies
+  the live set.
 
-def admission_from_dict(d: dict[str, Any]) -> AdmissionState:
-  """Inverse of `admission_to_dict`."""
-  return AdmissionState(int(d["num_admitted"]), int(d["num_trained"]), int(d["num_discarded"]),
-                        tuple((int(g), int(v)) for g, v in d["live"]))
+  Attributes:
+    num_admitted: groups ever admitted.
+    num_trained: groups retired by being handed to the learner.
+    num_discarded: groups retired without training (dropped, aborted, lost).
+  """
+
+  def __init__(self, num_admitted: int = 0, num_trained: int = 0, num_discarded: int = 0,
+               live: Iterable[tuple[int, int]] = ()):
+    self.num_admitted, self.num_trained, self.num_discarded = (num_admitted, num_trained,
+                                                               num_discarded)
+    self._version_of: dict[int, int] = {}
+    self._by_version: dict[int, dict[int, None]] = {}
+    self._versions: list[int] = []  # heap of versions in _by_version (lazy deletion)
+    for g, v in live:
+      self._add(int(g), int(v))
+
+  @property
+  def num_net(self) -> int:
+    """Admitted groups that are not discarded (live + trained)."""
+    return self.num_admitted - self.num_discarded
+
+  @property
+  def num_live(self) -> int:
+    """Groups admitted and not retired."""
+    return len(self._version_of)
+
+  def is_live(self, group_id: int) -> bool:
+    """Whether `group_id` is admitted and not retired."""
+    return group_id in self._version_of
+
+  def oldest_version(self) -> int | None:
+    """Smallest admission version among live groups (None when none is live)."""
+    while self._versions and self._versions[0] not in self._by_version:
+      heapq.heappop(self._versions)
+    return self._versions[0] if self._versions else None
+
+  def live(self) -> list[tuple[int, int]]:
+    """(group_id, admission_version) of every live group, by version then admission (O(n))."""
+    return [(g, v) for v in sorted(self._by_version) for g in self._by_version[v]]
+
+  def headroom(self, sampler_version: int, config: StalenessConfig,
+               next_train_version: int | None = None) -> int | None:
+    """`admission_headroom` of this ledger."""
+    return admission_headroom(self.num_net, self.oldest_version(), sampler_version, config,
+                              next_train_version)
+
+  def can_admit(self, sampler_version: int, config: StalenessConfig,
+                next_train_version: int | None = None) -> bool:
+    """`can_admit` of this ledger."""
+    return can_admit(self.num_net, self.oldest_version(), sampler_version, config,
+                     next_train_version)
+
+  def admit(self, group_id: int, sampler_version: int, config: StalenessConfig,
+            next_train_version: int | None = None) -> None:
+    """Records the admission of `group_id` at `sampler_version`.
+
+    Raises:
+      ValueError: if `can_admit` is False, or `group_id` is already live.
+    """
+    if group_id in self._version_of:
+      raise ValueError(f"AdmissionLedger.admit: group {group_id} is already live.")
+    if not self.can_admit(sampler_version, config, next_train_version):
+      oldest = self.oldest_version()
+      raise ValueError(
+          f"AdmissionLedger.admit: group {group_id} would break max_lag={config.max_lag} "
+          f"({self.num_net} groups admitted net, oldest live admission version "
+          f"{sampler_version if oldest is None else min(oldest, sampler_version)}, "
+          f"groups_per_step={config.groups_per_step}); check can_admit first.")
+    self.num_admitted += 1
+    self._add(group_id, sampler_version)
+
+  def retire(self, group_ids: Iterable[int], trained: bool) -> None:
+    """Retires live groups: handed to the learner (`trained=True`) or discarded.
+
+    Raises:
+      KeyError: if a group is not live (nothing is retired then).
+    """
+    gone = list(dict.fromkeys(group_ids))
+    unknown = sorted(g for g in gone if g not in self._version_of)
+    if unknown:
+      raise KeyError(f"AdmissionLedger.retire: groups {unknown} are not live.")
+    for g in gone:
+      v = self._version_of.pop(g)
+      members = self._by_version[v]
+      del members[g]
+      if not members:
+        del self._by_version[v]
+    if trained:
+      self.num_trained += len(gone)
+    else:
+      self.num_discarded += len(gone)
+
+  def due(self, train_version: int, config: StalenessConfig) -> list[int]:
+    """learner-wait: live groups that must be in the batch trained at `train_version`
+    (`due_bound`), oldest admission first; O(due + distinct live versions)."""
+    bound = due_bound(train_version, config)
+    if bound is None:
+      return []
+    return [g for v in sorted(v for v in self._by_version if v <= bound)
+            for g in self._by_version[v]]
+
+  def _add(self, group_id: int, version: int) -> None:
+    self._version_of[group_id] = version
+    if version not in self._by_version:
+      self._by_version[version] = {}
+      heapq.heappush(self._versions, version)
+    self._by_version[version][group_id] = None
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain-dict form (for resume)."""
+    return {"num_admitted": self.num_admitted, "num_trained": self.num_trained,
+            "num_discarded": self.num_discarded, "live": [list(x) for x in self.live()]}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> AdmissionLedger:
+    """Inverse of `to_dict`."""
+    return cls(int(d["num_admitted"]), int(d["num_trained"]), int(d["num_discarded"]),
+               ((int(g), int(v)) for g, v in d["live"]))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, AdmissionLedger) and self.to_dict() == other.to_dict()
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +384,8 @@ class WasteCounters:
     aborted_groups, aborted_samples, aborted_tokens: groups with an aborted sample.
     unscored_groups, unscored_samples, unscored_tokens: groups without any reward (NaN rewards
       only: failed verifiers, or samples masked by the overlong policy).
+    lost_groups, lost_samples, lost_tokens: groups given up because a sample never arrived
+      (samples and tokens: those that did arrive).
   """
 
   stale_groups: int = 0
@@ -334,17 +400,19 @@ class WasteCounters:
   unscored_groups: int = 0
   unscored_samples: int = 0
   unscored_tokens: int = 0
+  lost_groups: int = 0
+  lost_samples: int = 0
+  lost_tokens: int = 0
 
   @property
   def dropped_groups(self) -> int:
     """Groups discarded for any reason."""
-    return self.stale_groups + self.overflow_groups + self.aborted_groups + self.unscored_groups
+    return sum(getattr(self, f"{r}_groups") for r in WASTE_REASONS)
 
   @property
   def wasted_tokens(self) -> int:
     """Generated tokens discarded for any reason."""
-    return (self.stale_tokens + self.overflow_tokens + self.aborted_tokens
-            + self.unscored_tokens)
+    return sum(getattr(self, f"{r}_tokens") for r in WASTE_REASONS)
 
 
 def count_waste(counters: WasteCounters, reason: str, groups: int, samples: int, tokens: int

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Sequence
 
+from absl import logging
+import jax
 import numpy as np
 
 from rlax_pipe import advantages as advantages_lib
@@ -29,6 +32,13 @@ class StepResult:
     reward_mean: mean reward of the samples that have one.
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
+    rows: rows of the packed batch (power of two).
+    micro_batches: micro-batches of the step (`batching.micro_batch_plan`).
+    processed_rows: rows the step computes, padding of the last micro-batches included
+      (processed tokens = processed_rows x seq_len: the learner's cost feature).
+    push_bytes: bytes of the pushed weights.
+    build_s, train_s, push_s: wall-clock seconds of building the batch (advantages, packing),
+      of the train step (dispatch to metrics read back) and of the push.
   """
 
   version: int
@@ -37,11 +47,13 @@ class StepResult:
   completion_tokens: int
   reward_mean: float
   sample_metrics: dict = dataclasses.field(default_factory=dict)
-
-
-def _rows_bucket(needed: int) -> int:
-  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
-  return 1 << max(0, int(needed - 1).bit_length())
+  rows: int = 0
+  micro_batches: int = 1
+  processed_rows: int = 0
+  push_bytes: int = 0
+  build_s: float = 0.0
+  train_s: float = 0.0
+  push_s: float = 0.0
 
 
 def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
@@ -61,7 +73,7 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   keep = [i for i, r in enumerate(rollouts) if not np.isnan(r.reward)]
   rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
-  rows = _rows_bucket(len(batching.packing_plan(lengths, cfg.seq_len)))
+  rows = batching.batch_rows(lengths, cfg.seq_len)
   return batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows), rollouts
 
 
@@ -78,19 +90,54 @@ class Trainer:
   def __init__(self, learner: Learner, queue: RolloutQueue, channel: WeightChannel,
                cfg: PipelineConfig):
     self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
+    # Bytes of one pushed version (weights travel in the learner's param dtype), whatever the
+    # channel: the in-process WeightChannel or a multi-process job's LearnerSender.
+    self.push_bytes = int(sum(x.nbytes for x in jax.tree.leaves(learner.params)))
+
+  def micro_batch_plan(self, rows: int) -> tuple[int, int]:
+    """(micro-batches, processed rows) of a learner step on `rows` rows."""
+    lcfg = self.learner.cfg
+    return batching.micro_batch_plan(rows, lcfg.micro_batch_rows, lcfg.num_minibatches)
 
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
+    t0 = time.perf_counter()
     batch, trained = build_batch(groups, self.cfg)
     rollouts = [r for g in groups for r in g]
+    t1 = time.perf_counter()
     self.learner.train_step(batch)
     metrics = self.learner.flush()
     version = self.learner.version
+    t2 = time.perf_counter()
     self.queue.set_learner_version(version)
     self.channel.push(self.learner.params, version)
+    t3 = time.perf_counter()
+    rows = int(batch.tokens.shape[0])
+    micro, processed = self.micro_batch_plan(rows)
+    sample_metrics = grading.batch_metrics(rollouts)
+    sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
         version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=grading.batch_metrics(rollouts))
+        sample_metrics=sample_metrics, rows=rows,
+        micro_batches=micro, processed_rows=processed,
+        push_bytes=self.push_bytes,
+        build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)
+
+
+def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str, int]:
+  """{"lag0_logp_alarm": 0 or 1}: 1 (and a warning) when the mean log-prob mismatch of lag-0
+  tokens exceeds `threshold` nats (see `PipelineConfig.lag0_logp_alarm`); {} when off or when
+  the step had no lag-0 token."""
+  if threshold is None or "logp_mismatch_mean" not in metrics:
+    return {}
+  mismatch = float(np.asarray(metrics["logp_mismatch_mean"]))
+  if mismatch > threshold:
+    logging.warning(
+        "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
+        "sampler may not decode with the weights its tokens are tagged with (or decodes at "
+        "another precision).", version, mismatch, threshold)
+    return {"lag0_logp_alarm": 1}
+  return {"lag0_logp_alarm": 0}

@@ -26,6 +26,14 @@ only the one incoming version; one superseded by a newer push before being taken
 at most three copies live on the sampler mesh: the running one, one handed over and pending in
 the engine until its next step boundary, and one in transit.
 
+Checks (issue #14 item 10): every push also starts the learner-side checksums of the version
+(`rlax_pipe.param_checksum`, exact and layout-independent) and the update carries them, so the
+engine verifies that the weights it decodes with after the swap are that version
+(`WeightMismatchError` otherwise). A push that fails (its transfer or the debug `verify` raised)
+does not use up its version: the same version may be pushed again; so may the version still
+pending (it replaces the pending copy). Only versions at or below the one already taken, or
+below a successful push, are refused.
+
 Threading: one learner thread calls `push`; the sampler thread calls `try_take` / `take` and
 hands the update to its engine. Both sides may run concurrently (the state is lock-protected).
 """
@@ -41,6 +49,7 @@ import jax
 from jax.sharding import NamedSharding
 import numpy as np
 
+from rlax_pipe import param_checksum
 from rlax_pipe.pipeline.transfer_plan import (  # pylint: disable=unused-import
     LeafSpec, ManifestError, _LeafPlan, _plan_leaf, assert_congruent, check_manifest,
     params_manifest)
@@ -78,6 +87,7 @@ class _InTransit:
   params: Any                      # pytree on the sampler shardings
   leaves: list[jax.Array]          # its leaves, for readiness checks and deletion
   intermediates: list[jax.Array]   # learner-side / landing copies to delete once ready
+  checksum: Any = None             # the learner's param_checksum of this version
 
 
 def _all_ready(arrays) -> bool:
@@ -181,30 +191,32 @@ class WeightChannel:
   def push(self, params: Any, version: int) -> None:
     """Starts copying `params` (learner shardings) to the sampler as `version`; returns at once.
 
-    The caller may keep using (and donate) `params` afterwards: the copies are ordered before
-    any later computation that consumes them.
+    The caller may keep using (and donate) `params` afterwards: the copies and the checksums
+    are ordered before any later computation that consumes them.
 
     Args:
       params: pytree matching the manifest; leaves are `jax.Array`s on the learner mesh (host
         arrays are accepted and uploaded directly).
-      version: policy version, strictly greater than every version pushed before.
+      version: policy version: newer than the version the sampler took last and not older than
+        the last successful push (an equal one retries it, replacing the pending copy).
 
     Raises:
       ManifestError: naming the first mismatching leaf.
-      ValueError: if `version` is not strictly increasing.
-      Whatever `verify` raises (debug mode); that version is then discarded.
+      ValueError: if `version` is older than allowed (see above).
+      Whatever `verify` raises (debug mode); that copy is then discarded and the version may be
+      pushed again.
     """
     check_manifest(self._manifest, params, what=f"pushed params (version {version})")
     with self._cond:
-      if version <= self._last_pushed:
+      if version <= self._taken_version or version < self._last_pushed:
         raise ValueError(
-            f"WeightChannel.push: version {version} is not newer than the last pushed version "
-            f"{self._last_pushed}.")
-      self._last_pushed = version
+            f"WeightChannel.push: version {version} is not newer than the version the sampler "
+            f"took ({self._taken_version}) or the last pushed version ({self._last_pushed}).")
     leaves = jax.tree_util.tree_leaves(params)
+    expected = param_checksum.checksum(leaves)
     landed, intermediates = self._transfer(leaves)
     record = _InTransit(version, jax.tree_util.tree_unflatten(self._treedef, landed), landed,
-                        intermediates)
+                        intermediates, expected)
     if self._debug and self._verify is not None:
       jax.block_until_ready(landed)
       _delete_all(record.intermediates)
@@ -214,10 +226,15 @@ class WeightChannel:
         _delete_all(record.leaves)
         raise
     with self._cond:
+      if version < self._last_pushed or version <= self._taken_version:
+        _delete_all(record.leaves + record.intermediates)  # overtaken meanwhile (other thread)
+        raise ValueError(f"WeightChannel.push: version {version} was overtaken by version "
+                         f"{max(self._last_pushed, self._taken_version)} during the copy.")
       if self._pending is not None:
         _delete_all(self._pending.leaves + self._pending.intermediates)
         self._superseded += 1
       self._pending = record
+      self._last_pushed = version
       self._pushes += 1
       self._cond.notify_all()
 
@@ -226,7 +243,7 @@ class WeightChannel:
     _delete_all(record.intermediates)
     self._taken_version = record.version
     self._takes += 1
-    return WeightUpdate(record.version, record.params, donated=True)
+    return WeightUpdate(record.version, record.params, donated=True, checksum=record.checksum)
 
   def poll(self) -> int | None:
     """Version that `try_take` would return now (its copy is complete), else None."""

@@ -52,7 +52,7 @@ import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import engine_state, page_pool
+from rlax_pipe.sampler import engine_state, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -84,6 +84,8 @@ class SamplerStats:
       preemption, or a kv_policy="recompute" weight swap).
     shared_prompt_copies: partial prompt pages copied for samples sharing a group's prompt.
     generated_tokens: tokens produced by decode steps.
+    live_token_steps: sum over decode steps of the tokens held in KV by the active slots (what
+      a step's attention reads; a feature of the measured cost model, `rlax_pipe.costs`).
     finished, aborted: rollouts returned by `step` / `abort` / `abort_all`.
     preemptions: times a running sequence lost its pages.
     weight_updates: weight swaps applied.
@@ -103,6 +105,7 @@ class SamplerStats:
   recomputed_tokens: int = 0
   shared_prompt_copies: int = 0
   generated_tokens: int = 0
+  live_token_steps: int = 0
   finished: int = 0
   aborted: int = 0
   preemptions: int = 0
@@ -116,7 +119,7 @@ _REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "pree
                    "shared_prompt_copies")
 
 
-class SamplerEngine:
+class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
@@ -181,8 +184,10 @@ class SamplerEngine:
     self._launches = 0
     self._sums = dict(kv_utilization=0.0, kv_page_fill=0.0)
     self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
-                        finished=0, aborted=0, weight_updates=0)
+                        live_token_steps=0, finished=0, aborted=0, weight_updates=0)
     self._host_s = 0.0
+    self._weight_check = weight_check.WeightCheck()  # running weights vs the learner's
+    self._weight_check.start(self.weights.running)
 
   # --- public state -------------------------------------------------------------------------
   @property
@@ -333,6 +338,16 @@ class SamplerEngine:
           return self._rollout(seq, "aborted", self.clock())
     return None
 
+  def unfinished(self) -> dict[int, int | None]:
+    """Every unfinished request (queued, waiting or running; dispatches in flight count as
+    running): sample_id -> policy version of its first generated token (None before it has
+    one). For the rollout worker's lost-sample check and in-flight staleness aborts."""
+    with self._step_lock:
+      seqs = list(self._queue)
+      for r in self.replicas:
+        seqs += r.sched.running() + list(r.sched.waiting)
+      return {s.request.sample_id: (s.versions[0] if s.versions else None) for s in seqs}
+
   def abort_all(self) -> list[Rollout]:
     """Stops everything; returns a Rollout with finish_reason "aborted" for every unfinished
     request (running ones with their tokens so far, waiting ones possibly empty), after any
@@ -418,12 +433,13 @@ class SamplerEngine:
     results = jax.device_get([(r.inflight.ints, r.inflight.logps) for r in replicas])
     waited = time.perf_counter() - t0
     now = self.clock()
-    tokens = n_done = 0
+    tokens = n_done = live_steps = 0
     for r, (ints, logps) in zip(replicas, results):
       launched, r.inflight = r.inflight, None
       done, st = r.collect(launched, ints, logps, now)
       r.steps_total += st["steps"]
       tokens += st["tokens"]
+      live_steps += round(st["live_token_steps"])
       self._sums["kv_utilization"] += st["live_token_steps"] / (
           self.cfg.num_pages * self.cfg.page_size * len(self.replicas))
       self._sums["kv_page_fill"] += st["live_token_steps"] / (
@@ -440,8 +456,10 @@ class SamplerEngine:
     c["dispatches"] += len(replicas)
     c["host_syncs"] += 1
     c["generated_tokens"] += tokens
+    c["live_token_steps"] += live_steps
     c["finished"] += n_done
     self._release_retired()
+    self._weight_check.finish()
     return waited
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
@@ -515,9 +533,11 @@ class SamplerEngine:
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
-    """Swaps in the pending update (caller holds the step lock)."""
+    """Swaps in the pending update (caller holds the step lock); starts its weight check."""
+    self._weight_check.finish()  # started at an earlier step: its result is there by now
     if self.weights.swap():
       self._counts["weight_updates"] += 1
+      self._weight_check.start(self.weights.running)
     self._release_retired()
 
   def _release_retired(self) -> None:

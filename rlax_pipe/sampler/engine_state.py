@@ -80,6 +80,42 @@ def state_dict(engine) -> dict:
   }
 
 
+class SamplingKeys:
+  """`SamplerEngine`'s sampling PRNG keys as resumable state (a mixin: the engine holds
+  `_step_lock` and its data replicas)."""
+
+  def rng_state(self) -> list[np.ndarray]:
+    """The sampling PRNG key of every data replica (uint32 key data), read between steps: the
+    part of the engine state a resumed threaded run restores (`load_rng_state`), so its random
+    stream continues instead of restarting from the seed."""
+    with self._step_lock:  # pylint: disable=no-member
+      return rng_state(self)
+
+  def load_rng_state(self, keys: list[np.ndarray]) -> None:
+    """Sets the data replicas' sampling keys from `rng_state()` output (a shorter list leaves
+    the other replicas' keys alone; an extra one is ignored).
+
+    Raises:
+      RuntimeError: if a dispatch is in flight.
+    """
+    with self._step_lock:  # pylint: disable=no-member
+      load_rng_state(self, keys)
+
+
+def rng_state(engine) -> list[np.ndarray]:
+  """Key data of every data replica's sampling PRNG key (the engine holds its step lock)."""
+  return [np.asarray(jax.random.key_data(r.state.rng)) for r in engine.replicas]
+
+
+def load_rng_state(engine, keys: list[np.ndarray]) -> None:
+  """Sets the first len(keys) replicas' sampling keys (the engine holds its step lock)."""
+  for r, data in zip(engine.replicas, keys):
+    if r.inflight is not None:
+      raise RuntimeError("load_rng_state: a dispatch is in flight; call it between steps.")
+    rng = jax.device_put(jax.random.wrap_key_data(np.asarray(data, np.uint32)), r.replicated)
+    r.state = r.state.replace(rng=rng)
+
+
 def _check_fits(engine, state: dict) -> None:
   if len(state["replicas"]) != len(engine.replicas):
     raise ValueError(f"sampler state does not fit this engine: {len(state['replicas'])} "
@@ -125,7 +161,7 @@ def load_state_dict(engine, state: dict) -> None:
     _load_replica(r, rs)
   e._uids = itertools.count(int(state["next_uid"]))
   e._sums = {k: float(v) for k, v in state["sums"].items()}
-  e._counts = {k: int(v) for k, v in state["counts"].items()}
+  e._counts.update({k: int(v) for k, v in state["counts"].items()})
   e._host_s = float(state["host_s"])
   e._group_replica = {key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
   e._queue.clear()

@@ -33,6 +33,7 @@ from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.sampler.page_allocator import PageAllocator
 from rlax_pipe.sampler.paged_cache import uses_combined_layout
 from rlax_pipe.sampler.prompt_sharing import PromptSharing
+from rlax_pipe.sampler import scheduler as scheduler_lib
 from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
 
 FLAG_ROW = device_loop.UPDATE_ROWS  # extra row of the update matrix: [0] = refill_at
@@ -203,7 +204,7 @@ class EngineReplica:
         seq.table_cols = len(held)
     self.sched.dirty.clear()
     waiting = len(self.sched.waiting) + queued
-    upd[FLAG_ROW, 0] = min(waiting, -(-b // 8))  # refill freed slots in batches
+    upd[FLAG_ROW, 0] = scheduler_lib.refill_at(waiting, b)  # refill freed slots in batches
     if not slots:
       return upd, None
     n = _bucket(len(slots), 64)

@@ -1,21 +1,23 @@
 """Systems model of asynchronous RL: closed forms, a discrete-event simulator, calibration.
 
-  costs         modelled durations (decode-latency curve, prefill, train, push);
+  (costs         the cost model lives in `rlax_pipe.costs`, shared with the virtual clock);
   formulas      closed-form staleness / lag / step-period / idle models (Applied Compute,
                 PipelineRL) and the log-normal extreme-value approximation;
   distributions completion-length distributions (empirical, grouped, replay, log-normal, Pareto);
+  sim_config    what a simulation takes and returns (`SimConfig`, `SimResult`);
   simulator     discrete-event simulator of the sync / async-batch / pipeline drivers that runs
-                the real `RolloutQueue` and staleness policy code (no JAX);
-  calibration   fits the simulator's costs and lengths from a run directory;
-  whatif        cluster-scale what-if from first-principles accelerator costs.
+                the real driver rules, `RolloutQueue`, staleness and packing code and the
+                engine's refill rule with the shared cost model;
+  calibration   the simulator's inputs from a run directory (costs fitted to a threaded run's
+                timed operations, lengths) and the numbers it predicts, measured on the run;
+  whatif        cluster-scale what-if from the analytic accelerator cost model.
 The validation against real runs is an experiment: experiments/lib/sim_validation.py.
 """
 
-from rlax_pipe.sim.calibration import calibrate
 from rlax_pipe.sim.calibration import calibrate_run
-from rlax_pipe.sim.calibration import Calibration
 from rlax_pipe.sim.calibration import measured
 from rlax_pipe.sim.calibration import sim_config_for_run
+from rlax_pipe.sim.distributions import BodyTail
 from rlax_pipe.sim.distributions import Constant
 from rlax_pipe.sim.distributions import Empirical
 from rlax_pipe.sim.distributions import GroupedEmpirical
@@ -32,18 +34,16 @@ from rlax_pipe.sim.formulas import step_period
 from rlax_pipe.sim.formulas import sync_idle_fraction
 from rlax_pipe.sim.formulas import tailness
 from rlax_pipe.sim.formulas import tailness_from_groups
-from rlax_pipe.sim.costs import DecodeCurve
+from rlax_pipe.sim.sim_config import SimConfig
+from rlax_pipe.sim.sim_config import SimDeadlock
+from rlax_pipe.sim.sim_config import SimResult
 from rlax_pipe.sim.simulator import rates
-from rlax_pipe.sim.simulator import SimConfig
-from rlax_pipe.sim.costs import SimCosts
-from rlax_pipe.sim.simulator import SimDeadlock
-from rlax_pipe.sim.simulator import SimResult
 from rlax_pipe.sim.simulator import simulate
 
 __all__ = (
-    "Calibration", "Constant", "DecodeCurve", "Empirical", "GroupedEmpirical", "LogNormal",
-    "Pareto", "Replay", "SimConfig", "SimCosts", "SimDeadlock", "SimResult",
-    "applied_compute_staleness", "calibrate", "calibrate_run", "expected_max_of_k",
+    "BodyTail", "Constant", "Empirical", "GroupedEmpirical", "LogNormal",
+    "Pareto", "Replay", "SimConfig", "SimDeadlock", "SimResult",
+    "applied_compute_staleness", "calibrate_run", "expected_max_of_k",
     "lognormal_expected_max", "lognormal_tailness", "measured", "pipeline_max_lag", "rates",
     "sim_config_for_run", "simulate", "split_for_rho", "step_period", "sync_idle_fraction",
     "tailness", "tailness_from_groups",

@@ -1,30 +1,25 @@
-"""Fits the simulator's inputs from a run directory (timeline.jsonl + metrics.jsonl + config.json).
+"""The simulator's inputs from a run directory, and the numbers it predicts measured on the run.
 
-What is fitted, from what (all least squares are ordinary, `numpy.linalg.lstsq`):
-  * decode latency of the sampler vs active slots: duration = base + per_slot * slots_active over
-    the "decode" spans (`fit_decode`);
-  * prefill seconds per started sample: total "prefill" span time / samples started, where
-    samples started = total decode slot-steps (every active slot emits one token per decode
-    step) / mean completion length (`prefill_per_sample`);
-  * learner step time vs trained completion tokens: the n-th "train_step" span against the n-th
-    train row's `completion_tokens` (matched from the end, so a resumed run's shorter timeline
-    pairs with its last rows) (`fit_train`);
-  * weight push: mean "push" span duration of component "channel" (0 when the timeline has none:
-    the threaded driver times the push inside train_step);
-  * completion lengths: each train row's `completion_lengths` (one entry per trained sample,
-    group by group) if the run logged them, resampled by whole groups, else a log-normal
-    matched to the moments of the per-step means m_j:
-    E[L] = mean_j m_j and Var[L] = B * Var_j(m_j) (the mean of B i.i.d. lengths has variance
-    Var[L] / B), sigma^2 = ln(1 + Var[L] / E[L]^2) (method of moments for the log-normal), capped
-    at the sampler's completion budget.
+Costs come from what was measured, never from the virtual clock that produced a reproducible
+run (fitting those spans recovers the clock's own constants: a model checked against itself):
+`calibrate_run` fits `rlax_pipe.costs.CostModel` to the operations a threaded run timed
+(run_dir/cost_records.jsonl, written by the job in threaded mode) with
+`costs.fit_cost_model`, confidence intervals included.
 
-experiments/lib/sim_validation.py runs real pipelines and compares the calibrated simulator with
-them.
+Lengths: each train row's `completion_lengths` and `prompt_lengths` (one entry per trained
+sample, group by group) when the run logged them, resampled by whole groups
+(`distributions.GroupedEmpirical`); else a log-normal matched to the moments of the per-step means
+m_j: E[L] = mean_j m_j and Var[L] = B * Var_j(m_j) (the mean of B i.i.d. lengths has variance
+Var[L] / B), sigma^2 = ln(1 + Var[L] / E[L]^2) (method of moments for the log-normal), capped at
+the sampler's completion budget.
+
+`measured` gives the numbers `SimResult` predicts over the same window: throughput, both
+staleness measures (per-token lag and per-sample lag of the oldest token), idle fractions and
+slot occupancy. experiments/lib/sim_validation.py compares them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -32,64 +27,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import staleness as staleness_lib
 from rlax_pipe.run_dir import read_metrics
 from rlax_pipe.sim import distributions
-from rlax_pipe.sim.costs import DecodeCurve, SimCosts
-from rlax_pipe.sim.simulator import SimConfig
+from rlax_pipe.sim.sim_config import SimConfig
 
-
-@dataclasses.dataclass(frozen=True)
-class LinearFit:
-  """y ~ intercept + slope * x.
-
-  Attributes:
-    intercept, slope: least-squares coefficients (slope 0 when x never varies).
-    rel_rmse: root-mean-square residual / mean(y) (0 for a perfect fit).
-    n: points used.
-  """
-
-  intercept: float
-  slope: float
-  rel_rmse: float
-  n: int
-
-
-def fit_linear(x: Sequence[float], y: Sequence[float]) -> LinearFit:
-  """Ordinary least squares of y on [1, x].
-
-  When x is constant the slope is not identifiable: the fit is then y ~ mean(y) (slope 0), which
-  is exact at the only x observed.
-
-  Raises:
-    ValueError: with no points, or x and y of different lengths.
-  """
-  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  if x.ndim != 1 or x.shape != y.shape or x.size == 0:
-    raise ValueError(f"fit_linear: need equal-length non-empty 1-D x, y; got {x.shape}, "
-                     f"{y.shape}.")
-  if np.ptp(x) == 0:
-    a, b = float(y.mean()), 0.0
-  else:
-    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
-  resid = y - (a + b * x)
-  scale = abs(float(y.mean())) or 1.0
-  return LinearFit(float(a), float(b), float(np.sqrt(np.mean(resid ** 2)) / scale), int(x.size))
-
-
-def fit_decode(spans: Sequence[timeline_lib.Span], component: str = "sampler") -> LinearFit:
-  """Decode-step seconds vs active slots from the "decode" spans of `component`.
-
-  Raises:
-    ValueError: if there is no decode span with slot counts.
-  """
-  pts = [(s.slots_active, s.duration) for s in spans
-         if s.component == component and s.kind == "decode" and s.slots_active is not None]
-  if not pts:
-    raise ValueError(f"fit_decode: no '{component}/decode' span with slots_active.")
-  x, y = zip(*pts)
-  return fit_linear(x, y)
+COST_RECORDS = "cost_records.jsonl"
+COST_FIT = "cost_fit.json"
 
 
 def train_rows(rows: Sequence[dict]) -> list[dict]:
@@ -97,135 +43,39 @@ def train_rows(rows: Sequence[dict]) -> list[dict]:
   return sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
 
 
-def fit_train(spans: Sequence[timeline_lib.Span], rows: Sequence[dict]) -> LinearFit:
-  """Learner step seconds vs trained completion tokens.
-
-  Pairs the k-th last "learner/train_step" span with the k-th last train row.
-
-  Raises:
-    ValueError: if there is no train_step span or no train row.
-  """
-  steps = [s.duration for s in spans if s.component == "learner" and s.kind == "train_step"]
-  tr = train_rows(rows)
-  n = min(len(steps), len(tr))
-  if n == 0:
-    raise ValueError("fit_train: need learner/train_step spans and train rows.")
-  return fit_linear([r["completion_tokens"] for r in tr[-n:]], steps[-n:])
-
-
-def push_seconds(spans: Sequence[timeline_lib.Span]) -> float:
-  """Mean duration of "channel/push" spans (0.0 if none)."""
-  d = [s.duration for s in spans if s.component == "channel" and s.kind == "push"]
-  return float(np.mean(d)) if d else 0.0
-
-
-def prefill_per_sample(spans: Sequence[timeline_lib.Span], mean_completion_tokens: float,
-                       component: str = "sampler") -> float:
-  """Prefill seconds per started sample (see module docstring); 0.0 without decode spans."""
-  prefill = sum(s.duration for s in spans if s.component == component and s.kind == "prefill")
-  tokens = sum(s.slots_active or 0 for s in spans
-               if s.component == component and s.kind == "decode")
-  if tokens == 0 or mean_completion_tokens <= 0:
-    return 0.0
-  return prefill / (tokens / mean_completion_tokens)
-
-
 def lengths_from_rows(rows: Sequence[dict], max_len: int | None = None,
-                      group_size: int = 1) -> tuple[Any, str]:
-  """The completion-length distribution of the trained samples (see module docstring).
+                      group_size: int = 1, key: str = "completion_lengths") -> tuple[Any, str]:
+  """The length distribution of the trained samples (module docstring).
 
   Args:
     rows: metrics rows.
     max_len: completion budget capping the moment-matched log-normal.
     group_size: samples per group, for resampling logged lengths by whole groups.
+    key: "completion_lengths" or "prompt_lengths" (prompts: one per group, no moment fallback).
 
   Returns:
-    (LengthDist, source) with source "completion_lengths" (exact, `GroupedEmpirical`) or
-    "moments" (`LogNormal` fitted to the per-step means).
+    (LengthDist, source) with source `key` (exact, `GroupedEmpirical`) or "moments"
+    (`LogNormal` fitted to the per-step means).
 
   Raises:
-    ValueError: without train rows.
+    ValueError: without train rows, or without logged prompt lengths.
   """
   tr = train_rows(rows)
   if not tr:
     raise ValueError("lengths_from_rows: no train rows.")
-  if all("completion_lengths" in r for r in tr):
-    return distributions.GroupedEmpirical.of(
-        [x for r in tr for x in r["completion_lengths"]], group_size), "completion_lengths"
+  if all(key in r for r in tr):
+    values = [x for r in tr for x in r[key]]
+    if key == "prompt_lengths":
+      return distributions.GroupedEmpirical.of(values[::group_size], 1), key
+    return distributions.GroupedEmpirical.of(values, group_size), key
+  if key == "prompt_lengths":
+    raise ValueError("lengths_from_rows: the run did not log prompt_lengths.")
   means = np.asarray([r["completion_tokens"] / r["samples"] for r in tr], np.float64)
   batch = float(np.mean([r["samples"] for r in tr]))
   mean = float(means.mean())
   var = batch * float(means.var(ddof=1)) if means.size > 1 else 0.0
   sigma = math.sqrt(math.log1p(var / mean ** 2))
   return distributions.LogNormal(mean, sigma, max_len), "moments"
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-  """Simulator inputs fitted from one run.
-
-  Attributes:
-    decode: decode-step fit (seconds vs active slots).
-    train: learner-step fit (seconds vs trained completion tokens).
-    prefill_per_sample_s: seconds of prefill per started sample.
-    push_s: seconds per weight push.
-    lengths: completion-length distribution (tokens).
-    length_source: "completion_lengths", "moments" or "given".
-    mean_completion_tokens: mean completion length of the trained samples.
-  """
-
-  decode: LinearFit
-  train: LinearFit
-  prefill_per_sample_s: float
-  push_s: float
-  lengths: Any
-  length_source: str
-  mean_completion_tokens: float
-
-  def costs(self) -> SimCosts:
-    """The fitted durations as `SimCosts` (negative fitted coefficients clipped to 0)."""
-    return SimCosts(DecodeCurve(max(0.0, self.decode.intercept), max(0.0, self.decode.slope)),
-                    self.prefill_per_sample_s, max(0.0, self.train.intercept),
-                    max(0.0, self.train.slope), self.push_s)
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-ready summary (the length distribution by name and mean)."""
-    return {"decode_base_s": self.decode.intercept, "decode_per_slot_s": self.decode.slope,
-            "decode_rel_rmse": self.decode.rel_rmse,
-            "train_base_s": self.train.intercept, "train_per_token_s": self.train.slope,
-            "train_rel_rmse": self.train.rel_rmse,
-            "prefill_per_sample_s": self.prefill_per_sample_s, "push_s": self.push_s,
-            "length_source": self.length_source,
-            "length_dist": type(self.lengths).__name__,
-            "mean_completion_tokens": self.mean_completion_tokens}
-
-
-def calibrate(spans: Sequence[timeline_lib.Span], rows: Sequence[dict], lengths: Any = None,
-              max_len: int | None = None, group_size: int = 1) -> Calibration:
-  """Fits every simulator input from a run's spans and metrics rows.
-
-  Args:
-    spans: the run's timeline spans.
-    rows: the run's metrics rows (train rows need completion_tokens and samples).
-    lengths: a `LengthDist` to use instead of the one estimated from `rows`.
-    max_len: completion budget (tokens) capping the estimated distribution.
-    group_size: samples per prompt group (to resample logged lengths by group).
-
-  Raises:
-    ValueError: if the spans or rows lack what a fit needs.
-  """
-  tr = train_rows(rows)
-  if not tr:
-    raise ValueError("calibrate: no train rows in the metrics.")
-  mean_len = sum(r["completion_tokens"] for r in tr) / sum(r["samples"] for r in tr)
-  if lengths is None:
-    lengths, source = lengths_from_rows(rows, max_len, group_size)
-  else:
-    source = "given"
-  return Calibration(decode=fit_decode(spans), train=fit_train(spans, rows),
-                     prefill_per_sample_s=prefill_per_sample(spans, mean_len),
-                     push_s=push_seconds(spans), lengths=lengths, length_source=source,
-                     mean_completion_tokens=mean_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,44 +96,76 @@ def completion_budget(config: dict) -> int:
   return int(min(s["max_new_tokens"], s["max_seq_len"] - 1))
 
 
-def calibrate_run(run_dir: str | pathlib.Path, lengths: Any = None) -> Calibration:
-  """`calibrate` on a run directory."""
-  spans, rows, config = read_run(run_dir)
-  return calibrate(spans, rows, lengths, completion_budget(config),
-                   int(config["pipeline"]["group_size"]))
+def calibrate_run(run_dirs: str | pathlib.Path | Sequence[str | pathlib.Path],
+                  source: str | None = None) -> costs_lib.CostFit:
+  """Fits the cost model to the operations timed by one or more threaded runs (pooled).
+
+  Raises:
+    FileNotFoundError: when a run has no cost_records.jsonl (a reproducible run: its spans
+      come from the virtual clock, which cannot calibrate itself).
+  """
+  dirs = [run_dirs] if isinstance(run_dirs, (str, pathlib.Path)) else list(run_dirs)
+  records = []
+  for d in dirs:
+    path = pathlib.Path(d) / COST_RECORDS
+    if not path.exists():
+      raise FileNotFoundError(
+          f"{path} does not exist: calibrate from a threaded run (PipelineConfig.mode="
+          "'threaded' records every timed operation); a reproducible run's spans come from the "
+          "virtual clock and would only give its own costs back.")
+    records += costs_lib.read_records(path)
+  return costs_lib.fit_cost_model(
+      records, source or f"measured: threaded runs {[str(d) for d in dirs]}")
 
 
-def sim_config_for_run(config: dict, calibration: Calibration, num_steps: int | None = None,
-                       warmup_steps: int = 0, seed: int = 0) -> SimConfig:
-  """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, slots).
+def sim_config_for_run(config: dict, cost_model: costs_lib.CostModel, lengths: Any,
+                       prompt_lengths: Any, num_steps: int | None = None, warmup_steps: int = 0,
+                       seed: int = 0, push_bytes: int = 0) -> SimConfig:
+  """The `SimConfig` that mirrors a run's config.json (driver, staleness, batch, the sampler's
+  slots and data replicas (one simulated engine each), row length, prefill rows, sequence
+  capacity, decode steps per dispatch, prompt sharing, the learner's batch split) with the given
+  costs and lengths.
 
   Args:
     config: the run's config.json as a dict.
-    calibration: fitted costs and lengths.
+    cost_model: the costs (e.g. `calibrate_run(...).cost_model`).
+    lengths, prompt_lengths: completion and prompt length distributions.
     num_steps: learner steps to simulate (default: the run's).
     warmup_steps: steps excluded from the reported numbers.
     seed: length-draw seed.
+    push_bytes: bytes of one weight push.
   """
-  p = config["pipeline"]
+  p, s, lr = config["pipeline"], config["sampler"], config.get("learner", {})
+  replicas = dict(map(tuple, config.get("sampler_mesh_axes", ()))).get("data", 1)
   st = p["staleness"]
   return SimConfig(
       driver=p["driver"],
       staleness=staleness_lib.StalenessConfig(st["policy"], st["max_lag"], st["groups_per_step"],
                                               st["queue_capacity_groups"]),
       group_size=int(p["group_size"]), num_steps=int(num_steps or p["num_steps"]),
-      slots_per_engine=int(config["sampler"]["num_slots"]), lengths=calibration.lengths,
-      costs=calibration.costs(), warmup_steps=warmup_steps, seed=seed)
+      slots_per_engine=int(s["num_slots"]), num_engines=int(replicas), lengths=lengths,
+      costs=cost_model,
+      warmup_steps=warmup_steps, seed=seed, prompt_lengths=prompt_lengths,
+      prefill_rows=int(s.get("prefill_rows", 4)), seq_len=int(p["seq_len"]),
+      micro_batch_rows=lr.get("micro_batch_rows"),
+      num_minibatches=int(lr.get("num_minibatches", 1)),
+      push_bytes=push_bytes, max_seq_len=int(s["max_seq_len"]),
+      decode_steps_per_dispatch=int(s.get("decode_steps_per_dispatch", 1)),
+      share_prompt_pages=bool(s.get("share_prompt_pages", False)))
 
 
-def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0
-             ) -> dict[str, float]:
+def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_steps: int = 0,
+             span_window: bool = True) -> dict[str, float]:
   """The numbers `SimResult` predicts, measured on a run over the same window.
 
   Window: from the end of step `warmup_steps` (its row's time_s; 0 when warmup_steps is 0) to
-  the last train row's time_s.
+  the last train row's time_s. The spans' idle fractions and occupancy use the same window when
+  `span_window` (reproducible runs: rows and spans share the virtual clock); else the whole
+  timeline (threaded runs: the spans' clock is perf_counter, the rows' is run time).
 
   Returns:
-    dict with tokens_per_s, samples_per_s, lag_mean (per-token, from lag_hist), lag_max,
+    dict with tokens_per_s, samples_per_s, token_lag_mean / token_lag_max (per token, from
+    lag_hist), sample_lag_mean / sample_lag_max (per sample, the oldest token's lag),
     idle_sampler, idle_learner, slot_occupancy.
 
   Raises:
@@ -298,12 +180,16 @@ def measured(rows: Sequence[dict], spans: Sequence[timeline_lib.Span], warmup_st
   hist = np.zeros(max(len(r["lag_hist"]) for r in kept), np.int64)
   for r in kept:
     hist[:len(r["lag_hist"])] += np.asarray(r["lag_hist"], np.int64)
-  summary = timeline_lib.summarize(spans, window=(lo, hi))
+  summary = timeline_lib.summarize(spans, window=(lo, hi) if span_window else None)
   nz = np.nonzero(hist)[0]
+  samples = sum(r["samples"] for r in kept)
   return {"tokens_per_s": sum(r["completion_tokens"] for r in kept) / (hi - lo),
-          "samples_per_s": sum(r["samples"] for r in kept) / (hi - lo),
-          "lag_mean": float((hist * np.arange(hist.shape[0])).sum() / max(hist.sum(), 1)),
-          "lag_max": int(nz.max()) if nz.size else 0,
+          "samples_per_s": samples / (hi - lo),
+          "token_lag_mean": float((hist * np.arange(hist.shape[0])).sum() / max(hist.sum(), 1)),
+          "token_lag_max": int(nz.max()) if nz.size else 0,
+          "sample_lag_mean": float(sum(r.get("sample_lag_mean", 0.0) * r["samples"]
+                                       for r in kept) / max(samples, 1)),
+          "sample_lag_max": int(max(r.get("sample_lag_max", 0) for r in kept)),
           "idle_sampler": summary.idle.get("sampler", float("nan")),
           "idle_learner": summary.idle.get("learner", float("nan")),
           "slot_occupancy": summary.slot_occupancy}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -241,3 +241,39 @@ class Pareto:
 
   def mean(self) -> float:
     return float(self.sample(np.random.default_rng(0), 200_000).mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyTail:
+  """A long-tailed workload stated by its tail: a share `1 - tail_fraction` of the samples
+  drawn from `body`, the rest uniform in [tail_low, tail_high] tokens (the stragglers), each
+  sample independently.
+
+  E.g. the founding talk's workload, "99% of samples finish in ~40 s, the last 1% take ~80 s
+  more": tail_fraction 0.01, body capped where a sample takes ~40 s, tail up to ~3x that length.
+
+  Attributes:
+    body: the distribution of the bulk (a `LengthDist`).
+    tail_fraction: share of stragglers, in [0, 1).
+    tail_low, tail_high: straggler lengths (tokens, 1 <= low <= high).
+  """
+
+  body: Any
+  tail_fraction: float
+  tail_low: int
+  tail_high: int
+
+  def __post_init__(self):
+    if not 0 <= self.tail_fraction < 1 or not 1 <= self.tail_low <= self.tail_high:
+      raise ValueError(f"BodyTail: tail_fraction={self.tail_fraction} must be in [0, 1) and "
+                       f"1 <= tail_low={self.tail_low} <= tail_high={self.tail_high}.")
+
+  def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    out = np.asarray(self.body.sample(rng, n), np.int64)
+    tail = rng.random(n) < self.tail_fraction
+    out[tail] = rng.integers(self.tail_low, self.tail_high + 1, int(tail.sum()))
+    return out
+
+  def mean(self) -> float:
+    return ((1 - self.tail_fraction) * float(self.body.mean())
+            + self.tail_fraction * (self.tail_low + self.tail_high) / 2)

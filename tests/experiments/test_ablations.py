@@ -45,7 +45,7 @@ def test_a9_bf16_sampler_creates_lag0_mismatch(tmp_path, tiny_config, tiny_init)
   rows = {r["label"]: r for r in ablations.a9_precision_mismatch(str(tmp_path), tiny=True,
                                                                  base=base)}
   assert (tmp_path / "A9.png").exists()
-  assert rows["fp32_tis"]["lag_max"] == 0 and rows["bf16_tis"]["lag_max"] == 0
+  assert rows["fp32_tis"]["token_lag_max"] == 0 and rows["bf16_tis"]["token_lag_max"] == 0
   # Same weights, same tokens: fp32 sampler agrees with the fp32 learner to float rounding, the
   # bf16 sampler does not.
   assert rows["fp32_tis"]["logp_mismatch_mean"] < 1e-4

@@ -52,7 +52,7 @@ def test_claims_tiny(name, claims_dir, tiny_config, tiny_init, saved_figures,
       assert r["max_lag"] == "1"
       assert read_config(r["per_seed"][0]["run_dir"])["learner"]["num_minibatches"] == 2
   if name == "A13":  # lag 0, yet the bf16 sampler's log-probs differ from the fp32 learner's
-    assert by["bf16_nocorr"]["lag_max"] == 0 and by["bf16_tis"]["lag_max"] == 0
+    assert by["bf16_nocorr"]["token_lag_max"] == 0 and by["bf16_tis"]["token_lag_max"] == 0
     assert by["bf16_nocorr"]["logp_mismatch_mean"] > 1e-4
   if name == "A14":
     assert by["tis_lagaware_lag1"]["frac_truncated_mean"] >= by["tis_fixed_lag1"][

@@ -1,24 +1,26 @@
-"""The simulator's validation (experiments/lib/sim_validation.py) on a synthetic run directory."""
+"""The simulator's validation (experiments/lib/sim_validation.py) on a tiny threaded run."""
 
+import dataclasses
 import json
 
+import pytest
+
 from lib import sim_validation
-from test_calibration import _synthetic, _write_run  # tests/sim helpers
 
 
-def test_validation_compare_on_a_run_dir(tmp_path):
-  _write_run(tmp_path, *_synthetic())
-  config = {"sampler": {"num_slots": 16, "max_new_tokens": 64, "max_seq_len": 64},
-            "pipeline": {"driver": "sync", "mode": "reproducible", "num_steps": 20,
-                         "group_size": 4,
-                         "staleness": {"policy": "block", "max_lag": 0, "groups_per_step": 2,
-                                       "queue_capacity_groups": None}}}
-  (tmp_path / "config.json").write_text(json.dumps(config))
-  recorded = [10, 12, 30, 8] * 40
-  row = sim_validation.compare(str(tmp_path), 2, recorded, seeds=(0, 1))
+def test_compare_on_a_threaded_run_and_refuses_a_reproducible_one(tmp_path, tiny_init,
+                                                                  tiny_config):
+  from rlax_pipe.pipeline import run as run_lib  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(tmp_path, tiny_init, mode="threaded", steps=4)
+  cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, checkpoint_every=10))
+  run_lib.run(cfg)
+  row = sim_validation.compare(cfg.run_dir, 1, seeds=(0, 1))
   json.dumps(row)
-  assert row["steps"] == 20 and row["driver"] == "sync"
-  for source in ("metrics", "recorded", "replay"):
-    assert row[f"predicted_{source}"]["lag_mean"] == 0.0
-    assert row[f"predicted_{source}"]["tokens_per_s"] > 0
-    assert isinstance(row[f"pass_{source}"], bool)
+  assert row["steps"] == 4 and row["driver"] == "pipeline"
+  assert row["cost_model"]["source"].startswith("measured")
+  assert row["predicted"]["samples_per_s"] > 0 and isinstance(row["pass"], bool)
+  assert row["measured"]["sample_lag_mean"] >= row["measured"]["token_lag_mean"]
+  repro = tiny_config(tmp_path, tiny_init, steps=1, run_name="repro")
+  run_lib.run(repro)
+  with pytest.raises(ValueError, match="reproducible run"):
+    sim_validation.compare(repro.run_dir, 0)

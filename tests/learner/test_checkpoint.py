@@ -75,3 +75,31 @@ def test_no_usable_checkpoint_raises(tmp_path, mesh):
   os.remove(tmp_path / "c" / "1" / checkpoint.COMMIT_MARKER)
   with pytest.raises(checkpoint.CheckpointError, match="step 1"):
     ckpt.restore(target(mesh))
+
+
+def test_missing_corrupt_and_mismatched_are_told_apart(tmp_path, mesh, caplog):
+  """Issue #14 item 11: each failure has its own error; a fallback is loud and reported."""
+  ckpt = saved_checkpointer(tmp_path / "c", mesh, [1, 2, 3])
+  with pytest.raises(checkpoint.CheckpointNotFoundError, match=r"step 7 .* steps \[1, 2, 3\]"):
+    ckpt.restore(target(mesh), step=7)
+  os.remove(tmp_path / "c" / "3" / checkpoint.COMMIT_MARKER)
+  with pytest.raises(checkpoint.CheckpointCorruptError, match="commit marker"):
+    ckpt.restore(target(mesh), step=3)
+  # Another model: a leaf of another shape, or a leaf the checkpoint lacks. Raised at once, not
+  # a reason to fall back to step 1 (which would not fit either).
+  wider = dict(target(mesh), w=jax.ShapeDtypeStruct((4, 8), jnp.float32,
+                                                     sharding=NamedSharding(mesh, P("tp"))))
+  with pytest.raises(checkpoint.CheckpointMismatchError,
+                     match=r"w: saved \(4, 4\) float32, target \(4, 8\) float32"):
+    ckpt.restore(wider, step=2)
+  more = dict(target(mesh), bias=jax.ShapeDtypeStruct((4,), jnp.float32,
+                                                      sharding=NamedSharding(mesh, P())))
+  with pytest.raises(checkpoint.CheckpointMismatchError, match=r"missing from it \['bias'\]"):
+    ckpt.restore(more)
+  with caplog.at_level(logging.ERROR):
+    restored = ckpt.restore(target(mesh))
+  assert restored.step == 2 and restored.skipped == (3,)
+  assert len(restored.skip_reasons) == 1 and "commit marker" in restored.skip_reasons[0]
+  assert any("falling back" in r.getMessage() for r in caplog.records)
+  assert ckpt.restore_extra(step=2) == {"step": 2, "nested": {"ids": [2, 3]}}
+  assert isinstance(checkpoint.CheckpointMismatchError("x"), checkpoint.CheckpointError)

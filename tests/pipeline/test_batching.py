@@ -95,3 +95,13 @@ def test_errors_and_padding_helpers():
   assert len(micro) == 3 and micro[0].tokens.shape == (1, 9)
   with pytest.raises(ValueError, match="not a multiple"):
     batching.split_rows(padded, 2)
+
+
+@pytest.mark.parametrize("rows,mbr,m,want", [
+    (5, 2, 2, (3, 6)),    # minibatches rows {0, 2, 4} and {1, 3}: 2 + 1 micro-batches of 2 rows
+    (8, 4, 1, (2, 8)),    # exact fit
+    (1, 4, 2, (1, 4)),    # the empty minibatch gets no micro-batch
+    (7, None, 3, (3, 7)),  # no row split: one micro-batch per minibatch
+])
+def test_micro_batch_plan(rows, mbr, m, want):
+  assert batching.micro_batch_plan(rows, mbr, m) == want

@@ -58,7 +58,9 @@ def test_issue_input_seq_len_below_sampler_max_seq_len():
     ({"objective": {"aggregation": "constant", "max_completion_len": 128}},
      r"RunConfig.objective.max_completion_len=128 != RunConfig.sampler.max_new_tokens=384.*"
      r"set objective.max_completion_len=384"),
-    ({"pipeline": {"reward_timeout_s": 700.0}},
+    ({"pipeline": {"reward_timeout_s": 700.0}},  # the wait limit scales, floor 60 s
+     r"RunConfig.pipeline.reward_timeout_s=700.0 >= RunConfig.pipeline.wait_timeout_floor_s=60.0"),
+    ({"pipeline": {"reward_timeout_s": 700.0, "wait_timeout_s": 600.0}},
      r"RunConfig.pipeline.reward_timeout_s=700.0 >= RunConfig.pipeline.wait_timeout_s=600.0"),
     ({"pipeline": {"advantage": "ppo_gae"}},
      r"RunConfig.pipeline.advantage='ppo_gae'; choose one of \('grpo', 'dr_grpo', 'rloo'\)"),

@@ -177,11 +177,11 @@ def test_nnx_decoder_trains_and_samples_through_the_pipeline(tmp_path, tiny_conf
   assert all(np.isfinite(r["loss"]) and r["samples"] > 0 for r in rows)
   # Step 1 trains version-0 samples with version-0 weights: the sampler's behaviour log-probs
   # (paged-cache mode of the NNX module) and the learner's (packed mode) agree.
-  assert rows[0]["lag_max"] == 0 and rows[0]["logp_mismatch_max"] < 1e-4
+  assert rows[0]["token_lag_max"] == 0 and rows[0]["logp_mismatch_max"] < 1e-4
   # In-flight updates: the sampler ran newer weights while the learner kept stepping, and
   # some trained tokens came from an older policy than the learner's (lag > 0).
   assert rows[-1]["sampler_version"] >= 2
-  assert max(r["lag_max"] for r in rows) >= 1
+  assert max(r["token_lag_max"] for r in rows) >= 1
   assert summary["final_heldout_accuracy"] is not None
   # Resume from the NNX checkpoint and take one more step.
   resumed = run_lib.run(dataclasses.replace(cfg, resume=True, pipeline=dataclasses.replace(

@@ -93,11 +93,36 @@ def test_aborted_samples_discard_the_group():
   assert q.stats().partial_groups == 0 and q.stats().ready_groups == 0
 
 
-def test_duplicate_sample_rejected():
+def test_duplicates_rejected_and_counted_without_stopping():
+  # Issue #14 item 9: a duplicate of a partial group's sample used to stop the run; a duplicate of
+  # a finished sample silently reopened its group. Both are now rejected and counted.
   q = rq.RolloutQueue(st.StalenessConfig("drop"), group_size=2)
-  q.put(_rollout(0, [0], sample_id=1))
-  with pytest.raises(ValueError, match="already put"):
-    q.put(_rollout(0, [0], sample_id=1))
+  assert q.try_admit(0, 0, sample_ids=[1, 2])
+  assert q.put(_rollout(0, [0], sample_id=1))
+  assert not q.put(_rollout(0, [0], sample_id=1))  # duplicate of a partial group's sample
+  assert not q.put(_rollout(0, [0], sample_id=7))  # not one of the group's samples
+  assert q.missing_samples(0) == [2]
+  assert q.put(_rollout(0, [0], sample_id=2))
+  assert not q.put(_rollout(0, [0], sample_id=2))  # duplicate of a finished sample
+  s = q.stats()
+  assert (s.rejected_samples, s.ready_groups, s.partial_groups) == (3, 1, 0)
+  assert len(q.try_get_batch(1, 0)[0]) == 2
+  assert not q.put(_rollout(0, [0], sample_id=1))  # after training: still rejected
+  assert q.stats().partial_groups == 0 and q.stats().rejected_samples == 4
+
+
+def test_lost_sample_named_and_group_discarded_as_lost():
+  q = rq.RolloutQueue(st.StalenessConfig("block", max_lag=1, groups_per_step=1), group_size=3)
+  assert q.try_admit(4, 0, sample_ids=[10, 11, 12])
+  q.put(_rollout(4, [0, 0], sample_id=10))
+  q.put(_rollout(4, [0], sample_id=12))
+  with pytest.raises(rq.QueueTimeout, match=r"not arrived: group 4: samples \[11\]"):
+    q.get_batch(1, 0, timeout=0.01)
+  q.discard_group(4, "lost")
+  w = q.stats().waste
+  assert (w.lost_groups, w.lost_samples, w.lost_tokens, q.stats().in_flight_groups) == (1, 2, 3, 0)
+  q.put(_rollout(4, [0], sample_id=11))  # arrives after all: counted as lost, ignored
+  assert q.stats().waste.lost_samples == 3 and q.stats().partial_groups == 0
 
 
 def test_future_token_version_rejected():
@@ -188,6 +213,7 @@ def test_state_dict_round_trip():
       np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
     assert (x.sample_id, x.reward, x.finish_reason) == (y.sample_id, y.reward, y.finish_reason)
   r.put(_rollout(1, [0]))  # the partial group survived the round trip
+  assert not r.put(_rollout(0, [0], sample_id=1000))  # group 0 stays complete after resume
   assert r.stats().ready_groups == 1
   with pytest.raises(ValueError, match="unknown format"):
     rq.RolloutQueue.from_state_dict({"format": 9})

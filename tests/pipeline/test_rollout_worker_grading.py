@@ -52,6 +52,9 @@ class ScriptedEngine:
     assert request.prompt_tokens.shape[0] <= self.cfg.max_seq_len - 1
     self.requests.append(request)
 
+  def unfinished(self):
+    return {r.sample_id: None for r in self.requests}  # none has a token yet
+
   def step(self):
     out = []
     for req in self.requests:

@@ -1,7 +1,5 @@
 """Tests for the pure staleness functions, including a randomized check of the block bound."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -34,30 +32,50 @@ def test_token_lag_and_predicates():
 
 def test_admission_rule_by_hand():
   cfg = st.StalenessConfig("block", max_lag=1, groups_per_step=2)
-  s = st.admission_init()
+  s = st.AdmissionLedger()
   # version 0, k = 1, B = 2: groups 0..3 may start (floor(n / 2) <= 1).
-  assert st.admission_headroom(s, 0, cfg) == 4
+  assert s.headroom(0, cfg) == 4
   for g in range(4):
-    s = st.admission_admit(s, g, 0, cfg)
-  assert not st.can_admit(s, 0, cfg) and not st.can_admit(s, 5, cfg)  # groups 0.. still live
+    s.admit(g, 0, cfg)
+  assert not s.can_admit(0, cfg) and not s.can_admit(5, cfg)  # groups 0.. still live
   with pytest.raises(ValueError, match="would break max_lag=1"):
-    st.admission_admit(s, 4, 0, cfg)
-  s = st.admission_retire(s, [1, 2], trained=True)  # trained at version 0 -> version 1
-  assert not st.can_admit(s, 1, cfg)  # groups 0 and 3 (admitted at 0) still bound everything
-  s = st.admission_retire(s, [0, 3], trained=True)  # version 2
-  assert st.admission_headroom(s, 2, cfg) == 2 * (2 + 1 + 1) - 4
+    s.admit(4, 0, cfg)
+  s.retire([1, 2], trained=True)  # trained at version 0 -> version 1
+  assert not s.can_admit(1, cfg)  # groups 0 and 3 (admitted at 0) still bound everything
+  s.retire([0, 3], trained=True)  # version 2
+  assert s.headroom(2, cfg) == 2 * (2 + 1 + 1) - 4
   # discarded groups do not count towards n.
-  s = st.admission_admit(s, 10, 2, cfg)
-  s = st.admission_retire(s, [10], trained=False)
+  s.admit(10, 2, cfg)
+  s.retire([10], trained=False)
   assert s.num_net == 4 and s.num_discarded == 1
-  assert st.admission_from_dict(st.admission_to_dict(s)) == s
+  assert st.AdmissionLedger.from_dict(s.to_dict()) == s
   with pytest.raises(KeyError, match=r"\[99\]"):
-    st.admission_retire(s, [99], trained=True)
+    s.retire([99], trained=True)
+  s.admit(7, 2, cfg)
   with pytest.raises(ValueError, match="already live"):
-    st.admission_admit(st.admission_admit(s, 7, 2, cfg), 7, 2, cfg)
+    s.admit(7, 2, cfg)
   # other policies and unbounded block never limit admission.
-  assert st.admission_headroom(s, 0, st.StalenessConfig("drop")) is None
-  assert st.can_admit(s, 0, st.StalenessConfig("block", max_lag=None))
+  assert s.headroom(0, st.StalenessConfig("drop")) is None
+  assert s.can_admit(0, st.StalenessConfig("block", max_lag=None))
+  # The pure rule on scalars (what the ledger feeds it): n = 4, a_min = 2, v = 3, k = 1, B = 2.
+  assert st.admission_headroom(4, 2, 3, cfg) == 2 * (2 + 1 + 1) - 4
+  assert st.admission_headroom(4, None, 3, cfg) == 2 * (3 + 1 + 1) - 4
+  assert st.batch_size(5, 0, 2) == 2 and st.batch_size(5, 3, 2) == 3
+  assert st.batch_size(1, 0, 2) is None
+
+
+def test_ledger_oldest_version_and_due_at_scale():
+  # 20k live groups over 20 versions (the cost per event is measured by bench_pipeline.py
+  # --suite=control_plane, not here).
+  cfg = st.StalenessConfig("learner-wait", max_lag=3, groups_per_step=1000)
+  s = st.AdmissionLedger()
+  for g in range(20000):
+    s.admit(g, g // 1000, cfg)
+  for g in range(20000, 22000):
+    s.admit(g, 20, cfg)
+    s.retire([g - 20000], trained=True)
+  assert s.oldest_version() == 2 and s.num_live == 20000 and s.num_trained == 2000
+  assert s.due(5, cfg) == list(range(2000, 3000))  # versions <= 5 - 3
 
 
 def test_areal_rule_counterexample_and_ours():
@@ -67,27 +85,29 @@ def test_areal_rule_counterexample_and_ours():
   # version-0 tokens would then be trained at v >= 2: lag 2 > 1.
   assert st.areal_admission_allowed(2, 1, 1, 1)
   cfg = st.StalenessConfig("block", max_lag=1, groups_per_step=1)
-  s = st.admission_admit(st.admission_admit(st.admission_init(), 0, 0, cfg), 1, 0, cfg)
-  s = st.admission_retire(s, [1], trained=True)
-  assert not st.can_admit(s, 1, cfg)  # ours waits for group 0
+  s = st.AdmissionLedger()
+  s.admit(0, 0, cfg)
+  s.admit(1, 0, cfg)
+  s.retire([1], trained=True)
+  assert not s.can_admit(1, cfg)  # ours waits for group 0
 
 
 def _simulate(cfg, seed, rule="ours", train_order="random", steps=30, slots=6):
   """Tick-level toy pipeline; returns the largest per-token lag ever trained."""
   rng = np.random.default_rng(seed)
   b, k = cfg.groups_per_step, cfg.max_lag
-  state, v, w, next_gid = st.admission_init(), 0, 0, 0
+  state, v, w, next_gid = st.AdmissionLedger(), 0, 0, 0
   in_flight, ready, max_seen, weight_delay = {}, [], 0, []
   for _ in range(steps * 200):
     while len(in_flight) < slots:
-      ok = (st.can_admit(state, w, cfg) if rule == "ours"
+      ok = (state.can_admit(w, cfg) if rule == "ours"
             else st.areal_admission_allowed(state.num_net, w, b, k))
       if not ok:
         break
       if rule == "ours":
-        state = st.admission_admit(state, next_gid, w, cfg)
+        state.admit(next_gid, w, cfg)
       else:
-        state = dataclasses.replace(state, num_admitted=state.num_admitted + 1)
+        state.num_admitted += 1
       length = int(min(60, rng.pareto(1.2) * 3 + 1))
       in_flight[next_gid] = (length, [])
       next_gid += 1
@@ -107,7 +127,7 @@ def _simulate(cfg, seed, rule="ours", train_order="random", steps=30, slots=6):
       for _, versions in batch:
         max_seen = max(max_seen, int(st.token_lag(versions, v).max()))
       if rule == "ours":
-        state = st.admission_retire(state, [g for g, _ in batch], trained=True)
+        state.retire([g for g, _ in batch], trained=True)
       v += 1
       weight_delay.append(v)
       if v >= steps:
@@ -199,16 +219,17 @@ def test_learner_wait_bounds_lag_and_keeps_the_sampler_busier(k, b):
 
 def test_due_groups_and_learner_wait_admission_by_hand():
   cfg = st.StalenessConfig("learner-wait", max_lag=1, groups_per_step=2)
-  s = st.admission_init()
+  s = st.AdmissionLedger()
   # AReaL Eq. 3 on the sampler version: 2 * (0 + 1 + 1) = 4 groups at version 0.
-  assert st.admission_headroom(s, 0, cfg, next_train_version=0) == 4
+  assert s.headroom(0, cfg, next_train_version=0) == 4
   for g in range(4):
-    s = st.admission_admit(s, g, 0, cfg, next_train_version=0)
-  assert not st.can_admit(s, 0, cfg, 0)
-  assert st.due_groups(s, 0, cfg) == []  # training at v0 leaves them for v1: lag 1 <= 1
-  assert st.due_groups(s, 1, cfg) == [0, 1, 2, 3]  # at v1 all must go now (v2 would be lag 2)
+    s.admit(g, 0, cfg, next_train_version=0)
+  assert not s.can_admit(0, cfg, 0)
+  assert s.due(0, cfg) == []  # training at v0 leaves them for v1: lag 1 <= 1
+  assert s.due(1, cfg) == [0, 1, 2, 3]  # at v1 all must go now (v2 would be lag 2)
+  assert st.due_bound(1, cfg) == 0
   # A sampler still on version 0 may not admit once the learner's next batch is at version 2.
-  s = st.admission_retire(s, [0, 1, 2, 3], trained=True)
-  assert st.can_admit(s, 1, cfg, next_train_version=2)
-  assert not st.can_admit(s, 0, cfg, next_train_version=2)
-  assert st.due_groups(s, 5, st.StalenessConfig("block", max_lag=1, groups_per_step=2)) == []
+  s.retire([0, 1, 2, 3], trained=True)
+  assert s.can_admit(1, cfg, next_train_version=2)
+  assert not s.can_admit(0, cfg, next_train_version=2)
+  assert s.due(5, st.StalenessConfig("block", max_lag=1, groups_per_step=2)) == []

@@ -5,13 +5,15 @@ import dataclasses
 import numpy as np
 import pytest
 
+from rlax_pipe.costs import CostModel
 from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sim import distributions as dist
 from rlax_pipe.sim import formulas
 from rlax_pipe.sim import simulator as sim
 
-COSTS = sim.SimCosts(sim.DecodeCurve(0.01, 1e-4), prefill_per_sample_s=1e-4, train_base_s=0.02,
-                     train_per_token_s=2e-5, push_s=0.005)
+COSTS = CostModel(decode_step_s=0.01, slot_step_s=1e-4, prefill_token_s=1e-4, train_step_s=0.02,
+                  train_token_s=2e-5, push_s=0.005)
+PROMPT = dist.Constant(2)  # one prefilled token per sample (the last prompt token is decoded)
 
 
 def _cfg(driver="pipeline", max_lag=1, policy="block", groups=4, size=4, steps=120, slots=32,
@@ -19,26 +21,28 @@ def _cfg(driver="pipeline", max_lag=1, policy="block", groups=4, size=4, steps=1
          engines=1):
   return sim.SimConfig(driver=driver, staleness=StalenessConfig(policy, max_lag, groups, queue),
                        group_size=size, num_steps=steps, slots_per_engine=slots, lengths=lengths,
-                       costs=costs, num_engines=engines, warmup_steps=warmup, seed=seed)
+                       costs=costs, num_engines=engines, warmup_steps=warmup, seed=seed,
+                       prompt_lengths=PROMPT)
 
 
 def test_sync_constant_lengths_exact_period():
-  # 2 groups x 4 samples of 10 tokens on 8 slots: prefill 8 * 1e-4 = 0.0008; 10 decode steps of
-  # 0.01 + 8e-4 = 0.0108 -> 0.108; train 0.02 + 2e-5 * 80 = 0.0216; push 0.005.
-  # Period 0.0008 + 0.108 + 0.0216 + 0.005 = 0.1354 s; 80 tokens per period.
+  # 2 groups x 4 samples of 10 tokens, 2-token prompts, on 8 slots: prefill 8 x 1 token x 1e-4 =
+  # 0.0008; 10 decode steps of 0.01 + 8e-4 = 0.0108 -> 0.108; train on 8 x (2 + 10) = 96 tokens
+  # 0.02 + 2e-5 * 96 = 0.02192; push 0.005. Period 0.13572 s; 80 completion tokens per period.
   r = sim.simulate(_cfg("sync", 0, groups=2, slots=8, lengths=dist.Constant(10), steps=10,
                         warmup=2))
-  assert r.step_period_s == pytest.approx(0.1354)
-  assert r.tokens_per_s == pytest.approx(80 / 0.1354)
-  assert r.lag_max == 0 and r.slot_occupancy == pytest.approx(1.0)
-  assert r.idle_learner == pytest.approx(1 - 0.0216 / 0.1354)
+  assert r.step_period_s == pytest.approx(0.13572)
+  assert r.tokens_per_s == pytest.approx(80 / 0.13572)
+  assert r.token_lag_max == 0 and r.slot_occupancy == pytest.approx(1.0)
+  assert r.idle_learner == pytest.approx(1 - 0.02192 / 0.13572)
 
 
 def test_sync_slot_idle_matches_closed_form():
   # Free learner and push, constant decode latency, no prefill: the window is back-to-back
   # rounds of the same replayed lengths, so slot idle = formulas.sync_idle_fraction.
   lengths = [3, 5, 9, 40, 2, 2, 7, 11]
-  costs = sim.SimCosts(sim.DecodeCurve(0.01))
+  costs = CostModel(decode_step_s=0.01, slot_step_s=0, prefill_token_s=0, train_step_s=0,
+                    push_s=0)
   r = sim.simulate(_cfg("sync", 0, groups=2, slots=6, lengths=dist.Replay.of(lengths, 4),
                         costs=costs, steps=6, warmup=1))
   assert r.slot_idle == pytest.approx(formulas.sync_idle_fraction(lengths, 6))
@@ -60,7 +64,7 @@ def test_sync_idle_grows_with_tail_heaviness(driver):
 @pytest.mark.parametrize("lengths", [dist.Pareto(10, 1.1, 2000), dist.LogNormal(80, 1.2, 2000)])
 def test_pipeline_lag_never_exceeds_max_lag_under_block(max_lag, lengths):
   r = sim.simulate(_cfg(max_lag=max_lag, lengths=lengths, slots=64, steps=80, warmup=0))
-  assert r.lag_max <= max_lag
+  assert r.token_lag_max <= max_lag
   assert len(r.lag_hist) <= max_lag + 1
   assert r.waste.wasted_tokens == 0
   assert r.wasted_token_fraction == 0.0
@@ -69,7 +73,7 @@ def test_pipeline_lag_never_exceeds_max_lag_under_block(max_lag, lengths):
 def test_drop_policy_bounds_lag_and_counts_waste():
   r = sim.simulate(_cfg(max_lag=1, policy="drop", slots=64, lengths=dist.Pareto(10, 1.1, 2000),
                         steps=80))
-  assert r.lag_max <= 1
+  assert r.token_lag_max <= 1
   assert r.waste.stale_groups > 0 and r.waste.stale_tokens > 0
   assert 0 < r.wasted_token_fraction < 1
 
@@ -91,7 +95,8 @@ def test_pipeline_beats_sync_with_a_long_tail():
 
 def test_applied_compute_formula_rollout_bound():
   lengths = dist.LogNormal(100, 0.5, 1000)
-  costs = sim.SimCosts(sim.DecodeCurve(0.01, 1e-4), train_per_token_s=1e-4)
+  costs = CostModel(decode_step_s=0.01, slot_step_s=1e-4, prefill_token_s=0, train_step_s=0,
+                    train_token_s=1e-4, push_s=0)
   cfg = _cfg(max_lag=None, groups=8, size=4, slots=64, lengths=lengths, costs=costs, steps=300,
              warmup=50)
   r = sim.simulate(cfg)
@@ -105,7 +110,8 @@ def test_applied_compute_formula_rollout_bound():
 
 def test_applied_compute_formula_train_bound_queue_drop():
   lengths = dist.LogNormal(100, 0.5, 1000)
-  costs = sim.SimCosts(sim.DecodeCurve(0.01, 1e-4), train_per_token_s=6e-4)
+  costs = CostModel(decode_step_s=0.01, slot_step_s=1e-4, prefill_token_s=0, train_step_s=0,
+                    train_token_s=6e-4, push_s=0)
   cfg = _cfg(max_lag=None, policy="queue-drop", queue=8, groups=8, size=4, slots=64,
              lengths=lengths, costs=costs, steps=200, warmup=50)
   r = sim.simulate(cfg)
@@ -161,9 +167,9 @@ def test_learner_wait_beats_block_when_sampling_bound_and_keeps_the_bound():
   for policy in ("block", "learner-wait"):
     cfg = sim.SimConfig(driver="pipeline", staleness=StalenessConfig(policy, 4, 8), group_size=8,
                         num_steps=60, slots_per_engine=64, lengths=dist.LogNormal(40, 1),
-                        costs=sim.SimCosts(sim.DecodeCurve(0.01, 2e-4), train_base_s=0.05,
-                                           train_per_token_s=1e-4))
+                        costs=CostModel(decode_step_s=0.01, slot_step_s=2e-4, train_step_s=0.05,
+                                        train_token_s=1e-4))
     res[policy] = sim.simulate(cfg)
-    assert res[policy].lag_max <= 4
+    assert res[policy].token_lag_max <= 4
   assert res["learner-wait"].tokens_per_s > 1.1 * res["block"].tokens_per_s
   assert res["learner-wait"].slot_occupancy > res["block"].slot_occupancy

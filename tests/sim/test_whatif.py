@@ -1,4 +1,4 @@
-"""What-if cost model (hand-computed numbers) and a tiny sweep."""
+"""What-if on the analytic accelerator cost model (hand-computed numbers) and a tiny sweep."""
 
 import dataclasses
 
@@ -8,22 +8,19 @@ from rlax_pipe.sim import whatif
 
 
 def test_cost_model_numbers():
-  c = whatif.Cluster()
-  # Llama-3-8B KV: 2 * 32 layers * 8 heads * 128 dims * 2 bytes = 131072 bytes per token.
-  assert c.model.kv_bytes_per_token == 131072
-  # Slots: (0.9 * 80e9 - 16e9) / (131072 * (512 + 2048)) = 56e9 / 335544320 = 166.9 -> 166.
-  assert whatif.engine_slots(c) == 166
-  curve = whatif.decode_curve(c)
-  # 2 ms + 16e9 / 3.35e12 = 6.776 ms; per slot 335544320 / 3.35e12 = 0.1002 ms.
-  assert curve.base_s == pytest.approx(0.002 + 16e9 / 3.35e12)
-  assert curve.per_slot_s == pytest.approx(335544320 / 3.35e12)
-  # Memory-bound at the engine's full batch: compute 2 * 8e9 / (989e12 * 0.5) = 32 us per slot.
-  assert curve.latency(166) == pytest.approx(curve.base_s + 166 * curve.per_slot_s)
-  # Learner: 0.4 * 989e12 / 48e9 = 8241.7 tokens/s per device.
-  assert whatif.learner_tokens_per_s(c, 2) == pytest.approx(2 * 0.4 * 989e12 / 48e9)
-  # 16 bytes/param * 8e9 / (0.7 * 80e9) = 2.29 -> 3 devices.
-  assert whatif.min_learner_devices(c) == 3
-  assert whatif.costs(c, 8).push_s == pytest.approx(16e9 / 50e9)
+  c = whatif.Cluster(workload=whatif.Workload(completion_sigma=0.0))  # every completion 2048
+  shape = c.shape
+  assert shape.kv_bytes_per_token == 131072  # 2 * 32 layers * 8 heads * 128 dims * 2 bytes
+  # Slots: (0.9 * 80e9 - weights) / (131072 * (512 + 2048)).
+  assert whatif.engine_slots(c) == int((0.9 * 80e9 - shape.weight_bytes) // (131072 * 2560))
+  m = whatif.costs(c, 8)
+  assert m.decode_step_s == pytest.approx(shape.weight_bytes / (3.35e12 * 0.8))
+  assert m.token_step_s == pytest.approx(131072 / (3.35e12 * 0.8))
+  # Pushes: bf16 weights over NVLink (900 GB/s) at 50% + 5 ms.
+  assert m.push(int(shape.weight_bytes)) == pytest.approx(0.005 + shape.weight_bytes / 450e9,
+                                                          rel=1e-6)
+  # 16 bytes/param * N / (0.7 * 80e9) devices at least.
+  assert whatif.min_learner_devices(c) == -(-16 * shape.matmul_params // (0.7 * 80e9))
 
 
 def test_small_sweep_and_report(tmp_path):
@@ -38,6 +35,7 @@ def test_small_sweep_and_report(tmp_path):
   best = {r["driver"]: r for r in out["best"]}
   assert best["pipeline"]["tokens_per_s"] > best["sync"]["tokens_per_s"]
   assert 0 < out["sync_idle"]["device_idle"] < 1
-  assert all(r["lag_max"] <= 2 for r in out["rows"])
+  assert all(r["token_lag_max"] <= 2 for r in out["rows"])
+  assert out["cost_model"]["source"].startswith("analytic")
   with pytest.raises(ValueError):
     whatif.sim_config(c, 2, "pipeline", 1)  # below the FSDP minimum of 3 devices

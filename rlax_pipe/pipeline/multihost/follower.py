@@ -1,0 +1,114 @@
+"""A learner process other than the lead: its share of every learner-mesh computation.
+
+The learner mesh spans all learner processes, so each of them runs the same jitted programs in
+the same order (multi-controller JAX): the state init or restore, every train step on the batch
+the lead sends it, every weight push (the re-layout into the staging copies), every checkpoint.
+This process holds no queue and no run directory; it sends its spans to the lead and its staging
+copy to the replicas it serves (`weights.LearnerSender`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from typing import Any
+
+from absl import logging
+
+from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
+from rlax_pipe.learner import CheckpointNotFoundError, Learner
+from rlax_pipe.pipeline.config import RunConfig
+from rlax_pipe.pipeline.multihost.layout import TransferLayout
+from rlax_pipe.pipeline.multihost.weights import LearnerSender, weights_kv
+from rlax_pipe.pipeline.rollout_queue import RolloutQueue
+from rlax_pipe.pipeline.trainer import Trainer
+
+
+def restore_or_start(learner: Learner, resume: bool, whoami: str) -> dict | None:
+  """`learner.restore()` when resuming (the same checkpoint files give every learner process the
+  same step); None without a checkpoint."""
+  if not resume:
+    return None
+  try:
+    return learner.restore()
+  except CheckpointNotFoundError as e:
+    logging.warning("%s: resume requested but no checkpoint (%s); starting fresh.", whoami, e)
+    return None
+
+
+class FollowerProcess:
+  """Learner process p > 0: trains on the lead's batches in lockstep with the other learner
+  processes.
+
+  Args:
+    cfg: the run.
+    topology: the job.
+    monitor: fault monitor.
+    link: this process's link to the lead (opened before any collective: `open_link`).
+    learner: this process's `Learner` (on the shared learner mesh, already restored).
+    layout: the shared transfer layout.
+  """
+
+  def __init__(self, cfg: RunConfig, topology: Topology, monitor: FaultMonitor, link: Link,
+               learner: Learner, layout: TransferLayout):
+    self.cfg, self.topology, self.monitor, self.learner = cfg, topology, monitor, learner
+    self.link = link
+    self.sender = LearnerSender(layout, weights_kv(), monitor, cfg.distributed)
+    pcfg = cfg.pipeline
+    self.trainer = Trainer(learner, RolloutQueue(pcfg.staleness, pcfg.group_size), self.sender,
+                           pcfg)
+    self.lane = f"learner/p{topology.process_id}"
+
+  def run(self) -> None:
+    """Pushes the initial version, then one step per "train" message until "end"."""
+    pcfg, off = self.cfg.pipeline, self.link.offset_s
+    self.sender.push(self.learner.params, self.learner.version)
+    idle_since = time.monotonic()
+    steps, train_s = 0, 0.0
+    while True:
+      self.monitor.check()
+      try:
+        kind, payload = self.link.inbox.get(timeout=0.2)
+      except queue.Empty:
+        if time.monotonic() - idle_since > pcfg.wait_timeout_s + self.cfg.distributed.fault_timeout_s:
+          raise TimeoutError(f"{self.topology.name()}: no batch from the learner lead for "
+                             f"{pcfg.wait_timeout_s:.0f} s.") from None
+        continue
+      if kind == "end":  # last messages first: the lead waits for them before its records
+        self.link.send("rows", [{
+            "kind": "learner_process", "process": self.topology.process_id, "steps": steps,
+            "train_s": train_s, "version": self.learner.version}])
+        self.link.send("done", None)
+        break
+      if kind != "train":
+        continue
+      t0 = time.perf_counter()
+      with self.monitor.deadline("a learner step", pcfg.wait_timeout_s):
+        self.trainer.train_on(payload)
+      t1 = time.perf_counter()
+      steps, train_s = steps + 1, train_s + (t1 - t0)
+      self.link.send("spans", [(self.lane, "train_step", t0 + off, t1 + off, None, None)])
+      if self.learner.step % pcfg.checkpoint_every == 0:
+        self.learner.save({})
+      idle_since = time.monotonic()
+    self.learner.save({})  # the lead's final checkpoint (Checkpoint.on_end), in lockstep
+    self.learner.close()
+    self.sender.close(self.cfg.distributed.transfer_timeout_s)
+    self.link.close()
+    logging.info("%s: done at learner step %d.", self.topology.name(), self.learner.step)
+
+
+def open_link(cfg: RunConfig, topology: Topology, monitor: FaultMonitor) -> Link:
+  """A learner process's link to the lead."""
+  return Link(topology, KVStore(), monitor, cfg.distributed, hello={"role": "learner"})
+
+
+def make_learner(cfg: RunConfig, learner_mesh: Any, model: Any, params: Any,
+                 checkpoint_dir: str) -> Learner:
+  """The `Learner` every learner process builds identically (its init is a collective)."""
+  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
+      cfg.learner.checkpoint, directory=checkpoint_dir))
+  objective_cfg = dataclasses.replace(cfg.objective, max_lag=cfg.pipeline.staleness.max_lag)
+  return Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
+                 params=params)

@@ -1,0 +1,233 @@
+"""The learner's lead process (process 0): queue, worker, learner loop, run directory.
+
+Two threads, as in the single-process threaded driver:
+- the sampler side (`LeadSamplerSide`): takes the replicas' messages off the links (rollouts are
+  graded by the one `RolloutWorker` and put into the one `RolloutQueue`; spans and rows are kept
+  for the run directory) and tops every replica up through `RemoteEngines` (the worker's rules
+  and the queue's staleness admission, per replica);
+- the learner loop (`drive`, the calling thread): takes a batch from the queue, sends it to the
+  other learner processes, trains in lockstep with them, pushes the new version (every learner
+  process re-lays it out; replicas get it by request), and runs the step hooks (metrics,
+  evaluation on this process's devices, checkpoints of the learner processes together).
+"""
+
+from __future__ import annotations
+
+import json
+import queue as queue_lib
+import threading
+import time
+from typing import Any, Sequence
+
+from absl import logging
+import numpy as np
+
+from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
+from rlax_pipe.pipeline.hooks import StepHook
+from rlax_pipe.pipeline.job import Job
+from rlax_pipe.pipeline.multihost.remote import RemoteEngines
+from rlax_pipe.pipeline.multihost.weights import LearnerSender
+from rlax_pipe.pipeline.rollout_queue import QueueClosed
+from rlax_pipe.pipeline.trainer import StepResult
+
+
+class LeadSamplerSide:
+  """The lead's sampler thread (see the module docstring).
+
+  Args:
+    job: the lead's job (worker, queue, timeline).
+    hub: links to every other process.
+    proxy: the replicas as the worker's engine.
+    monitor: fault monitor (an error here is a fault of the job).
+  """
+
+  def __init__(self, job: Job, hub: Hub, proxy: RemoteEngines, monitor: FaultMonitor):
+    self.job, self.hub, self.proxy, self.monitor = job, hub, proxy, monitor
+    self.rows: queue_lib.Queue = queue_lib.Queue()   # replica rows for the run directory
+    self.done: set[int] = set()                      # replicas that sent their last message
+    self.learners_done: set[int] = set()             # learner processes that did the same
+    self._stopping = threading.Event()
+    self._exit = threading.Event()
+    self._checked: dict[int, int] = {}
+    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-lead-sampler",
+                                    daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def _replica(self, process_id: int) -> int:
+    return process_id - self.job.cfg.distributed.num_learner_processes
+
+  def _handle(self, p: int, kind: str, payload: Any) -> None:
+    job, proxy = self.job, self.proxy
+    if kind == "rollouts":
+      r = self._replica(p)
+      rollouts = list(payload["rollouts"])
+      proxy.returned(r, rollouts, payload["status"])
+      checked = payload["status"].get("checked")
+      if checked is not None and self._checked.get(r) != checked[0]:
+        self._checked[r] = checked[0]
+        self.rows.put({"kind": "weights_check", "replica": r, "version": checked[0],
+                       "checksum": checked[1]})
+      for graded in job.worker.grade_batch(rollouts):
+        job.queue.put(graded)
+    elif kind == "spans":
+      for span in payload:
+        job.timeline.record(*span)
+    elif kind == "rows":
+      for row in payload:
+        self.rows.put(row)
+    elif kind == "done":
+      if p < self.job.cfg.distributed.num_learner_processes:
+        self.learners_done.add(p)
+      else:
+        self.done.add(self._replica(p))
+
+  def _top_up(self) -> None:
+    for r in sorted(self.proxy.replicas):
+      with self.proxy.target(r):
+        self.job.worker.top_up()
+      self.proxy.flush(r)
+
+  def _loop(self) -> None:
+    try:
+      while not self._exit.is_set() and self.monitor.error is None:
+        try:
+          item = self.hub.inbox.get(timeout=0.005)
+        except queue_lib.Empty:
+          item = None
+        while item is not None:
+          self._handle(*item)
+          try:
+            item = self.hub.inbox.get_nowait()
+          except queue_lib.Empty:
+            item = None
+        if not self._stopping.is_set():
+          self._top_up()
+    except BaseException as e:  # pylint: disable=broad-except
+      logging.exception("the learner lead's sampler thread failed")
+      self.monitor.report(f"learner lead (process 0): its sampler thread failed: "
+                          f"{type(e).__name__}: {e}")
+      self.job.queue.close()
+
+  def stop(self, timeout_s: float) -> None:
+    """Stops topping up, tells the replicas to stop (the other learner processes were told
+    "end"), and waits for every process's last messages (spans and rows), so that the run
+    directory gets all of them."""
+    self._stopping.set()
+    self.hub.broadcast("stop", None, role="sampler")
+    learners = set(range(1, self.job.cfg.distributed.num_learner_processes))
+    deadline = time.monotonic() + timeout_s
+    while ((len(self.done) < len(self.proxy.replicas) or self.learners_done != learners)
+           and time.monotonic() < deadline):
+      self.monitor.check()
+      time.sleep(0.01)
+    if len(self.done) < len(self.proxy.replicas) or self.learners_done != learners:
+      missing = sorted(set(self.proxy.replicas) - self.done)
+      logging.warning("replicas %s and learner processes %s did not send their final messages "
+                      "within %.0f s.", missing, sorted(learners - self.learners_done),
+                      timeout_s)
+    time.sleep(0.05)  # let the thread handle what arrived with "done"
+    self._exit.set()
+    self._thread.join(timeout=timeout_s)
+
+
+class MultiprocessRecords:
+  """Step hook on the lead: rows from every process into metrics.jsonl (weight pushes with the
+  learner's checksums, installs and checks on each replica, per-replica statistics), and with
+  `DistributedConfig.record_samples` one line per trained sample in rollouts.jsonl."""
+
+  def __init__(self, sampler_side: LeadSamplerSide, sender: LearnerSender,
+               proxy: RemoteEngines, record_samples: bool):
+    self._side, self._sender, self._proxy = sampler_side, sender, proxy
+    self._record = record_samples
+
+  def _drain(self, job: Job, step: int) -> None:
+    while True:
+      try:
+        row = self._side.rows.get_nowait()
+      except queue_lib.Empty:
+        return
+      if "clock" in row:  # the lead's perf_counter -> run time
+        row["time_s"] = job.clock.time_s(row.pop("clock"))
+      job.run_dir.log({"step": step, **row}, step)
+
+  def log_push(self, job: Job, version: int) -> None:
+    """A "push" row: the version and the learner's checksums of it."""
+    job.run_dir.log({"kind": "push", "step": job.learner.step, "version": version,
+                     "checksum": self._sender.checksum(version)}, job.learner.step)
+
+  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
+    del time_s
+    step = job.learner.step
+    self.log_push(job, result.version)
+    self._drain(job, step)
+    holders = self._proxy.forget(r.sample_id for r in result.rollouts)
+    if not self._record:
+      return
+    with open(job.run_dir.path / "rollouts.jsonl", "a") as f:
+      for r in result.rollouts:
+        v = np.asarray(r.policy_versions)
+        runs = [] if v.size == 0 else [[int(x), int(n)] for x, n in
+                                       zip(*np.unique(v, return_counts=True))]
+        f.write(json.dumps({
+            "step": step, "trained_at": result.version - 1, "sample_id": int(r.sample_id),
+            "group_id": int(r.group_id), "replica": holders.get(int(r.sample_id), -1),
+            "prompt_index": int(r.prompt_index), "finish_reason": r.finish_reason,
+            "reward": None if np.isnan(r.reward) else float(r.reward),
+            "tokens": int(v.size), "version_runs": runs}) + "\n")
+
+  def on_end(self, job: Job, time_s: float) -> None:
+    del time_s
+    self._drain(job, job.learner.step)
+
+
+def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
+          todo: int) -> float:
+  """The lead's learner loop: `todo` steps; returns the clock at the end.
+
+  Raises:
+    ProcessFault: when the job failed elsewhere (the queue is closed on a fault).
+    QueueTimeout: no batch within `wait_timeout_s`.
+  """
+  pcfg, clock = job.cfg.pipeline, job.timeline.now
+  for _ in range(todo):
+    t0 = clock()
+    try:
+      groups = job.queue.get_batch(pcfg.groups_per_step, job.learner.version,
+                                   timeout=pcfg.wait_timeout_s)
+    except QueueClosed:
+      monitor.check()
+      raise
+    t1 = clock()
+    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
+    hub.broadcast("train", groups, role="learner")
+    with monitor.deadline("a learner step", pcfg.wait_timeout_s):
+      result = job.trainer.train_on(groups)
+    t2 = clock()
+    job.timeline.record("learner", "train_step", t1, t2)
+    for hook in hooks:
+      hook.on_step(job, result, job.clock.time_s(t2))
+    monitor.check()
+  return clock()
+
+
+def check_replica_manifests(topology: Topology, hellos: dict[int, dict], manifest: list) -> None:
+  """Every replica expects the layout the learner sends.
+
+  Raises:
+    LayoutMismatchError: naming the first difference, with both sides.
+  """
+  from rlax_pipe.pipeline.multihost.layout import compare_manifests  # pylint: disable=import-outside-toplevel
+  for p in topology.replica_processes:
+    compare_manifests(manifest, hellos[p]["manifest"], "the learner (process 0)",
+                      topology.name(p))
+
+
+def fault_on_error(monitor: FaultMonitor, whoami: str, error: BaseException) -> None:
+  """Reports an exception of this process's main thread as the job's fault (the others are
+  told; this process is ended if it does not exit in time)."""
+  if isinstance(error, ProcessFault):
+    return
+  monitor.report(f"{whoami} failed: {type(error).__name__}: {error}")

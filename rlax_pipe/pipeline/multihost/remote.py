@@ -1,0 +1,189 @@
+"""The sampler replicas of other processes, seen by the lead's `RolloutWorker` as its engine.
+
+The lead runs the one `RolloutWorker` of the job (task iterator, prompt preparation, grading,
+the drivers' rules) and the one `RolloutQueue` (staleness admission and policies), unchanged: so
+admission sees the in-flight groups of every replica, group and sample ids come from one counter
+(no duplicates), and a checkpoint holds the whole pipeline state. The worker's engine is a
+`RemoteEngines`: before each top-up the lead points it at one replica (`target`), so the worker's
+slot and version rules read that replica's numbers (its slots, the requests it holds, the newest
+weights version it reported) and its `submit`s go to that replica (sent by `flush`). A group's
+samples all go to the same replica (they share prompt pages there).
+
+What the lead knows about a replica lags by one message: its version is a lower bound (versions
+only grow, so admitting a group at it is conservative), its outstanding requests an upper bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import numpy as np
+
+from rlax_pipe.cluster import Hub, Topology
+from rlax_pipe.sampler import Request, SamplerConfig
+from rlax_pipe.types import Rollout
+
+
+@dataclasses.dataclass
+class ReplicaState:
+  """The lead's view of one replica.
+
+  Attributes:
+    process_id: its process.
+    slots: its decode slots (all its data replicas).
+    version: newest weights version it reported (handed to its engine).
+    outstanding: sample id -> group id of requests sent and not returned.
+    to_send: requests submitted since the last `flush`.
+    rng: its sampling keys as last reported (uint32 key data per data replica), for checkpoints.
+    weight_checks: versions whose checksums its engine verified, as last reported.
+  """
+
+  process_id: int
+  slots: int
+  version: int = -1
+  outstanding: dict[int, int] = dataclasses.field(default_factory=dict)
+  to_send: list[Request] = dataclasses.field(default_factory=list)
+  rng: list | None = None
+  weight_checks: int = 0
+
+
+class RemoteEngines:
+  """Engine interface over the replicas (see the module docstring); used on the lead's sampler
+  thread, except `rng_state` and the read-only properties (any thread).
+
+  Args:
+    hub: the lead's links.
+    topology: the job.
+    cfg: the sampler config every replica runs (per data replica `num_slots`).
+    slots: replica index -> its decode slots.
+  """
+
+  def __init__(self, hub: Hub, topology: Topology, cfg: SamplerConfig, slots: dict[int, int]):
+    self._hub, self.topology, self._cfg = hub, topology, cfg
+    self.replicas = {r: ReplicaState(topology.replica_process(r), int(slots[r]))
+                     for r in range(topology.num_replicas)}
+    self._target: int | None = None
+    self.holder: dict[int, int] = {}  # sample id -> replica (until trained or discarded)
+
+  # ---- what the worker reads -------------------------------------------------------------------
+  @contextlib.contextmanager
+  def target(self, replica: int) -> Iterator[None]:
+    """Within the block the engine interface means replica `replica`."""
+    self._target = replica
+    try:
+      yield
+    finally:
+      self._target = None
+
+  def _scope(self) -> list[ReplicaState]:
+    return list(self.replicas.values()) if self._target is None else [
+        self.replicas[self._target]]
+
+  @property
+  def cfg(self) -> SamplerConfig:
+    """The sampler config, with `num_slots` = the slots in scope."""
+    return dataclasses.replace(self._cfg, num_slots=self.num_slots)
+
+  @property
+  def num_slots(self) -> int:
+    return sum(s.slots for s in self._scope())
+
+  @property
+  def num_active(self) -> int:
+    """Requests sent to (and not returned by) the replicas in scope."""
+    return sum(len(s.outstanding) + len(s.to_send) for s in self._scope())
+
+  @property
+  def num_waiting(self) -> int:
+    return 0
+
+  @property
+  def has_work(self) -> bool:
+    return self.num_active > 0
+
+  @property
+  def latest_version(self) -> int:
+    """Newest weights version reported by the replica in scope (all: the oldest of them)."""
+    return min(s.version for s in self._scope())
+
+  @property
+  def version(self) -> int:
+    return self.latest_version
+
+  def submit(self, request: Request) -> None:
+    """Queues `request` for the targeted replica (sent by `flush`)."""
+    if self._target is None:
+      raise RuntimeError("RemoteEngines.submit outside a target(replica) block.")
+    state = self.replicas[self._target]
+    state.to_send.append(request)
+    state.outstanding[int(request.sample_id)] = int(request.group_id)
+    self.holder[int(request.sample_id)] = self._target
+
+  def abort(self, sample_id: int) -> Rollout | None:
+    """Asks the replica holding `sample_id` to abort it; its aborted Rollout comes back with the
+    replica's next rollouts (so this returns None)."""
+    replica = self.holder.get(int(sample_id))
+    if replica is not None:
+      self._hub.send(self.replicas[replica].process_id, "abort", [int(sample_id)])
+    return None
+
+  def unfinished(self) -> dict[int, None]:
+    """Sample ids sent and not returned (their oldest token version is not known here)."""
+    return {sid: None for s in self.replicas.values() for sid in s.outstanding}
+
+  # ---- the lead's bookkeeping ------------------------------------------------------------------
+  def flush(self, replica: int) -> int:
+    """Sends the queued requests of `replica`; returns how many."""
+    state = self.replicas[replica]
+    batch, state.to_send = state.to_send, []
+    if batch:
+      self._hub.send(state.process_id, "submit", batch)
+    return len(batch)
+
+  def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:
+    """Books finished (or aborted) rollouts and the replica's status message."""
+    state = self.replicas[replica]
+    for r in rollouts:
+      state.outstanding.pop(int(r.sample_id), None)
+    self.update(replica, status)
+
+  def update(self, replica: int, status: dict) -> None:
+    """Books a status message (version, rng keys, weight checks)."""
+    state = self.replicas[replica]
+    if "version" in status:
+      state.version = max(state.version, int(status["version"]))
+    if status.get("rng") is not None:
+      state.rng = status["rng"]
+    if "weight_checks" in status:
+      state.weight_checks = int(status["weight_checks"])
+
+  def forget(self, sample_ids) -> dict[int, int]:
+    """Drops trained samples from `holder`; returns sample id -> replica for them."""
+    return {int(s): self.holder.pop(int(s), -1) for s in sample_ids}
+
+  # ---- checkpointed state ----------------------------------------------------------------------
+  def rng_state(self) -> dict:
+    """{"replicas": [keys of replica 0, ...]} as last reported (None for a replica that has not
+    reported yet), for the checkpoint."""
+    return {"replicas": [None if s.rng is None else [np.asarray(k, np.uint32).tolist()
+                                                     for k in s.rng]
+                         for _, s in sorted(self.replicas.items())]}
+
+  def load_rng_state(self, state: Any) -> None:
+    """Keeps checkpointed keys to hand to the replicas at start (`initial_rng`)."""
+    self._restored_rng = state
+
+  def initial_rng(self, replica: int) -> list | None:
+    """The keys replica `replica` starts from on a resume: its own saved ones when the earlier
+    run had that replica, else None (the replica then derives keys from the saved keys of
+    replica 0 and its index, never the seed's)."""
+    state = getattr(self, "_restored_rng", None)
+    if not state:
+      return None
+    saved = state.get("replicas", []) if isinstance(state, dict) else [state]
+    if replica < len(saved) and saved[replica] is not None:
+      return saved[replica]
+    base = next((k for k in saved if k is not None), None)
+    return None if base is None else {"derive_from": base, "replica": replica}

@@ -1,0 +1,196 @@
+"""A sampler replica process: its engine on its own devices, fed by the lead, weights in flight.
+
+The replica decodes what the lead submits and streams finished rollouts back (ungraded: the lead
+grades, queues and applies the staleness policy). New weights arrive while it decodes
+(`weights.ReplicaReceiver`); a complete version is handed to the engine at a dispatch boundary
+when the driver's rule allows (pipeline: at once; round-based drivers: between rounds), the
+engine checks its checksums against the learner's after the swap, and per-token version tags
+stay exact. Spans (timed on the lead's clock), weight installs and the engine's statistics go to
+the lead's run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
+from rlax_pipe.pipeline.config import RunConfig
+from rlax_pipe.pipeline.multihost.layout import TransferLayout
+from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver, weights_kv
+from rlax_pipe.sampler import SamplerEngine
+
+_FLUSH_S = 0.5   # spans, status and rng at least this often
+_IDLE_S = 0.002  # poll period while there is nothing to decode
+
+
+def may_install_weights(driver: str, has_work: bool) -> bool:
+  """The drivers' rule (pipeline: at any dispatch boundary; rounds: between rounds)."""
+  return driver == "pipeline" or not has_work
+
+
+def replica_keys(initial: Any, seed: int, replica: int, num_keys: int) -> list[np.ndarray]:
+  """Sampling keys of a replica: the checkpointed ones, keys derived from a checkpointed
+  replica's keys (a resume with more replicas), or fresh ones from (seed, replica)."""
+  if isinstance(initial, list):
+    return [np.asarray(k, np.uint32) for k in initial]
+  if isinstance(initial, dict):
+    base = [jax.random.wrap_key_data(np.asarray(k, np.uint32)) for k in initial["derive_from"]]
+    keys = [jax.random.fold_in(base[i % len(base)], 1000 + replica) for i in range(num_keys)]
+  else:
+    keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1 + replica), num_keys)
+  return [np.asarray(jax.random.key_data(k)) for k in keys]
+
+
+class ReplicaProcess:
+  """One replica's main loop (this process's main thread).
+
+  Args:
+    cfg: the run.
+    topology: the job (this process is a sampler replica).
+    monitor: fault monitor.
+    sampler_model: the model the sampler runs (its compute dtype may differ from the learner's).
+    layout: the shared transfer layout.
+  """
+
+  def __init__(self, cfg: RunConfig, topology: Topology, monitor: FaultMonitor,
+               sampler_model: Any, layout: TransferLayout):
+    self.cfg, self.topology, self.monitor = cfg, topology, monitor
+    self.replica = topology.replica
+    self.layout, self.model = layout, sampler_model
+    self.mesh = layout.process_mesh(topology.process_id)
+    data = dict(cfg.sampler_mesh_axes).get("data", 1)
+    self.link = Link(topology, KVStore(), monitor, cfg.distributed, hello={
+        "role": "sampler", "replica": self.replica, "slots": cfg.sampler.num_slots * data,
+        "manifest": layout.manifest()})
+    self.receiver = ReplicaReceiver(layout, weights_kv(), monitor, cfg.distributed)
+    self.component = f"sampler/{self.replica}"
+    self._spans: list[tuple] = []
+    self._rows: list[dict] = []
+    self._pending_update = None
+    self.engine: SamplerEngine | None = None
+
+  def _record(self, component: str, kind: str, start: float, end: float,
+              active: int | None = None, total: int | None = None) -> None:
+    del component
+    off = self.link.offset_s
+    self._spans.append((self.component, kind, start + off, end + off, active, total))
+
+  def _init_message(self) -> dict:
+    deadline = time.monotonic() + self.cfg.distributed.connect_timeout_s
+    while time.monotonic() < deadline:
+      self.monitor.check()
+      try:
+        kind, payload = self.link.inbox.get(timeout=0.1)
+      except queue.Empty:
+        continue
+      if kind == "init":
+        return payload
+      raise RuntimeError(f"replica start: expected 'init' from the lead, got {kind!r}")
+    raise TimeoutError("no 'init' message from the learner lead.")
+
+  def start(self) -> None:
+    """Receives the first weights and the sampling keys, builds the engine."""
+    init = self._init_message()
+    self.receiver.request(-1)
+    first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
+    self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
+                                on_span=self._record)
+    keys = replica_keys(init.get("rng"), self.cfg.sampler.seed, self.replica,
+                        len(self.engine.replicas))
+    self.engine.load_rng_state(keys)
+    self._installed(first.version)
+    logging.info("%s: engine on devices %s, %d slots, weights version %d.",
+                 self.topology.name(), [d.id for d in self.mesh.devices.flat],
+                 self.engine.num_slots, first.version)
+
+  def _installed(self, version: int) -> None:
+    got = self.receiver.received[-1]
+    self._rows.append({"kind": "weights", "replica": self.replica, "version": version,
+                       "transfer": got["transfer"], "sender": got["sender"],
+                       "transfer_s": got["seconds"], "clock": self.link.lead_clock()})
+    self.receiver.request(version)
+
+  def _status(self, with_rng: bool) -> dict:
+    e = self.engine
+    out = {"version": e.latest_version, "weight_checks": e.weight_checks}
+    if e.last_weight_check is not None:
+      out["checked"] = [int(e.last_weight_check[0]),
+                        [int(c) for c in e.last_weight_check[1]]]
+    if with_rng:
+      out["rng"] = [k.tolist() for k in e.rng_state()]
+    return out
+
+  def run(self) -> None:
+    """Decodes until the lead says stop; returns after the goodbye."""
+    e, driver = self.engine, self.cfg.pipeline.driver
+    finished, last_flush, stopping = [], time.monotonic(), False
+    checked = e.weight_checks
+    while not stopping:
+      self.monitor.check()
+      while True:
+        try:
+          kind, payload = self.link.inbox.get_nowait()
+        except queue.Empty:
+          break
+        if kind == "submit":
+          for request in payload:
+            e.submit(request)
+        elif kind == "abort":
+          finished += [r for r in (e.abort(s) for s in payload) if r is not None]
+        elif kind == "stop":
+          stopping = True
+      if self._pending_update is None:
+        self._pending_update = self.receiver.poll()
+      if self._pending_update is not None and may_install_weights(driver, e.has_work):
+        update, self._pending_update = self._pending_update, None
+        e.update_weights(update)
+        self._installed(update.version)
+      if e.has_work:
+        finished += e.step()
+      else:
+        t0 = time.perf_counter()
+        time.sleep(_IDLE_S)
+        self._record("", timeline_lib.WAIT_ADMISSION, t0, time.perf_counter())
+      now = time.monotonic()
+      flush = now - last_flush > _FLUSH_S
+      if finished or flush or e.weight_checks != checked:
+        self.link.send("rollouts", {"rollouts": finished, "status": self._status(flush)})
+        finished, checked = [], e.weight_checks
+      if flush or stopping:
+        self._flush_records()
+        last_flush = now
+
+  def _flush_records(self) -> None:
+    if self._spans:
+      spans, self._spans = self._spans, []
+      self.link.send("spans", spans)
+    if self._rows:
+      rows, self._rows = self._rows, []
+      self.link.send("rows", rows)
+
+  def finish(self) -> None:
+    """Final statistics to the lead, drain the transfer log, close the link."""
+    e = self.engine
+    e.check_weights()  # the last version handed over may not have run a dispatch yet
+    stats = dataclasses.asdict(e.stats())
+    self._rows.append({"kind": "replica", "replica": self.replica,
+                       "process": self.topology.process_id, "weight_checks": e.weight_checks,
+                       "weight_updates": stats["weight_updates"],
+                       "generated_tokens": stats["generated_tokens"],
+                       "slot_occupancy": stats["slot_occupancy"],
+                       "transfers": len(self.receiver.received),
+                       "transfer_s_mean": float(np.mean([r["seconds"] for r in
+                                                         self.receiver.received]))})
+    self.link.send("rollouts", {"rollouts": e.abort_all(), "status": self._status(True)})
+    self._flush_records()
+    self.link.send("done", None)
+    self.receiver.drain(self.cfg.distributed.transfer_timeout_s)
+    self.link.close()

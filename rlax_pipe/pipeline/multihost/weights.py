@@ -1,0 +1,456 @@
+"""Weights across processes: the newest version only, device to device, by request / announce /
+acknowledge (DESIGN.md, "Multi-host"; reference/multihost-notes.md).
+
+Control messages go through the coordination service's key-value store (prefix "rlax/w/"):
+
+  1. request      replica r, its m-th time:  req/{r}/{m} = {"have": version it holds, -1 none}
+  2. announce     the lead, once a version newer than "have" exists, appends to the transfer log
+                  log/{n} = {"kind": "transfer", "version": v, "replica": r, "sender": g, ...}
+                  with v the newest version at that moment (a replica that is behind gets the
+                  newest, never a backlog), its checksums and the layout digest. The lead also
+                  appends {"kind": "retire", "below": v} when it pushes v, and {"kind": "end"}.
+  3. transfer     every process reads the log in order and calls `jax.device_put` for every
+                  transfer: learner process g (= r mod K) with its staging copy of v, replica r
+                  into its replica layout, every other process with stand-ins. Why everybody:
+                  jax 0.10 pairs a send with its receive by a transfer key that each process
+                  draws from its own counter, once per transfer it takes part in, and a process
+                  that skips a transfer is out of step from then on (measured: the next receive
+                  hangs or pairs with the wrong send). A stand-in call is free (no data moves).
+  4. acknowledge  replica r, once every array has arrived: ack/{n} = {"ok": true, ...}; then the
+                  engine swaps the version in at its next dispatch boundary (the replica keeps
+                  decoding meanwhile) and checks its checksums; then r requests again.
+  5. release      learner process g keeps its staging copy of v alive until each transfer of v
+                  it sent is acknowledged, so the learner donating its params at the next step
+                  never frees an in-flight buffer; a copy is freed once unreferenced and retired.
+
+Versions are never used up by a failed transfer: the replica asks again with the version it
+holds and the lead announces the newest one (again). A layout that differs between learner and
+replica is an error naming both sides (`layout.LayoutMismatchError`); weights that arrive but
+are not the version announced are caught by the engine's checksum check
+(`param_checksum.WeightMismatchError`). Every wait has a limit (`DistributedConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlax_pipe import param_checksum
+from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout, Topology
+from rlax_pipe.pipeline.multihost.layout import TransferLayout
+from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
+from rlax_pipe.types import WeightUpdate
+
+KV_PREFIX = "rlax/w/"
+_POLL_S = 0.5
+
+
+def weights_kv() -> KVStore:
+  """The key-value namespace of the weight protocol."""
+  return KVStore(KV_PREFIX)
+
+
+class TransferLog:
+  """Reads the transfer log in order on a thread; `handle(n, entry)` runs for every entry.
+
+  Args:
+    kv: the protocol's key-value store.
+    monitor: fault monitor (an exception in `handle` is a fault of this process).
+    handle: called on the log thread, in log order.
+    whoami: this process's name, for messages.
+  """
+
+  def __init__(self, kv: KVStore, monitor: FaultMonitor, handle: Callable[[int, dict], None],
+               whoami: str):
+    self._kv, self._monitor, self._handle, self._whoami = kv, monitor, handle, whoami
+    self.entries = 0
+    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-transfer-log",
+                                    daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    n = 0
+    while self._monitor.error is None:
+      try:
+        entry = self._kv.get(f"log/{n}", _POLL_S)
+      except KVTimeout:
+        continue
+      try:
+        self._handle(n, entry)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.exception("transfer log entry %d failed", n)
+        self._monitor.report(f"{self._whoami}: weight transfer log entry {n} ({entry}) failed: "
+                             f"{type(e).__name__}: {e}")
+        return
+      self.entries = n + 1
+      if entry["kind"] == "end":
+        return
+      n += 1
+
+  def join(self, timeout_s: float) -> bool:
+    """Waits for the "end" entry to be handled; returns whether it was."""
+    self._thread.join(timeout_s)
+    return not self._thread.is_alive()
+
+
+class LogWriter:
+  """The lead's append-only end of the transfer log (thread-safe; `lock` orders appends)."""
+
+  def __init__(self, kv: KVStore):
+    self._kv = kv
+    self.lock = threading.RLock()
+    self.next = 0
+
+  def append(self, entry: dict) -> int:
+    """Appends one entry; returns its index."""
+    with self.lock:
+      n, self.next = self.next, self.next + 1
+      self._kv.set(f"log/{n}", entry)
+      return n
+
+
+def transfer(layout: TransferLayout, entry: dict, source: list[jax.Array] | None
+             ) -> list[jax.Array]:
+  """This process's part of one logged transfer: `jax.device_put` from learner process
+  `entry["sender"]`'s staging copy into replica `entry["replica"]`'s layout. `source` is the
+  sender's own copy on the sender, None elsewhere (stand-ins are used)."""
+  topo = layout.topology
+  src = source if source is not None else layout.stand_ins(entry["sender"])
+  return jax.device_put(src, layout.process_sharding(topo.replica_process(entry["replica"])))
+
+
+@dataclasses.dataclass
+class _Snapshot:
+  version: int
+  staged: list[jax.Array]
+  local: list[jax.Array]
+  checksum: jax.Array
+  refs: int = 0
+
+
+class LearnerSender:
+  """A learner process's side: staging copies per version, sending, freeing on acknowledgement.
+
+  `push(params, version)` is the weight-channel call the `Trainer` makes after every step; every
+  learner process makes it for the same versions in the same order (its re-layout is a
+  collective on the learner mesh). It returns after dispatching the re-layout (an independent
+  copy: the learner may donate `params` at once) and the checksums.
+
+  Args:
+    layout: the shared layout.
+    kv: the protocol's key-value store.
+    monitor: fault monitor.
+    cfg: time limits.
+  """
+
+  def __init__(self, layout: TransferLayout, kv: KVStore, monitor: FaultMonitor,
+               cfg: DistributedConfig):
+    self.layout, self._kv, self._monitor, self._cfg = layout, kv, monitor, cfg
+    self._pid = layout.topology.process_id
+    self._abstract = jax.tree_util.tree_unflatten(layout.treedef, [
+        jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
+    self._manifest = params_manifest(self._abstract)
+    self._relayout = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                             out_shardings=layout.staging_sharding())
+    self._cond = threading.Condition()
+    self._snaps: dict[int, _Snapshot] = {}
+    self.latest = -1
+    self._retired_below = -1
+    self._on_push: list[Callable[[int], None]] = []
+    self._acks: queue.Queue = queue.Queue()
+    self.sent = 0
+    self._ack_thread = threading.Thread(target=self._ack_loop, name="rlax_pipe-acks",
+                                        daemon=True)
+    self._ack_thread.start()
+    self.log = TransferLog(kv, monitor, self._handle, layout.topology.name())
+
+  def on_push(self, callback: Callable[[int], None]) -> None:
+    """`callback(version)` after every push (the lead announces and retires versions)."""
+    self._on_push.append(callback)
+
+  # ---- learner thread ---------------------------------------------------------------------
+  def push(self, params: Any, version: int) -> None:
+    """Re-lays `params` out into this process's replica-layout copy and keeps it as `version`.
+
+    Raises:
+      ManifestError: if `params` does not match the model's params tree.
+      ValueError: if `version` is not newer than the last pushed one.
+    """
+    check_manifest(self._manifest, params, what=f"pushed params (version {version})")
+    if version <= self.latest:
+      raise ValueError(f"LearnerSender.push: version {version} is not newer than {self.latest}.")
+    staged = self._relayout(jax.tree_util.tree_leaves(params))
+    snap = _Snapshot(version, staged, self.layout.local_view(staged, self._pid),
+                     param_checksum.checksum(staged))
+    with self._cond:
+      self._snaps[version] = snap
+      self.latest = version
+      self._cond.notify_all()
+    for cb in self._on_push:
+      cb(version)
+
+  def checksum(self, version: int) -> list[int]:
+    """The checksums of pushed `version` (host values; waits for their computation)."""
+    with self._cond:
+      snap = self._snaps[version]
+    return [int(c) for c in param_checksum.host(snap.checksum)]
+
+  def local_params(self, version: int | None = None) -> tuple[int, Any]:
+    """(version, a fresh copy of this process's replica-layout params of `version`, default the
+    newest), for an engine on this process's devices (held-out evaluation)."""
+    with self._cond:
+      snap = self._snaps[self.latest if version is None else version]
+    copy = jax.jit(lambda xs: [jnp.copy(x) for x in xs])(snap.local)
+    return snap.version, jax.tree_util.tree_unflatten(self.layout.treedef, copy)
+
+  # ---- log thread -------------------------------------------------------------------------
+  def _handle(self, n: int, entry: dict) -> None:
+    if entry["kind"] == "retire":
+      with self._cond:
+        self._retired_below = max(self._retired_below, int(entry["below"]))
+        self._free_locked()
+      return
+    if entry["kind"] != "transfer":
+      return
+    if entry["sender"] != self._pid:
+      transfer(self.layout, entry, None)
+      return
+    version = int(entry["version"])
+    deadline = time.monotonic() + self._cfg.transfer_timeout_s
+    with self._cond:
+      while version not in self._snaps:
+        if self._monitor.error is not None:
+          return
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"version {version} was announced but this process did not push "
+                             f"it within {self._cfg.transfer_timeout_s:.0f} s")
+        self._cond.wait(_POLL_S)
+      snap = self._snaps[version]
+      snap.refs += 1
+    transfer(self.layout, entry, snap.local)
+    self.sent += 1
+    self._acks.put((n, version, entry["replica"], time.monotonic()))
+
+  def _free_locked(self) -> None:
+    for v in [v for v, s in self._snaps.items()
+              if s.refs == 0 and v < self._retired_below and v != self.latest]:
+      for x in self._snaps.pop(v).staged:
+        if not x.is_deleted():
+          x.delete()
+
+  # ---- ack thread -------------------------------------------------------------------------
+  def _ack_loop(self) -> None:
+    while self._monitor.error is None:
+      try:
+        n, version, replica, t0 = self._acks.get(timeout=_POLL_S)
+      except queue.Empty:
+        continue
+      while self._monitor.error is None:
+        try:
+          ack = self._kv.get(f"ack/{n}", _POLL_S)
+          break
+        except KVTimeout:
+          if time.monotonic() - t0 > self._cfg.transfer_timeout_s:
+            self._monitor.report(
+                f"{self.layout.topology.name(self.layout.topology.replica_process(replica))} "
+                f"did not acknowledge weight version {version} (transfer {n}) within "
+                f"{self._cfg.transfer_timeout_s:.0f} s (transfer_timeout_s).")
+            return
+      else:
+        return
+      if not ack.get("ok", False):
+        logging.warning("weight transfer %d (version %d) to replica %d failed on arrival: %s; "
+                        "the replica asks again.", n, version, replica, ack.get("error"))
+      with self._cond:
+        self._snaps[version].refs -= 1
+        self._free_locked()
+        self._cond.notify_all()
+
+  def in_flight(self) -> int:
+    """Transfers sent by this process and not yet acknowledged."""
+    with self._cond:
+      return sum(s.refs for s in self._snaps.values())
+
+  def close(self, timeout_s: float) -> None:
+    """Waits (up to `timeout_s`) for the log's end and every acknowledgement, then frees every
+    copy."""
+    deadline = time.monotonic() + timeout_s
+    self.log.join(max(0.0, deadline - time.monotonic()))
+    with self._cond:
+      while any(s.refs for s in self._snaps.values()) and time.monotonic() < deadline:
+        self._cond.wait(_POLL_S)
+      for snap in self._snaps.values():
+        for x in snap.staged:
+          if not x.is_deleted():
+            x.delete()
+      self._snaps.clear()
+
+
+class WeightCoordinator:
+  """The lead's side of the protocol: answers every replica's requests with the newest version.
+
+  Args:
+    topology: the job.
+    kv: the protocol's key-value store.
+    monitor: fault monitor.
+    sender: the lead's `LearnerSender` (pushed versions and their checksums).
+    digest: the layout digest announced with every transfer.
+  """
+
+  def __init__(self, topology: Topology, kv: KVStore, monitor: FaultMonitor,
+               sender: LearnerSender, digest: str):
+    self.topology, self._kv, self._monitor, self._sender = topology, kv, monitor, sender
+    self._digest = digest
+    self.writer = LogWriter(kv)
+    self.announced: list[tuple[int, int, int]] = []  # (log index, replica, version)
+    self._stop = threading.Event()
+    sender.on_push(self._retire)
+    self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True,
+                                      name=f"rlax_pipe-weights-r{r}")
+                     for r in range(topology.num_replicas)]
+    for t in self._threads:
+      t.start()
+
+  def _retire(self, version: int) -> None:
+    if version > 0:
+      self.writer.append({"kind": "retire", "below": version})
+
+  def _serve(self, replica: int) -> None:
+    m = 0
+    sender_pid = replica % self.topology.num_learner_processes
+    while not self._stop.is_set() and self._monitor.error is None:
+      try:
+        have = int(self._kv.get(f"req/{replica}/{m}", _POLL_S)["have"])
+      except KVTimeout:
+        continue
+      with self._sender._cond:  # pylint: disable=protected-access
+        while self._sender.latest <= have and not self._stop.is_set():
+          self._sender._cond.wait(_POLL_S)  # pylint: disable=protected-access
+      if self._stop.is_set():
+        return
+      with self.writer.lock:  # versions in the log never go down (retire entries rely on it)
+        version = self._sender.latest
+        n = self.writer.append({
+            "kind": "transfer", "version": version, "replica": replica, "sender": sender_pid,
+            "request": m, "checksum": self._sender.checksum(version), "layout": self._digest})
+        self.announced.append((n, replica, version))
+      m += 1
+
+  def end(self) -> None:
+    """Stops answering and appends the log's "end" entry (after every earlier entry)."""
+    self._stop.set()
+    for t in self._threads:
+      t.join(timeout=5.0)
+    self.writer.append({"kind": "end"})
+
+
+@dataclasses.dataclass
+class _Incoming:
+  n: int
+  entry: dict
+  arrays: list[jax.Array]
+  t0: float
+
+
+class ReplicaReceiver:
+  """A sampler replica's side: asks for newer versions, receives them while decoding, hands a
+  complete version to the engine, acknowledges.
+
+  Args:
+    layout: the shared layout.
+    kv: the protocol's key-value store.
+    monitor: fault monitor.
+    cfg: time limits.
+  """
+
+  def __init__(self, layout: TransferLayout, kv: KVStore, monitor: FaultMonitor,
+               cfg: DistributedConfig):
+    self.layout, self._kv, self._monitor, self._cfg = layout, kv, monitor, cfg
+    topo = layout.topology
+    self.replica = topo.replica
+    self._digest = layout.digest()
+    self._lock = threading.Lock()
+    self._incoming: _Incoming | None = None
+    self._requests = 0
+    self.received: list[dict] = []  # per installed version: version, transfer seconds, ...
+    self.log = TransferLog(kv, monitor, self._handle, topo.name())
+
+  def request(self, have: int) -> None:
+    """Asks the lead for a version newer than `have` (-1: the first one)."""
+    self._kv.set(f"req/{self.replica}/{self._requests}", {"have": int(have)})
+    self._requests += 1
+
+  def _handle(self, n: int, entry: dict) -> None:
+    if entry["kind"] != "transfer":
+      return
+    arrays = transfer(self.layout, entry, None)
+    if entry["replica"] != self.replica:
+      return
+    if entry["layout"] != self._digest:
+      raise RuntimeError(
+          f"weight layout mismatch: the learner announces layout {entry['layout']} for version "
+          f"{entry['version']}, {self.layout.topology.name()} expects {self._digest} (see the "
+          "layout comparison logged at start).")
+    with self._lock:
+      self._incoming = _Incoming(n, entry, arrays, time.monotonic())
+
+  def poll(self) -> WeightUpdate | None:
+    """Non-blocking: the announced version once all its arrays are here (acknowledged then),
+    else None. The update carries the learner's checksums: the engine checks them after the
+    swap."""
+    with self._lock:
+      inc = self._incoming
+      if inc is None:
+        return None
+      if not all(a.is_ready() for a in inc.arrays):
+        waited = time.monotonic() - inc.t0
+        if waited > self._cfg.transfer_timeout_s:
+          self._monitor.report(
+              f"{self.layout.topology.name()}: weight version {inc.entry['version']} from "
+              f"learner process {inc.entry['sender']} did not arrive within {waited:.0f} s.")
+        return None
+      self._incoming = None
+    version = int(inc.entry["version"])
+    seconds = time.monotonic() - inc.t0
+    self._kv.set(f"ack/{inc.n}", {"ok": True, "replica": self.replica, "version": version,
+                                  "seconds": seconds})
+    self.received.append({"version": version, "transfer": inc.n, "seconds": seconds,
+                          "sender": inc.entry["sender"]})
+    return WeightUpdate(version, jax.tree_util.tree_unflatten(self.layout.treedef, inc.arrays),
+                        donated=True,
+                        checksum=np.asarray(inc.entry["checksum"], np.uint32))
+
+  def wait(self, timeout_s: float) -> WeightUpdate:
+    """Blocking `poll` (the first version, before the engine exists).
+
+    Raises:
+      ProcessFault: on a fault of the job; TimeoutError after `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      self._monitor.check()
+      update = self.poll()
+      if update is not None:
+        return update
+      time.sleep(0.01)
+    raise TimeoutError(f"{self.layout.topology.name()}: no weights within {timeout_s:.0f} s.")
+
+  def drain(self, timeout_s: float) -> None:
+    """At the end: acknowledges (and frees) whatever still arrives until the log ends."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and self._monitor.error is None:
+      update = self.poll()
+      if update is not None:
+        for x in jax.tree.leaves(update.params):
+          x.delete()
+      if not self.log.join(0.05) or self._incoming is not None:
+        continue
+      return
