@@ -4,8 +4,12 @@
   python3 experiments/ablations.py --ablation=A2 --config.pipeline.num_steps=30
   python3 experiments/ablations.py --ablation=A1 --tiny          # seconds
   python3 experiments/ablations.py --ablation=A10 --tiny         # seconds per cell
+  python3 experiments/ablations.py --ablation=A11 --config=experiments/configs/stress.py --seeds=3
 
-Writes <out_dir>/<ABLATION>.png and prints the result rows as one JSON line. Learning ablations
+Writes <out_dir>/<ABLATION>.png (learning ablations: means with 95% intervals over --seeds),
+<out_dir>/<ABLATION>.json (the rows; the claims A11-A14 also their verdicts), <ABLATION>.md (the
+same as a Markdown table with "mean +- 95% half-width" per metric) and prints the rows
+as one JSON line. Runs live in <out_dir>/cells/<config hash>; a finished one is reused. Learning ablations
 take their base run from --config (experiments/configs/pipeline_rl.py and overrides); with
 --tiny its default is the `tiny` preset (a few learner steps of a few samples per cell), so a
 tiny learning ablation takes seconds per cell, not a full 30-step run.
@@ -24,14 +28,21 @@ from absl import app
 from absl import flags
 
 from lib import ablations
+from lib import claims
 from lib import config_cli
+from rlax_pipe import config_dict
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
 _OUT = flags.DEFINE_string("out_dir", "runs/ablations", "Output directory.")
 _TINY = flags.DEFINE_bool("tiny", False, "Tiny variant (seconds).")
+_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell of a learning ablation (0..N-1); every "
+                              "metric is the mean over seeds with a 95% t-interval (>= 2 seeds "
+                              "for an interval).", lower_bound=1)
 # The base run's default preset follows --tiny (read before flags are parsed: it is the default
 # of --config); an explicit --config=<file>:<preset> still wins.
 _TINY_ARGV = any(a in ("--tiny", "--tiny=true", "--tiny=True") for a in sys.argv[1:])
+_CELLS = flags.DEFINE_list("cells", [], "Claims A11-A14 only: labels of the cells to run (default "
+                           "all), e.g. more --seeds for one comparison.")
 _CONFIG = config_cli.define_rl_flags(preset="tiny" if _TINY_ARGV else "default")
 
 
@@ -41,9 +52,19 @@ def main(argv):
   pathlib.Path(_OUT.value).mkdir(parents=True, exist_ok=True)
   with config_cli.user_errors():
     kw = {} if _NAME.value in ablations.SIMULATED else {
-        "base": config_cli.run_config(_CONFIG.value)}
+        "base": config_cli.run_config(_CONFIG.value), "seeds": tuple(range(_SEEDS.value))}
+    if _CELLS.value:
+      if _NAME.value not in claims.CLAIMS:
+        raise config_dict.ConfigError(f"--cells is for the claims {claims.CLAIMS}, not "
+                                      f"--ablation={_NAME.value}.")
+      kw["only"] = tuple(_CELLS.value)
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
-  print(json.dumps({"ablation": _NAME.value, "rows": rows}))
+  out = {"ablation": _NAME.value, "rows": rows}
+  stem = _NAME.value + (f"_{len(_CELLS.value)}cells_{_SEEDS.value}seeds" if _CELLS.value else "")
+  (pathlib.Path(_OUT.value) / f"{stem}.json").write_text(json.dumps(out, indent=1))
+  if _NAME.value not in ablations.SIMULATED:
+    (pathlib.Path(_OUT.value) / f"{stem}.md").write_text(claims.markdown(rows))
+  print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Every ablation takes `tiny` (seconds, for tests) or full size, runs, writes `<out_dir>/<name>.png`
 and returns a list of result rows (dicts). The systems ablations (A1, A6, A7, A8) run the
 discrete-event simulator of `rlax_pipe.sim`, which executes the pipeline's own admission and
-staleness code; the learning ablations (A2, A3, A4, A5, A10) run real reproducible RL jobs
-(`rlax_pipe.pipeline.run`) from a base `RunConfig` (keyword `base`). A9 (bf16 sampler vs fp32
-learner) is not implemented yet: the run has one model config for both sides.
+staleness code; the learning ablations (A2, A3, A4, A5, A9, A10 and the claims A11-A14 of
+`lib.claims`) run real reproducible RL jobs (`rlax_pipe.pipeline.run`) from a base `RunConfig`
+(keyword `base`), each cell once per seed (keyword `seeds`), every metric reported as the mean
+over seeds with its 95% t half-width in `<metric>_ci` (`lib.seeds`).
 
 Registry: `ABLATIONS` (name -> function), the single list of valid `--ablation` names.
 """
@@ -13,11 +14,13 @@ Registry: `ABLATIONS` (name -> function), the single list of valid `--ablation` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Callable
 
 import numpy as np
 
+from lib import claims
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import sim
 from rlax_pipe.pipeline import staleness as staleness_lib
@@ -155,19 +158,20 @@ def a8_queue_policy(out_dir: str, tiny: bool = False) -> list[dict]:
 # ---- learning ablations: real reproducible runs --------------------------------------------
 
 
-def _cells(base, out_dir: str, name: str, cells) -> list[dict]:
-  """Runs each (label, max_lag, RunConfig transform) cell; one summary row per cell."""
-  from rlax_pipe.pipeline import run as run_lib  # pylint: disable=g-import-not-at-top
+def _cells(base, out_dir: str, name: str, cells, seeds=(0,)) -> list[dict]:
+  """Runs each (label, max_lag, RunConfig transform) cell once per seed; one row per cell with
+  every metric the mean over seeds and `<metric>_ci` its 95% t half-width (`lib.seeds`)."""
+  from lib import seeds as seeds_lib  # pylint: disable=g-import-not-at-top
   from lib import sweep  # pylint: disable=g-import-not-at-top
-  rows = []
+  cells_dir = str(pathlib.Path(out_dir) / "cells")
+  runs = []
   for label, lag, transform in cells:
-    cfg = transform(sweep.cell_config(base, lag, base.objective.name,
-                                      str(pathlib.Path(out_dir) / name)))
-    cfg = dataclasses.replace(cfg, run_dir=str(pathlib.Path(out_dir) / name / label))
-    run_lib.run(cfg)
-    row = sweep.summarize_cell(cfg.run_dir, lag, cfg.objective.name)
-    row.update(ablation=name, label=label)
-    rows.append(row)
+    cfg = transform(sweep.cell_config(base, lag, base.objective.name, cells_dir))
+    runs.append((label, cfg, lambda d, lag=lag, obj=cfg.objective.name: sweep.summarize_cell(
+        d, lag, obj)))
+  rows = seeds_lib.run_seeds(runs, seeds, cells_dir)
+  for row in rows:
+    row["ablation"] = name
   return rows
 
 
@@ -177,28 +181,22 @@ def _objective(name: str, **kw):
 
 
 def _bar_plot(rows, out_dir, name, metrics):
-  fig = _figure(len(metrics))
-  for i, m in enumerate(metrics):
-    ax = fig.add_subplot(1, len(metrics), i + 1)
-    ax.bar(range(len(rows)), [r[m] if r[m] is not None else np.nan for r in rows])
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["label"] for r in rows], rotation=45, fontsize=7)
-    ax.set_title(f"{name}: {m}", fontsize=9)
-    ax.set_ylabel(m, fontsize=8)
-  fig.tight_layout()
-  fig.savefig(pathlib.Path(out_dir) / f"{name}.png", dpi=90)
+  from lib import claims  # pylint: disable=g-import-not-at-top
+  claims.interval_bars(rows, out_dir, name, metrics)
 
 
-def a2_max_lag(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a2_max_lag(out_dir: str, tiny: bool = False, base=None,
+               seeds=(0,)) -> list[dict]:
   """A2 (PipelineRL; AReaL Table 2 / Fig. 5c): throughput, ESS, ratio variance, reward vs lag."""
   lags = (0, None) if tiny else (0, 1, 2, 4, 8, 16, None)
   rows = _cells(base, out_dir, "A2", [(f"lag{'inf' if l is None else l}", l, lambda c: c)
-                                      for l in lags])
+                                      for l in lags], seeds)
   _bar_plot(rows, out_dir, "A2", ("samples_per_s", "ess_mean", "ratio_var_mean", "reward_last5"))
   return rows
 
 
-def a3_correction_x_lag(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a3_correction_x_lag(out_dir: str, tiny: bool = False, base=None,
+                        seeds=(0,)) -> list[dict]:
   """A3 (AReaL Table 2; Yao et al.): objective x lag, incl. lag-aware truncation."""
   objs = [("no_correction", {}), ("tis_pg", {})] if tiny else [
       ("no_correction", {}), ("untruncated_is", {}), ("tis_pg", {}), ("cispo", {}),
@@ -209,46 +207,50 @@ def a3_correction_x_lag(out_dir: str, tiny: bool = False, base=None) -> list[dic
     for name, kw in objs:
       tag = name + ("_lagtrunc" if kw else "")
       cells.append((f"{tag}_lag{lag}", lag, _objective(name, **kw)))
-  rows = _cells(base, out_dir, "A3", cells)
+  rows = _cells(base, out_dir, "A3", cells, seeds)
   _bar_plot(rows, out_dir, "A3", ("heldout_end", "reward_last5", "ess_mean"))
   return rows
 
 
-def a4_inflight_vs_async(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a4_inflight_vs_async(out_dir: str, tiny: bool = False, base=None,
+                         seeds=(0,)) -> list[dict]:
   """A4 (PipelineRL Fig. 5-6): in-flight updates vs conventional async at equal max lag."""
   lag = base.pipeline.staleness.max_lag
   driver = lambda d: (lambda c: dataclasses.replace(
       c, pipeline=dataclasses.replace(c.pipeline, driver=d)))
   rows = _cells(base, out_dir, "A4", [("async-batch", lag, driver("async-batch")),
-                                      ("pipeline", lag, driver("pipeline"))])
+                                      ("pipeline", lag, driver("pipeline"))], seeds)
   _bar_plot(rows, out_dir, "A4", ("samples_per_s", "ess_mean", "sample_lag_mean"))
   return rows
 
 
-def a5_kv_keep_vs_recompute(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a5_kv_keep_vs_recompute(out_dir: str, tiny: bool = False, base=None,
+                            seeds=(0,)) -> list[dict]:
   """A5 (PipelineRL Fig. 7): stale KV kept vs recomputed after an in-flight update."""
   kv = lambda p: (lambda c: dataclasses.replace(
       c, sampler=dataclasses.replace(c.sampler, kv_policy=p)))
   lag = base.pipeline.staleness.max_lag
   rows = _cells(base, out_dir, "A5", [("keep", lag, kv("keep")), ("recompute", lag,
-                                                                   kv("recompute"))])
+                                                                   kv("recompute"))], seeds)
   _bar_plot(rows, out_dir, "A5", ("kl_k3_mean", "ess_mean", "samples_per_s"))
   return rows
 
 
-def a10_truncation_cap(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a10_truncation_cap(out_dir: str, tiny: bool = False, base=None,
+                       seeds=(0,)) -> list[dict]:
   """A10 (IMPALA rho-bar; Yao et al.): truncation cap c in {1, 2, 5, 10, inf} at a high lag."""
   caps = (1.0, None) if tiny else (1.0, 2.0, 5.0, 10.0, None)
   lag = 1 if tiny else 8
   cells = [(f"c{'inf' if c is None else int(c)}", lag,
             _objective("untruncated_is") if c is None else _objective("tis_pg", truncation=c))
            for c in caps]
-  rows = _cells(base, out_dir, "A10", cells)
+  rows = _cells(base, out_dir, "A10", cells, seeds)
   _bar_plot(rows, out_dir, "A10", ("heldout_end", "reward_last5", "ess_mean"))
   return rows
 
 
-def a9_precision_mismatch(out_dir: str, tiny: bool = False, base=None) -> list[dict]:
+def a9_precision_mismatch(out_dir: str, tiny: bool = False, base=None,
+                          seeds=(0,)) -> list[dict]:
   """A9 (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
   training"): bf16 sampler vs fp32 learner at zero staleness, with and without truncation.
 
@@ -271,7 +273,7 @@ def a9_precision_mismatch(out_dir: str, tiny: bool = False, base=None) -> list[d
   if not tiny:
     cells[1:1] = [("bf16_nocorr", 0, cell("bfloat16", "no_correction")),
                   ("bf16_is", 0, cell("bfloat16", "untruncated_is"))]
-  rows = _cells(base, out_dir, "A9", cells)
+  rows = _cells(base, out_dir, "A9", cells, seeds)
   _bar_plot(rows, out_dir, "A9", ("logp_mismatch_mean", "ess_mean", "frac_truncated_mean",
                                   "reward_last5", "heldout_end"))
   return rows
@@ -282,6 +284,8 @@ ABLATIONS: dict[str, Callable[..., list[dict]]] = {
     "A4": a4_inflight_vs_async, "A5": a5_kv_keep_vs_recompute, "A6": a6_device_split,
     "A7": a7_staleness_formula, "A8": a8_queue_policy, "A9": a9_precision_mismatch,
     "A10": a10_truncation_cap,
+    # issue 16's learning claims (a)-(d), meant for the stress regime (configs/stress.py)
+    **{name: functools.partial(claims.run_claim, name) for name in claims.CLAIMS},
 }
 SIMULATED = ("A1", "A6", "A7", "A8")  # no RunConfig needed
 

@@ -21,15 +21,27 @@ class _FakeJob:
 def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config, saved_figures,
                                assert_every_panel_labelled):
   base = tiny_config(tmp_path, tiny_init, steps=2)
-  table = sweep.run_sweep(base, [0, None], ["tis_pg"], str(tmp_path / "sweep"))
+  table = sweep.run_sweep(base, [0, None], ["tis_pg"], str(tmp_path / "sweep"), seeds=(0, 1))
   assert [r["max_lag"] for r in table] == ["0", "inf"]
   assert table[0]["token_lag_max"] == 0  # max_lag 0 under block is synchronous
   assert table[0]["sample_lag_max"] == 0 and table[0]["sample_lag_mean"] == 0.0
   for r in table:
+    assert r["seeds"] == 2 and len({s["run_dir"] for s in r["per_seed"]}) == 2
     assert r["samples_per_s"] > 0 and 0 < r["ess_mean"] <= 1.0 + 1e-5
+    assert r["devices"] == 6  # tiny_config: sampler tp 2 + learner fsdp 2 x tp 2
+    assert r["samples_per_device_s"] == pytest.approx(r["samples_per_s"] / 6)
+    assert r["heldout_end_ci"] >= 0 and r["eval_problems"] == 4
+    per_seed = [s["heldout_end"] for s in r["per_seed"]]
+    assert r["heldout_end"] == pytest.approx(sum(per_seed) / 2)
+  runs_figures = len(saved_figures)  # the runs' own figures come first
   paths = sweep.plot_sweep(table, str(tmp_path / "sweep"))
-  assert len(paths) == 6 and all((tmp_path / "sweep" / p.split("/")[-1]).exists() for p in paths)
+  assert len(paths) == 7 and all((tmp_path / "sweep" / p.split("/")[-1]).exists() for p in paths)
+  assert paths[-1].endswith("pareto.png")
   assert_every_panel_labelled(saved_figures)
+  # every panel draws intervals: error bars (LineCollections) or shaded bands
+  for fig in saved_figures[runs_figures:]:
+    for ax in fig.axes:
+      assert ax.collections, f"panel {ax.get_title()!r} draws no interval"
 
 
 def test_compare_reports_ratios(tmp_path, tiny_init, tiny_config):
