@@ -1,4 +1,4 @@
-"""Paper-ablation reproductions: `--ablation=A1 ... A10` (see rlax_pipe.ablations).
+"""Paper-ablation reproductions: `--ablation=A1 ... A14` (see rlax_pipe.ablations).
 
   python3 experiments/ablations.py --ablation=A1 --out_dir=runs/ablations
   python3 experiments/ablations.py --ablation=A2 --config.pipeline.num_steps=30

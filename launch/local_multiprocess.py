@@ -86,16 +86,23 @@ def wait(procs: list[subprocess.Popen], timeout_s: float, kill_after_s: float = 
 
 
 def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--num_learner_processes", type=int, required=True)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--num_processes", type=int, required=True,
+                      help="processes of the job (learner processes + sampler replicas)")
+  parser.add_argument("--num_learner_processes", type=int, required=True,
+                      help="the first K processes form the learner mesh; the others are replicas")
   parser.add_argument("--devices_per_process", type=int, default=2,
-                      help="virtual CPU devices per process (CPU-only machines)")
+                      help="virtual CPU devices per process (CPU-only machines); the meshes must "
+                      "fit: the tiny preset's 1-device meshes need 1")
   parser.add_argument("--gpus_per_process", type=int, default=0,
                       help="GPUs per process on a GPU host (0 = CPU)")
-  parser.add_argument("--log_dir", default="runs/local_multiprocess_logs")
-  parser.add_argument("--timeout_s", type=float, default=24 * 3600.0)
-  parser.add_argument("--kill_after_s", type=float, default=60.0)
+  parser.add_argument("--log_dir", default="runs/local_multiprocess_logs",
+                      help="process_<i>.log of every process")
+  parser.add_argument("--timeout_s", type=float, default=24 * 3600.0,
+                      help="wall-clock limit of the whole job (seconds)")
+  parser.add_argument("--kill_after_s", type=float, default=60.0,
+                      help="once a process failed, seconds the others get before they are killed")
   parser.add_argument("args", nargs="*", help="arguments of experiments/pipeline_rl.py")
   a = parser.parse_args()
   procs = launch(a.num_processes, a.num_learner_processes, a.args,
@@ -105,7 +112,13 @@ def main() -> int:
   codes = wait(procs, a.timeout_s, a.kill_after_s)
   for i, code in enumerate(codes):
     print(f"process {i}: exit status {code}", flush=True)
-  print((pathlib.Path(a.log_dir) / "process_0.log").read_text().splitlines()[-1:], flush=True)
+  for i, code in enumerate(codes):  # a failed process's own last lines say why
+    if code not in (0, -9):
+      tail = (pathlib.Path(a.log_dir) / f"process_{i}.log").read_text().splitlines()[-3:]
+      print(f"process {i} failed; its last lines:\n  " + "\n  ".join(tail), flush=True)
+  last = (pathlib.Path(a.log_dir) / "process_0.log").read_text().splitlines()[-1:]
+  if last:  # process 0's summary (one JSON object) stays the last line
+    print(last[0], flush=True)
   return next((c for c in codes if c != 0), 0)
 
 

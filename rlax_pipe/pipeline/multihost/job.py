@@ -40,6 +40,7 @@ from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinato
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.run_dir import to_jsonable
 
 
@@ -83,11 +84,35 @@ def with_meshes(cfg: RunConfig, topology: cluster.Topology) -> RunConfig:
   sampler mesh over its own process's devices (`devices.learner_axes_for` / `sampler_axes_for`).
   """
   learner_axes = cfg.learner.mesh_axes or devices_lib.learner_axes_for(
-      len(topology.learner_devices()))
+      topology.num_learner_processes * topology.devices_per_process)
   sampler_axes = cfg.sampler_mesh_axes or devices_lib.sampler_axes_for(
       topology.devices_per_process)
   return dataclasses.replace(cfg, sampler_mesh_axes=sampler_axes, learner=dataclasses.replace(
       cfg.learner, mesh_axes=learner_axes))
+
+
+def check_meshes(cfg: RunConfig, topology: cluster.Topology) -> None:
+  """The mesh shapes fit the topology (every process runs this check on the same inputs, so all
+  of them stop at once with the same message, before any process waits on another).
+
+  Raises:
+    ConfigError: naming the --config field and the device count it must multiply to.
+  """
+  per_process = topology.devices_per_process
+  learners = topology.num_learner_processes * per_process
+  sampler = int(np.prod([n for _, n in cfg.sampler_mesh_axes]))
+  if sampler != per_process:
+    raise ConfigError(
+        f"--config.sampler_mesh_axes={cfg.sampler_mesh_axes} has {sampler} devices, but each "
+        f"sampler replica is one process with {per_process}: set it to a product of "
+        f"{per_process} (or leave it () to choose), or start the processes with {sampler} "
+        "devices each (local launcher: --devices_per_process).")
+  learner = int(np.prod([n for _, n in cfg.learner.mesh_axes]))
+  if learner != learners:
+    raise ConfigError(
+        f"--config.learner.mesh_axes={cfg.learner.mesh_axes} has {learner} devices, but the "
+        f"{topology.num_learner_processes} learner processes hold {learners}: set it to a "
+        f"product of {learners} (or leave it () to choose).")
 
 
 def with_stop_set(cfg: RunConfig, model: Model) -> tuple[RunConfig, Any]:
@@ -126,6 +151,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   """
   topo = cluster.current(cfg.distributed.num_learner_processes)
   given, cfg = cfg, with_meshes(cfg, topo)
+  check_meshes(cfg, topo)
   monitor = cluster.FaultMonitor(topo.name(), cfg.distributed.exit_grace_s)
   check_supported(cfg)
   logging.info("multi-process job: %s", json.dumps(topo.describe()))
