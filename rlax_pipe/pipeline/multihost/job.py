@@ -63,19 +63,10 @@ def check_supported(cfg: RunConfig) -> None:
 
 
 def learner_mesh(cfg: RunConfig, topology: cluster.Topology):
-  """The learner mesh over every learner process's devices.
-
-  Raises:
-    ValueError: when `learner.mesh_axes` does not cover exactly those devices.
-  """
-  devices = topology.learner_devices()
-  if cfg.num_learner_devices != len(devices):
-    raise ValueError(
-        f"learner.mesh_axes={cfg.learner.mesh_axes} has {cfg.num_learner_devices} devices but the "
-        f"{topology.num_learner_processes} learner processes hold {len(devices)} (K x "
-        f"{topology.devices_per_process}); set --config.learner.mesh_axes to a product of "
-        f"{len(devices)}.")
-  return sharding_lib.make_mesh(devices, dict(cfg.learner.mesh_axes), sharding_lib.LEARNER_RULES)
+  """The learner mesh over every learner process's devices (`check_meshes` has checked, in
+  `run`, that `learner.mesh_axes` covers exactly those devices)."""
+  return sharding_lib.make_mesh(topology.learner_devices(), dict(cfg.learner.mesh_axes),
+                                sharding_lib.LEARNER_RULES)
 
 
 def with_meshes(cfg: RunConfig, topology: cluster.Topology) -> RunConfig:
@@ -100,14 +91,13 @@ def check_meshes(cfg: RunConfig, topology: cluster.Topology) -> None:
   """
   per_process = topology.devices_per_process
   learners = topology.num_learner_processes * per_process
-  sampler = int(np.prod([n for _, n in cfg.sampler_mesh_axes]))
+  sampler, learner = cfg.num_sampler_devices, cfg.num_learner_devices
   if sampler != per_process:
     raise ConfigError(
         f"--config.sampler_mesh_axes={cfg.sampler_mesh_axes} has {sampler} devices, but each "
         f"sampler replica is one process with {per_process}: set it to a product of "
         f"{per_process} (or leave it () to choose), or start the processes with {sampler} "
         "devices each (local launcher: --devices_per_process).")
-  learner = int(np.prod([n for _, n in cfg.learner.mesh_axes]))
   if learner != learners:
     raise ConfigError(
         f"--config.learner.mesh_axes={cfg.learner.mesh_axes} has {learner} devices, but the "
