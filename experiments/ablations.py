@@ -30,6 +30,7 @@ from absl import flags
 from lib import ablations
 from lib import claims
 from lib import config_cli
+from lib import seeds
 from rlax_pipe import config_dict
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
@@ -59,12 +60,12 @@ def main(argv):
                                       f"--ablation={_NAME.value}.")
       kw["only"] = tuple(_CELLS.value)
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
-  out = {"ablation": _NAME.value, "rows": rows}
+  out = seeds.jsonable({"ablation": _NAME.value, "rows": rows})  # strict JSON: null, not NaN
   stem = _NAME.value + (f"_{len(_CELLS.value)}cells_{_SEEDS.value}seeds" if _CELLS.value else "")
-  (pathlib.Path(_OUT.value) / f"{stem}.json").write_text(json.dumps(out, indent=1))
+  (pathlib.Path(_OUT.value) / f"{stem}.json").write_text(json.dumps(out, indent=1, allow_nan=False))
   if _NAME.value not in ablations.SIMULATED:
     (pathlib.Path(_OUT.value) / f"{stem}.md").write_text(claims.markdown(rows))
-  print(json.dumps(out))
+  print(json.dumps(out, allow_nan=False))
 
 
 if __name__ == "__main__":

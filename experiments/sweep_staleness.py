@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 
 from lib import config_cli
+from lib import seeds
 from lib import sweep
 
 _OUT = flags.DEFINE_string("out_dir", "runs/sweep_staleness", "Parent of the cell run dirs.")
@@ -44,8 +45,10 @@ def main(argv):
     table = sweep.run_sweep(config_cli.run_config(_CONFIG.value), lags, _OBJS.value, _OUT.value,
                             seeds=tuple(range(_SEEDS.value)))
   plots = sweep.plot_sweep(table, _OUT.value)
-  (pathlib.Path(_OUT.value) / "table.json").write_text(json.dumps(table, indent=2))
-  print(json.dumps({"table": table, "plots": plots}))
+  table = seeds.jsonable(table)  # strict JSON: an interval of one seed is null, not NaN
+  (pathlib.Path(_OUT.value) / "table.json").write_text(json.dumps(table, indent=2,
+                                                                  allow_nan=False))
+  print(json.dumps({"table": table, "plots": plots}, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ staleness matters.
       per batch (Yao et al. 2025; ScaleRL Fig. 5a; AReaL Sec. 5.2)
   A13 (c) bf16 sampler vs fp32 learner, with and without TIS, at lag 0 on the regime's full
       completion budget (Yao et al. 2025)
-  A14 (d) lag-aware truncation c * 0.7^lag vs the fixed cap c at the largest lag (IMPALA rho-bar;
-      M2PO: bounding stale ratios' second moment keeps training stable)
+  A14 (d) lag-aware truncation c * 0.7^lag vs the fixed cap c at the largest lag, with 1 and with
+      2 minibatch updates per batch (IMPALA rho-bar; M2PO: bounding stale ratios' second moment
+      keeps training stable)
 """
 
 from __future__ import annotations
@@ -113,12 +114,18 @@ def claim_cells(name: str, base, tiny: bool) -> tuple[list, list[Comparison]]:
               "Yao et al. 2025: the precision mismatch alone degrades uncorrected training")]
     return (cells[1:], comps[:1]) if tiny else (cells, comps)
   if name == "A14":
-    cells = [(f"tis_fixed_lag{top}", top, _chain(_lag(top), _obj("tis_pg"))),
-             (f"tis_lagaware_lag{top}", top, _chain(_lag(top), _obj("tis_pg",
-                                                                     lag_truncation=0.7)))]
-    comps = [("d", f"tis_lagaware_lag{top}", f"tis_fixed_lag{top}",
-              "IMPALA / M2PO: tighter control of stale tokens' ratios stabilises training at "
-              "large staleness")]
+    src = ("IMPALA / M2PO: tighter control of stale tokens' ratios stabilises training at "
+           "large staleness")
+    cells, comps = [], []
+    # With one update per batch fixed-cap TIS is already stable (A11); with 2 minibatch updates
+    # it is not (A12), which is where a tighter control of stale ratios has something to fix.
+    for mb in ((1,) if tiny else (1, 2)):
+      tag = "" if mb == 1 else f"_mb{mb}"
+      fixed, aware = f"tis_fixed{tag}_lag{top}", f"tis_lagaware{tag}_lag{top}"
+      cells += [(fixed, top, _chain(_lag(top), _obj("tis_pg"), _minibatches(mb))),
+                (aware, top, _chain(_lag(top), _obj("tis_pg", lag_truncation=0.7),
+                                    _minibatches(mb)))]
+      comps.append(("d", aware, fixed, src))
     return cells, comps
   raise AssertionError(name)
 

@@ -75,6 +75,16 @@ def test_claim_a14_fixed_cap_cell_is_a11s_tis_cell(tiny_config, tiny_init, tmp_p
                                                                              "tis_lagaware_lag1"))
   a12 = cfg("A12", "tis_pg_mb2_lag1")
   assert a12.learner.num_minibatches == 2 and a12.objective.name == "tis_pg"
+
+  def full(name, label):  # the full (not tiny) claims: (d) also with 2 minibatch updates
+    cells, _ = claims.claim_cells(name, base, tiny=False)
+    lag, transform = next((l, t) for lab, l, t in cells if lab == label)
+    return transform(sweep.cell_config(base, lag, base.objective.name, "x"))
+
+  assert seeds.config_key(full("A12", "tis_pg_mb2_lag1")) == seeds.config_key(
+      full("A14", "tis_fixed_mb2_lag1"))
+  aware = full("A14", "tis_lagaware_mb2_lag1")
+  assert aware.learner.num_minibatches == 2 and aware.objective.lag_truncation == 0.7
   a13 = cfg("A13", "bf16_tis")
   assert (a13.sampler_compute_dtype, a13.sampler.cache_dtype, a13.pipeline.driver) == (
       "bfloat16", "bfloat16", "sync")

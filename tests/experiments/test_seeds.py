@@ -1,6 +1,7 @@
 """Seeds, intervals and verdicts (experiments/lib/seeds.py) against independent references."""
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -127,3 +128,14 @@ def test_paired_difference_removes_the_shared_seed_noise():
   assert seeds.paired_verdict(a, row("d", [0.2, 0.6, 0.6]), "acc") == "not shown"
   assert seeds.paired_difference(a, row("c", [0.1]), "acc") is None
   assert seeds.paired_verdict(a, row("c", [0.1]), "acc") == "not shown"
+
+
+def test_jsonable_writes_strict_json():
+  """One seed gives nan intervals; the written JSON has null there (strict parsers reject NaN)."""
+  row = seeds.aggregate([{"label": "x", "heldout_end": 0.4, "seed": 0}])
+  assert math.isnan(row["heldout_end_ci"])
+  out = seeds.jsonable({"rows": [row], "t": (1.0, float("inf"))})
+  text = json.dumps(out, allow_nan=False)
+  back = json.loads(text)
+  assert back["rows"][0]["heldout_end_ci"] is None and back["rows"][0]["heldout_end"] == 0.4
+  assert back["t"] == [1.0, None]
