@@ -1,4 +1,4 @@
-"""Benchmark: learner throughput and MFU, recompiles, temporary memory, FSDP collectives.
+r"""Benchmark: learner throughput and MFU, recompiles, temporary memory, FSDP collectives.
 
 Prints one JSON object as its last line: `timing` (`run_benchmark`: tokens/s, MFU, compile_s,
 compiles_after_step_1), `memory` (`memory_report`: temp_bytes, logits_temp_ratio, read from the

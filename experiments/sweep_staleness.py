@@ -1,4 +1,4 @@
-"""Sweep max_lag x objective over seeds; one results table (JSON + table.json) and six plots.
+r"""Sweep max_lag x objective over seeds; one results table (JSON + table.json) and six plots.
 
   python3 experiments/sweep_staleness.py --lags=0,1,2,4,8,16,-1 \
       --objectives=tis_pg,no_correction --config.pipeline.num_steps=30 \

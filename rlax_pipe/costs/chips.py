@@ -28,6 +28,7 @@ sparsity", the dense rate is half of that):
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,11 @@ def chip(name: str) -> Chip:
 
 
 def chip_for_device(device_kind: str) -> Chip | None:
-  """The entry whose `device_kinds` substring occurs in `device_kind` (first match; the table
-  lists specific names before general ones), or None (a CPU, or a chip not in the table)."""
+  """The entry one of whose `device_kinds` occurs in `device_kind` as a whole name (not inside a
+  longer one: "l4" does not match "NVIDIA L40S"; first match, the table lists specific names
+  before general ones), or None (a CPU, or a chip not in the table)."""
   kind = device_kind.lower()
   for c in CHIPS:
-    if any(k in kind for k in c.device_kinds):
+    if any(re.search(rf"(?<![a-z0-9]){re.escape(k)}(?![a-z0-9])", kind) for k in c.device_kinds):
       return c
   return None

@@ -108,6 +108,11 @@ def test_chip_table_and_lookup():
   assert costs.chip_for_device("NVIDIA H100 80GB HBM3").name == "H100"
   assert costs.chip_for_device("TPU v5 lite").name == "TPU-v5e"
   assert costs.chip_for_device("cpu") is None
+  assert costs.chip_for_device("NVIDIA L40S") is None  # not an L4
+  assert costs.chip_for_device("NVIDIA L4").name == "L4"
+  assert costs.chip_for_device("TPU v5p").name == "TPU-v5p"
+  assert costs.chip_for_device("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+  assert costs.chip_for_device("NVIDIA H200").name == "H200"
   with pytest.raises(KeyError, match="known"):
     costs.chip("B9000")
 
