@@ -83,6 +83,9 @@ def test_claim_a14_fixed_cap_cell_is_a11s_tis_cell(tiny_config, tiny_init, tmp_p
 
   assert seeds.config_key(full("A12", "tis_pg_mb2_lag1")) == seeds.config_key(
       full("A14", "tis_fixed_mb2_lag1"))
+  assert seeds.config_key(full("A12", "tis_pg_lag1")) == seeds.config_key(
+      full("A11", "tis_pg_lag1"))  # (b) with one update per batch shares (a)'s TIS cell
+  assert full("A12", "untruncated_is_lag1").learner.num_minibatches == 1
   aware = full("A14", "tis_lagaware_mb2_lag1")
   assert aware.learner.num_minibatches == 2 and aware.objective.lag_truncation == 0.7
   a13 = cfg("A13", "bf16_tis")
