@@ -3,6 +3,8 @@
   --config=experiments/configs/stress.py          12 steps, lr 3e-4, T=1.0, max_lag 64 (~2 min)
   --config=experiments/configs/stress.py:tiny     the same shape in seconds (tests)
   --config=experiments/configs/stress.py:noclip   the same without gradient clipping (claim (b))
+  --config=experiments/configs/stress.py:longlag  1 group per step against 128 slots, 24 steps:
+                                                  the same samples, 4x the batches in flight
   python3 experiments/ablations.py --ablation=A11 --config=experiments/configs/stress.py --seeds=3
 
 At the default scale (lr 3e-5..1e-4, 8 x 8 samples per step, T=0.7, 64 slots) importance ratios
@@ -32,16 +34,18 @@ from rlax_pipe import tasks
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline.config import RunConfig
 
-PRESETS = ("default", "tiny", "noclip")
+PRESETS = ("default", "tiny", "noclip", "longlag")
 EVAL_PROBLEMS = 2500
 
 
-def stress_config(tiny: bool = False, clip: bool = True) -> RunConfig:
+def stress_config(tiny: bool = False, clip: bool = True, long_lag: bool = False) -> RunConfig:
   """The stress `RunConfig` (tiny: 3 steps of 2 x 2 samples, 48-token sequences, seconds).
 
   clip=False turns off the global-norm gradient clip (max_grad_norm None): with the clip at 1.0
   AdamW's update stays bounded whatever the importance weights, so heavy-tailed untruncated
   weights cannot show the instability Yao et al. 2025 describe (WORKSPACE_NOTES.md, issue 16).
+  long_lag=True: 1 group of 8 per learner step against 128 decode slots for 24 steps (the same
+  192 samples): C / B = 16 batches in flight instead of 4, so tokens reach lags of ~20.
   """
   cfg = dataclasses.replace(RunConfig(), task_config=tasks.ArithmeticConfig())
   opt = dataclasses.replace(cfg.learner.optimizer, learning_rate=3e-4, warmup_steps=2,
@@ -52,6 +56,10 @@ def stress_config(tiny: bool = False, clip: bool = True) -> RunConfig:
   pipeline = dataclasses.replace(cfg.pipeline, num_steps=12, staleness=stale, eval_every=1000,
                                  eval_problems=EVAL_PROBLEMS, checkpoint_every=1000)
   sampler = dataclasses.replace(cfg.sampler, num_slots=64, sampling=sampling)
+  if long_lag:
+    stale = dataclasses.replace(stale, groups_per_step=1)
+    pipeline = dataclasses.replace(pipeline, num_steps=24, staleness=stale)
+    sampler = dataclasses.replace(sampler, num_slots=128, num_pages=1024)
   if tiny:
     seq = 48
     sampler = dataclasses.replace(sampler, num_slots=8, page_size=8, num_pages=64,
@@ -60,14 +68,14 @@ def stress_config(tiny: bool = False, clip: bool = True) -> RunConfig:
                                    eval_problems=8)
     cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig(max_terms=4))
   return dataclasses.replace(cfg, run_dir="runs/stress" + ("_tiny" if tiny else "")
-                             + ("" if clip else "_noclip"),
+                             + ("" if clip else "_noclip") + ("_longlag" if long_lag else ""),
                              learner=learner, sampler=sampler, pipeline=pipeline,
                              sampler_mesh_axes=(("tp", 1),), eval_slots=8 if tiny else 256,
                              export_hf=False)
 
 
 def get_config(preset: str = "default"):
-  """The ConfigDict of `preset` ("default", "tiny" or "noclip").
+  """The ConfigDict of `preset` ("default", "tiny", "noclip" or "longlag").
 
   Raises:
     ValueError: on an unknown preset (the message lists them).
@@ -76,4 +84,5 @@ def get_config(preset: str = "default"):
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r} of configs/stress.py; choose one of {PRESETS}.")
   return config_dict.to_config_dict(stress_config(tiny=preset == "tiny",
-                                                  clip=preset != "noclip"))
+                                                  clip=preset != "noclip",
+                                                  long_lag=preset == "longlag"))
