@@ -98,7 +98,7 @@ def test_unknown_claim():
     claims.claim_cells("A15", None, tiny=True)
 
 
-@pytest.mark.parametrize("preset", ["default", "tiny"])
+@pytest.mark.parametrize("preset", ["default", "tiny", "noclip", "longlag"])
 def test_stress_preset(preset):
   cfg = config_dict.from_config_dict(RunConfig, config_cli.load_config_file(
       config_cli.CONFIGS / "stress.py", preset))
@@ -111,6 +111,10 @@ def test_stress_preset(preset):
     # the sampler holds C / B = 4 batches in flight; evaluation noise <= 2 points
     assert cfg.sampler.num_slots / (cfg.pipeline.groups_per_step * cfg.pipeline.group_size) == 4
     assert seeds.binomial_half_width(0.5, cfg.pipeline.eval_problems) <= 0.02
+  assert (cfg.learner.optimizer.max_grad_norm is None) == (preset == "noclip")
+  if preset == "longlag":  # the same 192 samples, 16 batches in flight instead of 4
+    batch = cfg.pipeline.groups_per_step * cfg.pipeline.group_size
+    assert cfg.sampler.num_slots / batch == 16 and batch * cfg.pipeline.num_steps == 192
 
 
 def test_stress_preset_unknown():
