@@ -26,7 +26,7 @@ from scipy import stats
 
 CONFIDENCE = 0.95
 # Row fields that are labels, not metrics (copied from the first seed's row).
-_LABELS = ("ablation", "label", "max_lag", "objective")
+_LABELS = ("ablation", "label", "max_lag", "objective", "throughput_clock")
 
 
 def with_seed(cfg, seed: int):

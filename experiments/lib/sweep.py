@@ -54,9 +54,10 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
 
   Throughput: `samples_per_s` = trained samples / run time (the virtual device clock of the
   reproducible mode, driven by pipeline.cost_model; measured wall time in threaded mode), and
-  `samples_per_device_s` = the same per device-second (divided by sampler + learner devices).
-  `heldout_end_eval_hw` = binomial 95% half-width of the final held-out accuracy on its
-  `eval_problems` problems (the evaluation noise of one run).
+  `samples_per_device_s` = the same per device-second (divided by sampler + learner devices);
+  `throughput_clock` names that time (a measured cost-model file, the hand-set default's
+  source, or the measured wall clock). `heldout_end_eval_hw` = binomial 95% half-width of the
+  final held-out accuracy on its `eval_problems` problems (the evaluation noise of one run).
   """
   from lib import seeds as seeds_lib  # pylint: disable=import-outside-toplevel
   rows = read_metrics(run_dir)
@@ -74,10 +75,17 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
     values = [r[key] for r in train if key in r]
     return float(np.mean(values)) if values else None
 
+  pcfg = config.get("pipeline", {})
+  clock = (f"measured cost model {pathlib.Path(pcfg['cost_model_file']).name}"
+           if pcfg.get("cost_model_file") else
+           pcfg.get("cost_model", {}).get("source", "default: hand-set, not a measurement"))
+  if pcfg.get("mode") == "threaded":
+    clock = "measured wall clock (threaded)"
   samples_per_s = samples / max(summary["time_s"], 1e-9)
   end = evals[-1]["heldout_accuracy"] if evals else None
   return {
       "max_lag": lag_name(max_lag), "objective": objective, "run_dir": run_dir,
+      "throughput_clock": clock,
       "samples_per_s": samples_per_s,
       "samples_per_device_s": samples_per_s / devices if devices else None,
       "devices": devices, "time_s": summary["time_s"], "wall_s": summary.get("wall_s"),
@@ -147,7 +155,9 @@ def plot_pareto(table: Sequence[dict], out_dir: str, name: str = "pareto.png",
                 title: str = "Throughput vs final accuracy") -> str:
   """The trade-off figure: samples per device-second (x) against final held-out accuracy (y),
   one point per cell (max lag, objective / label) with 95% intervals over seeds on both axes;
-  returns its path. Throughput is in virtual device time (pipeline.cost_model)."""
+  returns its path. Throughput is in the runs' time: the virtual device clock of their cost
+  model (the row's `clock` names it: a measured cost-model file or the hand-set default) in the
+  reproducible mode, measured wall clock in the threaded mode."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(7, 5))
@@ -160,8 +170,9 @@ def plot_pareto(table: Sequence[dict], out_dir: str, name: str = "pareto.png",
     label = r.get("label") or f"lag {r['max_lag']} {r['objective']}"
     ax.errorbar(r[xkey], r["heldout_end"], xerr=_ci(r, xkey), yerr=_ci(r, "heldout_end"),
                 fmt=markers[r["objective"]], capsize=3, label=label, alpha=0.8)
+  clocks = sorted({str(r.get("throughput_clock", "pipeline.cost_model")) for r in table})
   ax.set_xlabel(("samples per device-second" if per_dev else "samples per second") +
-                " (virtual clock of pipeline.cost_model)")
+                f" (clock: {'; '.join(clocks)})", fontsize=8)
   ax.set_ylabel("final held-out accuracy")
   nseeds = max(r.get("seeds", 1) for r in table)
   ax.set_title(f"{title} (mean, 95% CI, {nseeds} seeds)", fontsize=10)

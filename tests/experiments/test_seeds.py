@@ -139,3 +139,10 @@ def test_jsonable_writes_strict_json():
   back = json.loads(text)
   assert back["rows"][0]["heldout_end_ci"] is None and back["rows"][0]["heldout_end"] == 0.4
   assert back["t"] == [1.0, None]
+
+
+def test_aggregate_keeps_the_throughput_clock_label():
+  rows = [{"label": "x", "throughput_clock": "measured cost model fit.json", "v": 1.0, "seed": 0},
+          {"label": "x", "throughput_clock": "measured cost model fit.json", "v": 3.0, "seed": 1}]
+  out = seeds.aggregate(rows)
+  assert out["throughput_clock"] == "measured cost model fit.json" and out["v"] == 2.0

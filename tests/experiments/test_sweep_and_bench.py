@@ -31,6 +31,8 @@ def test_sweep_table_and_plots(tmp_path, tiny_init, tiny_config, saved_figures,
     assert r["devices"] == 6  # tiny_config: sampler tp 2 + learner fsdp 2 x tp 2
     assert r["samples_per_device_s"] == pytest.approx(r["samples_per_s"] / 6)
     assert r["heldout_end_ci"] >= 0 and r["eval_problems"] == 4
+    # the throughput's clock is named: tiny_config's reproducible runs use the hand-set model
+    assert r["throughput_clock"].startswith("default: hand-set")
     per_seed = [s["heldout_end"] for s in r["per_seed"]]
     assert r["heldout_end"] == pytest.approx(sum(per_seed) / 2)
   runs_figures = len(saved_figures)  # the runs' own figures come first
