@@ -297,22 +297,15 @@ def params_owned(job: Job) -> bool:
 
 
 class Checkpoint:
-  """Checkpoints every `checkpoint_every` steps and at the end (then waits for the writes); a
-  last step that was just checkpointed is not saved a second time."""
-
-  def __init__(self):
-    self.saved_step: int | None = None  # learner step of this run's newest checkpoint
+  """Checkpoints every `checkpoint_every` steps and at the end (then waits for the writes)."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
     if job.learner.step % job.cfg.pipeline.checkpoint_every == 0:
       job.save(time_s)
-      self.saved_step = job.learner.step
 
   def on_end(self, job: Job, time_s: float) -> None:
-    if self.saved_step != job.learner.step:
-      job.save(time_s)
-      self.saved_step = job.learner.step
+    job.save(time_s)
     job.learner.close()
     job.worker.close()
 
