@@ -30,8 +30,8 @@ from absl import flags
 from lib import ablations
 from lib import claims
 from lib import config_cli
-from lib import seeds
 from rlax_pipe import config_dict
+from rlax_pipe.run_dir import to_jsonable
 
 _NAME = flags.DEFINE_enum("ablation", "A1", list(ablations.ABLATIONS), "Which ablation.")
 _OUT = flags.DEFINE_string("out_dir", "runs/ablations", "Output directory.")
@@ -60,7 +60,7 @@ def main(argv):
                                       f"--ablation={_NAME.value}.")
       kw["only"] = tuple(_CELLS.value)
     rows = ablations.get_ablation(_NAME.value)(_OUT.value, tiny=_TINY.value, **kw)
-  out = seeds.jsonable({"ablation": _NAME.value, "rows": rows})  # strict JSON: null, not NaN
+  out = to_jsonable({"ablation": _NAME.value, "rows": rows}, strict=True)  # null, not NaN
   stem = _NAME.value + (f"_{len(_CELLS.value)}cells_{_SEEDS.value}seeds" if _CELLS.value else "")
   (pathlib.Path(_OUT.value) / f"{stem}.json").write_text(json.dumps(out, indent=1, allow_nan=False))
   if _NAME.value not in ablations.SIMULATED:

@@ -25,8 +25,8 @@ from absl import app
 from absl import flags
 
 from lib import config_cli
-from lib import seeds
 from lib import sweep
+from rlax_pipe.run_dir import to_jsonable
 
 _OUT = flags.DEFINE_string("out_dir", "runs/sweep_staleness", "Parent of the cell run dirs.")
 _LAGS = flags.DEFINE_list("lags", ["0", "1", "2", "4", "8", "16", "-1"], "max_lag values; -1 = "
@@ -45,7 +45,7 @@ def main(argv):
     table = sweep.run_sweep(config_cli.run_config(_CONFIG.value), lags, _OBJS.value, _OUT.value,
                             seeds=tuple(range(_SEEDS.value)))
   plots = sweep.plot_sweep(table, _OUT.value)
-  table = seeds.jsonable(table)  # strict JSON: an interval of one seed is null, not NaN
+  table = to_jsonable(table, strict=True)  # an interval of one seed is null, not NaN
   (pathlib.Path(_OUT.value) / "table.json").write_text(json.dumps(table, indent=2,
                                                                   allow_nan=False))
   print(json.dumps({"table": table, "plots": plots}, allow_nan=False))

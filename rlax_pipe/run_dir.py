@@ -39,18 +39,24 @@ from typing import Any
 import numpy as np
 
 
-def to_jsonable(x: Any) -> Any:
-  """Converts dataclasses, numpy arrays/scalars and tuples into plain JSON types."""
+def to_jsonable(x: Any, strict: bool = False) -> Any:
+  """Converts dataclasses, numpy arrays/scalars and tuples into plain JSON types.
+
+  strict=True also replaces every non-finite float (nan, inf) by None, so that
+  `json.dumps(..., allow_nan=False)` writes strict JSON (`null`, not `NaN`).
+  """
   if dataclasses.is_dataclass(x) and not isinstance(x, type):
-    return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    return {f.name: to_jsonable(getattr(x, f.name), strict) for f in dataclasses.fields(x)}
   if isinstance(x, dict):
-    return {str(k): to_jsonable(v) for k, v in x.items()}
+    return {str(k): to_jsonable(v, strict) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [to_jsonable(v) for v in x]
+    return [to_jsonable(v, strict) for v in x]
   if isinstance(x, np.ndarray):
-    return x.tolist()
+    return to_jsonable(x.tolist(), strict) if strict else x.tolist()
   if isinstance(x, np.generic):
-    return x.item()
+    x = x.item()
+  if strict and isinstance(x, float) and not math.isfinite(x):
+    return None
   return x
 
 

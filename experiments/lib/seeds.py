@@ -86,19 +86,6 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple
   return float(x.mean()), float(q * x.std(ddof=1) / math.sqrt(x.size))
 
 
-def jsonable(obj):
-  """`obj` with every non-finite float (an interval of one seed is nan) replaced by None, so the
-  JSON that ablations and sweeps write is strict JSON (`null`, not `NaN`); dicts, lists and
-  tuples are walked, everything else is returned as is."""
-  if isinstance(obj, float) and not math.isfinite(obj):
-    return None
-  if isinstance(obj, dict):
-    return {k: jsonable(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [jsonable(v) for v in obj]
-  return obj
-
-
 def binomial_half_width(accuracy: float, n: int, confidence: float = CONFIDENCE) -> float:
   """Normal-approximation half-width z * sqrt(p (1 - p) / n) of an accuracy on n problems: the
   evaluation noise of one run's held-out accuracy (Wald interval).

@@ -76,11 +76,12 @@ def summarize_cell(run_dir: str, max_lag: int | None, objective: str) -> dict:
     return float(np.mean(values)) if values else None
 
   pcfg = config.get("pipeline", {})
-  clock = (f"measured cost model {pathlib.Path(pcfg['cost_model_file']).name}"
-           if pcfg.get("cost_model_file") else
-           pcfg.get("cost_model", {}).get("source", "default: hand-set, not a measurement"))
   if pcfg.get("mode") == "threaded":
     clock = "measured wall clock (threaded)"
+  elif pcfg.get("cost_model_file"):
+    clock = f"measured cost model {pathlib.Path(pcfg['cost_model_file']).name}"
+  else:
+    clock = pcfg.get("cost_model", {}).get("source", "default: hand-set, not a measurement")
   samples_per_s = samples / max(summary["time_s"], 1e-9)
   end = evals[-1]["heldout_accuracy"] if evals else None
   return {
@@ -156,8 +157,8 @@ def plot_pareto(table: Sequence[dict], out_dir: str, name: str = "pareto.png",
   """The trade-off figure: samples per device-second (x) against final held-out accuracy (y),
   one point per cell (max lag, objective / label) with 95% intervals over seeds on both axes;
   returns its path. Throughput is in the runs' time: the virtual device clock of their cost
-  model (the row's `clock` names it: a measured cost-model file or the hand-set default) in the
-  reproducible mode, measured wall clock in the threaded mode."""
+  model (the row's `throughput_clock` names it: a measured cost-model file or the hand-set
+  default) in the reproducible mode, measured wall clock in the threaded mode."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   fig = Figure(figsize=(7, 5))

@@ -1,5 +1,6 @@
 """The learning claims A11-A14 (experiments/lib/claims.py) on tiny runs, and the stress preset."""
 
+import functools
 import math
 
 import pytest
@@ -64,8 +65,8 @@ def test_claim_a14_fixed_cap_cell_is_a11s_tis_cell(tiny_config, tiny_init, tmp_p
   base = tiny_config(tmp_path, tiny_init)
   from lib import sweep  # pylint: disable=import-outside-toplevel
 
-  def cfg(name, label):
-    cells, _ = claims.claim_cells(name, base, tiny=True)
+  def cfg(name, label, tiny=True):  # tiny=False: the full claims, e.g. (d) with 2 minibatches
+    cells, _ = claims.claim_cells(name, base, tiny=tiny)
     lag, transform = next((l, t) for lab, l, t in cells if lab == label)
     return transform(sweep.cell_config(base, lag, base.objective.name, "x"))
 
@@ -75,11 +76,7 @@ def test_claim_a14_fixed_cap_cell_is_a11s_tis_cell(tiny_config, tiny_init, tmp_p
                                                                              "tis_lagaware_lag1"))
   a12 = cfg("A12", "tis_pg_mb2_lag1")
   assert a12.learner.num_minibatches == 2 and a12.objective.name == "tis_pg"
-
-  def full(name, label):  # the full (not tiny) claims: (d) also with 2 minibatch updates
-    cells, _ = claims.claim_cells(name, base, tiny=False)
-    lag, transform = next((l, t) for lab, l, t in cells if lab == label)
-    return transform(sweep.cell_config(base, lag, base.objective.name, "x"))
+  full = functools.partial(cfg, tiny=False)
 
   assert seeds.config_key(full("A12", "tis_pg_mb2_lag1")) == seeds.config_key(
       full("A14", "tis_fixed_mb2_lag1"))

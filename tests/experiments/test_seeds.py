@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lib import seeds
+from rlax_pipe.run_dir import to_jsonable
 
 
 def test_t_interval_matches_the_t_table():
@@ -130,15 +131,17 @@ def test_paired_difference_removes_the_shared_seed_noise():
   assert seeds.paired_verdict(a, row("c", [0.1]), "acc") == "not shown"
 
 
-def test_jsonable_writes_strict_json():
+def test_strict_to_jsonable_writes_strict_json():
   """One seed gives nan intervals; the written JSON has null there (strict parsers reject NaN)."""
   row = seeds.aggregate([{"label": "x", "heldout_end": 0.4, "seed": 0}])
   assert math.isnan(row["heldout_end_ci"])
-  out = seeds.jsonable({"rows": [row], "t": (1.0, float("inf"))})
+  out = to_jsonable({"rows": [row], "t": (1.0, float("inf")), "n": np.float32("nan")},
+                    strict=True)
   text = json.dumps(out, allow_nan=False)
   back = json.loads(text)
   assert back["rows"][0]["heldout_end_ci"] is None and back["rows"][0]["heldout_end"] == 0.4
-  assert back["t"] == [1.0, None]
+  assert back["t"] == [1.0, None] and back["n"] is None
+  assert math.isnan(to_jsonable(float("nan")))  # not strict: unchanged (run records keep NaN)
 
 
 def test_aggregate_keeps_the_throughput_clock_label():
