@@ -47,7 +47,6 @@ import numpy as np
 
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.tasks import safe_reward
-from rlax_pipe.tasks import verifier_pool
 from rlax_pipe.types import Rollout
 
 OVERLONG_POLICIES: tuple[str, ...] = ("keep", "mask", "soft_penalty")
@@ -76,7 +75,6 @@ class GradingConfig:
       verifier calls failed, in [0, 1]; 1.0 never stops.
     failure_window: verifier calls the failure share is measured over (>= 1).
     verifier_workers: verifier processes (>= 1).
-    verifier_start_method: "forkserver", "spawn" or "fork" (see `tasks.verifier_pool`).
   """
 
   prompt_policy: str = "filter"
@@ -87,12 +85,10 @@ class GradingConfig:
   max_failure_fraction: float = 0.5
   failure_window: int = 64
   verifier_workers: int = 1
-  verifier_start_method: str = "forkserver"
 
   def __post_init__(self):
     for name, choices in (("prompt_policy", PROMPT_POLICIES),
-                          ("overlong_policy", OVERLONG_POLICIES),
-                          ("verifier_start_method", verifier_pool.START_METHODS)):
+                          ("overlong_policy", OVERLONG_POLICIES)):
       if getattr(self, name) not in choices:
         raise ValueError(f"GradingConfig.{name}={getattr(self, name)!r}; choose one of "
                          f"{choices}.")

@@ -160,6 +160,6 @@ def test_config_validation():
   for bad in ({"prompt_policy": "truncate_left"}, {"overlong_policy": "drop"},
               {"min_completion_tokens": 0}, {"overlong_max_tokens": 10,
                                              "overlong_buffer_tokens": 10},
-              {"max_failure_fraction": 1.5}, {"verifier_start_method": "thread"}):
+              {"max_failure_fraction": 1.5}):
     with pytest.raises(ValueError):
       grading.GradingConfig(**bad)

@@ -79,8 +79,7 @@ class RolloutWorker:
                        f"token once GradingConfig.min_completion_tokens={g.min_completion_tokens} "
                        "are reserved; raise max_seq_len or lower min_completion_tokens.")
     self.verifier = VerifierPool(task, timeout_s=cfg.reward_timeout_s,
-                                 num_workers=g.verifier_workers,
-                                 start_method=g.verifier_start_method)
+                                 num_workers=g.verifier_workers)
     self._monitor = grading.FailureMonitor(g.max_failure_fraction, g.failure_window)
     self._truncated: set[int] = set()  # sample ids whose prompt was truncated
     self._lock = threading.Lock()      # counters (learner thread), _truncated (grader thread)

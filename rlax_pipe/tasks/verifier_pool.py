@@ -1,60 +1,161 @@
-"""Verifiers in worker processes with a hard time limit (stdlib `multiprocessing.Pool`).
+"""Verifiers in worker processes with a hard time limit.
 
 Why processes: a reward function may loop forever, hold the GIL, or use `signal.alarm` for its
 own timeouts (math-verify does), which only works in the main thread of a process. In a worker
 process the verifier runs in that process's main thread, and a hung call is ended by killing the
 process, so nothing is left behind (a thread cannot be killed; an abandoned one keeps running).
 
-How: `VerifierPool` keeps `num_workers` processes (start method "forkserver" by default: they are
-forked from a clean server process, never from the JAX process). The task is pickled once per
-worker start. `grade` runs calls in waves of at most `num_workers` (one call per idle worker) that
-share one deadline, `timeout_s` after the wave starts. Calls that have not returned by then are
-timeouts; the pool is then terminated (every worker process killed and reaped) and a fresh one is
-started for the next wave. Worker start-up (imports, unpickling the task) happens before any
-deadline starts.
+How: `VerifierPool` keeps `num_workers` processes, each started with `subprocess` as
+`python -P -m rlax_pipe.tasks.verifier_worker` (the package's own entry point, see that module):
+a worker never imports the calling script, so a script that starts a run at top level is not
+run again in the workers, at their start or at a restart after a timeout (multiprocessing's
+"spawn" / "forkserver" workers re-import the script as their main module). The task is pickled
+once and sent to each worker at its start, with the parent's `sys.path`. `grade` runs calls in
+waves of at most `num_workers` (one call per idle worker) that share one deadline, `timeout_s`
+after the wave starts. Calls that have not returned by then are timeouts; their workers are
+killed and reaped, and fresh ones are started for the next wave. Worker start-up (imports,
+unpickling the task) happens before any deadline starts.
 
-The task must be picklable and importable by a fresh interpreter (a class defined in an importable
-module; for a script, under `if __name__ == "__main__":`). A task that fails to load in the worker
-makes every call an "error" naming why.
+The task must be picklable by reference to an importable module: a class defined in the script
+being run (`__main__`) cannot be rebuilt without running that script, so `VerifierPool` refuses
+it with a message naming the class. A task that fails to load in the worker makes every call an
+"error" naming why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 import math
-import multiprocessing
+import os
+import pathlib
 import pickle
+import pickletools
+import select
+import struct
+import subprocess
+import sys
 import threading
 import time
+from typing import Any, BinaryIO
 
 from absl import logging
 
 from rlax_pipe.tasks import base
 from rlax_pipe.tasks import safe_reward
 
-START_METHODS: tuple[str, ...] = ("forkserver", "spawn", "fork")
+WORKER_MODULE = "rlax_pipe.tasks.verifier_worker"
 _LOG_FIRST = 20    # failures logged one by one, then every _LOG_EVERY-th
 _LOG_EVERY = 100
-
-_worker_task = None
-_worker_error: str | None = None
-
-
-def _init_worker(task_bytes: bytes, ready) -> None:
-  """Worker start-up: unpickle the task (never raise: a failure is reported per call)."""
-  global _worker_task, _worker_error  # pylint: disable=global-statement
-  try:
-    _worker_task = pickle.loads(task_bytes)
-  except Exception as e:  # pylint: disable=broad-except
-    _worker_error = f"the task could not be loaded in the verifier process: {e!r}"[:500]
-  ready.release()
+_PACKAGE_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+_HEADER = struct.Struct("<Q")
 
 
-def _worker_call(problem: base.Problem, completion: str) -> tuple[float, str, str]:
-  if _worker_error is not None:
-    return math.nan, "error", _worker_error
-  v = safe_reward.call_verifier(_worker_task, problem, completion)
-  return v.reward, v.outcome, v.detail
+def write_message(stream: BinaryIO, obj: Any) -> None:
+  """Writes `obj` as one length-framed pickle (`verifier_worker`'s protocol) and flushes."""
+  body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+  stream.write(_HEADER.pack(len(body)) + body)
+  stream.flush()
+
+
+def read_message(stream: BinaryIO) -> Any:
+  """Reads one length-framed pickle; raises EOFError when the stream ends first."""
+  header = _read_exactly(stream, _HEADER.size)
+  return pickle.loads(_read_exactly(stream, _HEADER.unpack(header)[0]))
+
+
+def _read_exactly(stream: BinaryIO, n: int) -> bytes:
+  chunks, left = [], n
+  while left:
+    chunk = stream.read(left)
+    if not chunk:
+      raise EOFError("stream closed")
+    chunks.append(chunk)
+    left -= len(chunk)
+  return b"".join(chunks)
+
+
+def main_module_refs(data: bytes) -> list[str]:
+  """Names a pickle looks up in `__main__` (e.g. ["__main__.MyTask"]); [] when none."""
+  refs, strings = [], []
+  for op, arg, _ in pickletools.genops(data):
+    if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+      strings.append(arg)
+    elif op.name == "STACK_GLOBAL" and len(strings) >= 2 and strings[-2] == "__main__":
+      refs.append(f"__main__.{strings[-1]}")
+    elif op.name in ("GLOBAL", "INST") and str(arg).startswith("__main__ "):
+      refs.append("__main__." + str(arg).split(" ", 1)[1])
+  return sorted(set(refs))
+
+
+class _Worker:
+  """One worker process: its pipes and a buffer of reply bytes read so far."""
+
+  def __init__(self):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, "-P", "-m", WORKER_MODULE], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env=env, close_fds=True)
+    self.fd = self.proc.stdout.fileno()
+    os.set_blocking(self.fd, False)
+    self._buffer = b""
+
+  def start(self, task_bytes: bytes) -> None:
+    """Sends the task and the parent's import path (the worker answers "ready" once loaded)."""
+    write_message(self.proc.stdin, ("init", list(sys.path), task_bytes))
+
+  def send(self, problem: base.Problem, completion: str) -> None:
+    write_message(self.proc.stdin, ("call", problem, completion))
+
+  def poll_reply(self):
+    """Reads what the pipe holds; the reply once complete, else None. EOFError if it died."""
+    while True:
+      try:
+        chunk = os.read(self.fd, 1 << 16)
+      except BlockingIOError:
+        break
+      if not chunk:
+        raise EOFError(f"the verifier process exited (code {self.proc.poll()})")
+      self._buffer += chunk
+    size = _HEADER.size
+    if len(self._buffer) < size:
+      return None
+    (n,) = _HEADER.unpack(self._buffer[:size])
+    if len(self._buffer) < size + n:
+      return None
+    body, self._buffer = self._buffer[size:size + n], self._buffer[size + n:]
+    return pickle.loads(body)
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait()
+    for stream in (self.proc.stdin, self.proc.stdout):
+      try:
+        stream.close()
+      except OSError:
+        pass
+
+
+def _wait_replies(workers: list[_Worker], deadline: float) -> dict[int, object]:
+  """Replies of `workers` (index -> reply, or the EOFError of a dead worker) until `deadline`."""
+  out: dict[int, object] = {}
+  while len(out) < len(workers):
+    pending = {w.fd: k for k, w in enumerate(workers) if k not in out}
+    left = deadline - time.monotonic()
+    if left <= 0:
+      break
+    readable, _, _ = select.select(list(pending), [], [], left)
+    for fd in readable:
+      k = pending[fd]
+      try:
+        reply = workers[k].poll_reply()
+      except EOFError as e:
+        reply = e
+      if reply is not None:
+        out[k] = reply
+  return out
 
 
 class VerifierPool:
@@ -68,63 +169,73 @@ class VerifierPool:
   """
 
   def __init__(self, task: base.Task, *, timeout_s: float = 5.0, num_workers: int = 1,
-               start_method: str = "forkserver", startup_timeout_s: float = 120.0):
-    """Checks the task can be pickled; processes start at the first `grade`.
+               startup_timeout_s: float = 120.0):
+    """Checks the task can be sent to a worker; processes start at the first `grade`.
 
     Args:
       task: the task whose `reward` is called.
       timeout_s: time limit of one call (seconds, > 0).
       num_workers: worker processes (>= 1), i.e. calls run at once.
-      start_method: "forkserver" (default), "spawn" or "fork" (unsafe once JAX threads run).
       startup_timeout_s: limit for the workers to start (imports + unpickling the task).
 
     Raises:
-      ValueError: on a bad argument, or a task that cannot be pickled (naming why).
+      ValueError: on a bad argument, a task that cannot be pickled, or one whose pickle refers
+        to the script being run (`__main__`), naming why.
     """
     if not timeout_s > 0 or not startup_timeout_s > 0:
       raise ValueError(f"timeout_s={timeout_s} and startup_timeout_s={startup_timeout_s} must "
                        "be > 0.")
     if num_workers < 1:
       raise ValueError(f"num_workers={num_workers} must be >= 1.")
-    if start_method not in START_METHODS:
-      raise ValueError(f"start_method={start_method!r}; choose one of {START_METHODS}.")
+    name = getattr(task, "name", type(task).__name__)
     try:
       self._task_bytes = pickle.dumps(task)
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(f"task {getattr(task, 'name', task)!r} cannot be pickled for the verifier "
-                       f"processes ({e!r}); define it in an importable module.") from e
-    self.task_name = getattr(task, "name", type(task).__name__)
+      raise ValueError(f"task {name!r} cannot be pickled for the verifier processes ({e!r}); "
+                       "define it in an importable module.") from e
+    refs = main_module_refs(self._task_bytes)
+    if refs:
+      raise ValueError(
+          f"task {name!r} refers to {', '.join(refs)}, defined in the script being run; the "
+          "verifier processes never run that script (it may start a run), so they cannot "
+          "rebuild it. Move the definition into an importable module and import it.")
+    self.task_name = name
     self.timeout_s, self.num_workers = float(timeout_s), int(num_workers)
     self.startup_timeout_s = float(startup_timeout_s)
-    self._ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":  # workers fork with the task modules already imported
-      self._ctx.set_forkserver_preload(["rlax_pipe.tasks"])
-    self._pool = None
+    self._workers: list[_Worker] = []
     self._lock = threading.Lock()
     self.stats = safe_reward.RewardStats()
-    self.restarts = 0  # pools killed because a call hung
+    self.restarts = 0  # workers killed because a call hung (or their process died)
 
   # ---- processes --------------------------------------------------------------------------------
-  def _ensure_pool(self):
-    if self._pool is None:
-      ready = self._ctx.Semaphore(0)
-      pool = self._ctx.Pool(self.num_workers, initializer=_init_worker,
-                            initargs=(self._task_bytes, ready))
-      deadline = time.monotonic() + self.startup_timeout_s
-      for _ in range(self.num_workers):
-        if not ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-          pool.terminate()
-          pool.join()
-          raise RuntimeError(f"verifier processes of task {self.task_name!r} did not start "
-                             f"within {self.startup_timeout_s:.0f} s.")
-      self._pool = pool
-    return self._pool
+  def _ensure_workers(self) -> list[_Worker]:
+    """Starts missing workers and waits for them to be ready (before any call's deadline)."""
+    fresh = []
+    try:
+      while len(self._workers) + len(fresh) < self.num_workers:
+        fresh.append(_Worker())
+      for w in fresh:  # all start their imports at once; each reads its task when ready
+        w.start(self._task_bytes)
+    except (OSError, ValueError) as e:
+      for w in fresh:
+        w.kill()
+      raise RuntimeError(f"verifier processes of task {self.task_name!r} could not be started: "
+                         f"{e!r}") from e
+    if fresh:
+      replies = _wait_replies(fresh, time.monotonic() + self.startup_timeout_s)
+      if len(replies) < len(fresh) or any(isinstance(r, EOFError) for r in replies.values()):
+        for w in fresh:
+          w.kill()
+        raise RuntimeError(f"verifier processes of task {self.task_name!r} did not start "
+                           f"within {self.startup_timeout_s:.0f} s (or exited while starting; "
+                           "their stderr says why).")
+      self._workers.extend(fresh)
+    return self._workers
 
   def _kill(self) -> None:
-    pool, self._pool = self._pool, None
-    if pool is not None:
-      pool.terminate()
-      pool.join()
+    workers, self._workers = self._workers, []
+    for w in workers:
+      w.kill()
 
   def close(self) -> None:
     """Ends the worker processes (idempotent). A later `grade` starts new ones."""
@@ -164,23 +275,34 @@ class VerifierPool:
     return out
 
   def _wave(self, wave) -> list[safe_reward.Verdict]:
-    pool = self._ensure_pool()
-    deadline = time.monotonic() + self.timeout_s
-    handles = [pool.apply_async(_worker_call, item) for item in wave]
-    verdicts, hung = [], False
-    for h in handles:
+    workers = self._ensure_workers()
+    verdicts: dict[int, safe_reward.Verdict] = {}
+    busy, dead = [], set()
+    for k, (problem, completion) in enumerate(wave):
       try:
-        verdicts.append(safe_reward.Verdict(*h.get(max(0.0, deadline - time.monotonic()))))
-      except multiprocessing.TimeoutError:
-        hung = True
-        verdicts.append(safe_reward.Verdict(math.nan, "timeout",
-                                            f"no result within {self.timeout_s:.3g} s"))
-      except Exception as e:  # pylint: disable=broad-except  (e.g. an unpicklable problem)
-        verdicts.append(safe_reward.Verdict(math.nan, "error", repr(e)[:500]))
-    if hung:
+        workers[k].send(problem, completion)
+        busy.append(k)
+      except (pickle.PicklingError, TypeError, AttributeError) as e:  # e.g. unpicklable problem
+        verdicts[k] = safe_reward.Verdict(math.nan, "error", repr(e)[:500])
+      except OSError as e:  # the worker died between waves
+        dead.add(k)
+        verdicts[k] = safe_reward.Verdict(math.nan, "error", f"verifier process gone: {e!r}")
+    replies = _wait_replies([workers[k] for k in busy], time.monotonic() + self.timeout_s)
+    for j, k in enumerate(busy):
+      reply = replies.get(j)
+      if reply is None:
+        dead.add(k)
+        verdicts[k] = safe_reward.Verdict(math.nan, "timeout",
+                                          f"no result within {self.timeout_s:.3g} s")
+      elif isinstance(reply, EOFError):
+        dead.add(k)
+        verdicts[k] = safe_reward.Verdict(math.nan, "error", str(reply))
+      else:
+        verdicts[k] = safe_reward.Verdict(*reply)
+    for k in sorted(dead, reverse=True):
       self.restarts += 1
-      self._kill()
-    return verdicts
+      self._workers.pop(k).kill()
+    return [verdicts[k] for k in range(len(wave))]
 
   def _log_failure(self, sample_id: int, v: safe_reward.Verdict) -> None:
     failed = self.stats.snapshot().failed

@@ -4,10 +4,14 @@ A failed call has no reward (NaN), is counted and logged; a hung call's process 
 nothing is left behind; a verifier using signal.alarm works (it runs in a process's main thread).
 """
 
+import json
 import math
 import multiprocessing
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 
 from absl import logging
@@ -84,6 +88,28 @@ class UnloadableTask:
     raise RuntimeError("missing data file")
 
   def reward(self, problem, completion):
+    return 1.0
+
+
+class PrintingTask:
+  """Prints to stdout (the replies' channel in the worker, were it not redirected)."""
+
+  name = "printing"
+
+  def reward(self, problem, completion):
+    print("reward called with", completion, flush=True)
+    os.write(1, b"raw bytes on fd 1\n")
+    return 1.0
+
+
+class ExitingTask:
+  """Ends its process on "exit"."""
+
+  name = "exiting"
+
+  def reward(self, problem, completion):
+    if completion == "exit":
+      os._exit(3)
     return 1.0
 
 
@@ -177,7 +203,7 @@ def test_tasks_that_cannot_run_in_a_process_are_reported():
     (v,) = pool.grade([(PROBLEM, "A: 2")])
   assert v.outcome == "error" and "could not be loaded" in v.detail
   assert "missing data file" in v.detail
-  for bad in ({"timeout_s": 0.0}, {"num_workers": 0}, {"start_method": "thread"}):
+  for bad in ({"timeout_s": 0.0}, {"num_workers": 0}, {"startup_timeout_s": -1.0}):
     with pytest.raises(ValueError):
       tasks.VerifierPool(tasks.ArithmeticTask(), **bad)
 
@@ -193,3 +219,76 @@ def test_stats_thread_safe_and_validated():
   assert stats.snapshot().ok == 4000 and stats.snapshot().total == 4000
   with pytest.raises(ValueError):
     stats.record("weird")
+
+
+_USER_TASKS = '''
+class SlowOrOk:
+  name = "slow_or_ok"
+
+  def reward(self, problem, completion):
+    while completion == "hang":
+      pass
+    return 1.0
+'''
+
+# A user's script that starts its "run" at top level (no `if __name__ == "__main__":` guard), as
+# the issue saw: every time it is executed it appends its pid to MARKER. A worker that imported
+# it as its main module would run it again (at start and at every restart after a timeout).
+_USER_SCRIPT = '''
+import json, os, pathlib
+from rlax_pipe import tasks
+from user_tasks import SlowOrOk  # an importable module beside the script
+
+with open({marker!r}, "a") as f:
+  f.write(f"{{os.getpid()}}\\n")
+
+class DefinedHere:
+  name = "defined_here"
+  def reward(self, problem, completion):
+    return 1.0
+
+P = tasks.Problem(index=0, split="train", prompt="Q\\n", answer="1", solution="A: 1")
+out = {{"pid": os.getpid()}}
+with tasks.VerifierPool(SlowOrOk(), timeout_s=0.5, num_workers=2) as pool:
+  first = pool.grade([(P, "hang"), (P, "ok")])
+  second = pool.grade([(P, "hang"), (P, "ok")])  # after a restart of the hung worker
+  out["outcomes"] = [v.outcome for v in first + second]
+  out["restarts"] = pool.restarts
+try:
+  tasks.VerifierPool(DefinedHere())
+except ValueError as e:
+  out["main_error"] = str(e)
+print(json.dumps(out))
+'''
+
+
+def test_workers_never_run_the_calling_script(tmp_path):
+  """Issue #27 item 9: worker starts and restarts do not execute the user's script."""
+  marker = tmp_path / "ran"
+  (tmp_path / "user_tasks.py").write_text(_USER_TASKS)
+  script = tmp_path / "train.py"
+  script.write_text(_USER_SCRIPT.format(marker=str(marker)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(pathlib.Path(tasks.__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        env=env, cwd=tmp_path, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["outcomes"] == ["timeout", "ok", "timeout", "ok"] and out["restarts"] == 2
+  assert marker.read_text().split() == [str(out["pid"])]  # only the script's own run
+  assert "__main__.DefinedHere" in out["main_error"]
+  assert "importable module" in out["main_error"]
+
+
+def test_worker_stdout_prints_do_not_corrupt_replies():
+  with tasks.VerifierPool(PrintingTask(), timeout_s=5.0) as pool:
+    verdicts = pool.grade([(PROBLEM, "A: 2"), (PROBLEM, "A: 3")])
+  assert [v.reward for v in verdicts] == [1.0, 1.0]
+
+
+def test_worker_that_dies_is_an_error_and_is_replaced():
+  with tasks.VerifierPool(ExitingTask(), timeout_s=5.0) as pool:
+    verdicts = pool.grade([(PROBLEM, "exit"), (PROBLEM, "A: 2")])
+    assert verdicts[0].outcome == "error" and "exited" in verdicts[0].detail
+    assert pool.grade([(PROBLEM, "A: 2")])[0].reward == 1.0
+    assert pool.restarts == 1
