@@ -1,8 +1,9 @@
 """Held-out evaluation: sample completions for task problems with the paged sampler and grade them.
 
 Used by the SFT warm start (greedy and T=1 accuracy) and by the RL drivers (held-out accuracy).
-Prompts are encoded as in training (`tok.encode_prompt`, the same over-long-prompt policy);
-verifiers run in worker processes (`tasks.VerifierPool`).
+Prompts are encoded as in training (`tok.encode_prompt`, the same over-long-prompt policy) and
+completions graded as in training (the text after the reasoning block, `grading`); verifiers run
+in worker processes (`tasks.VerifierPool`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class EvalResult:
 
   Attributes:
     accuracy: mean reward over the problems evaluated; a problem whose verifier call failed
-      counts 0.0 (rewards are 0/1 for the built-in tasks).
+      counts 0.0, and so does one whose completion was cut by the length limit unless the
+      grading's overlong_policy is "keep" (rewards are 0/1 for the built-in tasks).
     num_problems: problems evaluated (problems given minus `num_filtered`).
     mean_completion_tokens: mean completion length in tokens.
     accuracy_by_difficulty: {difficulty: mean reward} (difficulty as defined by the task).
@@ -63,7 +65,9 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
     timeout_s: per-call limit of the reward function (seconds) when `verifier` is None.
     verifier: verifier processes to grade with (e.g. the rollout worker's); None = a temporary
       `VerifierPool(task, timeout_s=timeout_s)`.
-    grading: the over-long-prompt policy (its `prompt_policy` and `min_completion_tokens`).
+    grading: the over-long-prompt policy (`prompt_policy`, `min_completion_tokens`,
+      `max_prefill_len`), the reasoning markers (the verifier sees the text after the block)
+      and `overlong_policy` (cut completions count 0.0 unless it is "keep").
 
   Returns:
     EvalResult.
@@ -81,14 +85,19 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
       engine.submit(Request(prompt_tokens=prepared.ids, sample_id=len(kept) - 1,
                             group_id=len(kept) - 1, prompt_index=p.index))
   rollouts = {r.sample_id: r for r in engine.run_to_completion()} if kept else {}
-  items = [(p, tok.decode(rollouts[i].completion_tokens)) for i, p in enumerate(kept)]
+  markers = grading_lib.resolve_reasoning_markers(tok, grading)
+  items = [(p, grading_lib.completion_for_grading(tok, rollouts[i].prompt_tokens,
+                                                  rollouts[i].completion_tokens, markers))
+           for i, p in enumerate(kept)]
   pool = verifier if verifier is not None else VerifierPool(task, timeout_s=timeout_s)
   try:
     verdicts = pool.grade(items, list(range(len(kept))))
   finally:
     if verifier is None:
       pool.close()
-  rewards = [0.0 if math.isnan(v.reward) else v.reward for v in verdicts]
+  rewards = [0.0 if math.isnan(v.reward) or (grading.overlong_policy != "keep"
+                                             and grading_lib.is_cut(rollouts[i])) else v.reward
+             for i, v in enumerate(verdicts)]
   by_diff = {}
   for p, reward in zip(kept, rewards):
     by_diff.setdefault(float(p.difficulty), []).append(reward)

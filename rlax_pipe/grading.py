@@ -1,19 +1,31 @@
 """What happens between a finished sample and its reward: prompts that do not fit, completions cut
-by the length limit, verifiers that fail. Host-side policy, configured by `GradingConfig`.
+by the length limit, reasoning blocks, verifiers that fail. Host-side policy, configured by
+`GradingConfig`.
 
-Over-long prompts (before sampling). A prompt is over-long when it leaves fewer than
-`min_completion_tokens` positions for the completion: len(prompt) > max_seq_len -
-min_completion_tokens. `prompt_policy`:
+Over-long prompts (before sampling). A prompt is over-long when it is longer than the prompt
+budget min(max_prefill_len, max_seq_len - min_completion_tokens) tokens (`max_prefill_len` None:
+the whole sequence budget less the completion's minimum). `prompt_policy`:
 - "filter" (default): the problem is skipped before any sample is started, and counted
   (`filtered_overlong`);
 - "truncate": the prompt keeps its head (BOS included) and, in chat format, its generation-prompt
-  tail (the assistant header), dropping tokens in between, so that exactly min_completion_tokens
-  positions remain; every sample of it is marked (`Rollout.prompt_truncated`) and counted.
+  tail (the assistant header), dropping tokens in between, so that it is exactly the prompt
+  budget long; every sample of it is marked (`Rollout.prompt_truncated`) and counted.
+
+Reasoning blocks (before the verifier). A task's `reward` sees only the completion's text after
+the model's reasoning block (`completion_for_grading`), so a tentative answer written while
+reasoning is never read as the final one; a block left open (cut, or never closed) leaves no
+final answer, graded as the empty completion. The markers are the tokenizer's
+(`Tokenizer.reasoning_markers`: from the chat template, e.g. Qwen3's "<think>" / "</think>") or
+set by `reasoning_markers`; a prompt whose generation prompt opens a block (DeepSeek-R1's
+"<think>\n") starts its completion inside one.
 
 Completions cut by the length limit (finish reason "length" or "capacity": the completion budget
 or the KV capacity ran out before a stop token). `overlong_policy`:
-- "keep" (default): graded like any other completion (a cut sample that happens to contain a
-  correct answer gets its reward; one without an answer gets the wrong-answer reward);
+- "zero" (default): reward 0.0, the lowest reward of the `Task` protocol's [0, 1] (what a wrong
+  answer gets), whatever the cut text holds: a cut answer is not an answer (an answer is only
+  complete once the model stops), and the pressure to stop within the budget stays;
+- "keep": graded like any other completion (a cut sample that happens to contain a correct answer
+  gets its reward; one without an answer gets the wrong-answer reward);
 - "mask": the sample gets no reward (NaN): it is excluded from its group's baseline and from the
   loss, like a failed verifier (DAPO's "overlong filtering", Yu et al. 2025, arXiv:2503.14476,
   Sec. 3.4). Masking removes the pressure to stop: a policy that never ends its answers is not
@@ -28,6 +40,9 @@ or the KV capacity ran out before a stop token). `overlong_policy`:
   with L_cache = `overlong_buffer_tokens` and L_max = `overlong_max_tokens`, or by default the
   sample's own completion budget min(max_new_tokens, max_seq_len - len(prompt)) (so a cut sample
   always gets -1).
+
+In every policy a failed verifier stays failed (NaN). Held-out evaluation (`rlax_pipe.evaluation`)
+counts a cut completion as 0.0 under every policy but "keep".
 
 Failed verifiers (raised, timed out, returned a non-number; see `tasks.safe_reward`): the sample
 gets no reward (NaN) and is excluded from its group's baseline and from the loss; a group left
@@ -46,10 +61,11 @@ from typing import Sequence
 import numpy as np
 
 from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe.tasks import answers
 from rlax_pipe.tasks import safe_reward
 from rlax_pipe.types import Rollout
 
-OVERLONG_POLICIES: tuple[str, ...] = ("keep", "mask", "soft_penalty")
+OVERLONG_POLICIES: tuple[str, ...] = ("zero", "keep", "mask", "soft_penalty")
 PROMPT_POLICIES: tuple[str, ...] = ("filter", "truncate")
 # Finish reasons of a completion cut before a stop token ("length": completion budget;
 # "capacity": KV / max_seq_len capacity).
@@ -67,7 +83,14 @@ class GradingConfig:
   Attributes:
     prompt_policy: "filter" or "truncate" over-long prompts.
     min_completion_tokens: completion positions a prompt must leave (>= 1).
-    overlong_policy: "keep", "mask" or "soft_penalty" for completions cut by the length limit.
+    max_prefill_len: longest prompt in tokens (>= 1) the prompt policy lets through, below the
+      sequence budget (at most the sampler's max_seq_len - min_completion_tokens, checked where
+      both are known); None (default) = max_seq_len - min_completion_tokens.
+    reasoning_markers: the reasoning block graded around: "auto" (default: the tokenizer's
+      `reasoning_markers`, none for the shipped tokenizer), "none" (grade the whole completion),
+      or the open and close markers separated by one space, e.g. "<think> </think>".
+    overlong_policy: "zero" (default), "keep", "mask" or "soft_penalty" for completions cut by
+      the length limit.
     overlong_buffer_tokens: L_cache of the soft penalty (tokens, >= 1).
     overlong_max_tokens: L_max of the soft penalty (tokens, > overlong_buffer_tokens), or None
       for each sample's own completion budget.
@@ -79,7 +102,9 @@ class GradingConfig:
 
   prompt_policy: str = "filter"
   min_completion_tokens: int = 16
-  overlong_policy: str = "keep"
+  max_prefill_len: int | None = None
+  reasoning_markers: str = "auto"
+  overlong_policy: str = "zero"
   overlong_buffer_tokens: int = 64
   overlong_max_tokens: int | None = None
   max_failure_fraction: float = 0.5
@@ -103,6 +128,39 @@ class GradingConfig:
     if not 0.0 <= self.max_failure_fraction <= 1.0:
       raise ValueError(f"GradingConfig.max_failure_fraction={self.max_failure_fraction} must be "
                        "in [0, 1].")
+    if self.max_prefill_len is not None and (
+        isinstance(self.max_prefill_len, bool) or not isinstance(self.max_prefill_len, int)
+        or self.max_prefill_len < 1):
+      raise ValueError(f"GradingConfig.max_prefill_len={self.max_prefill_len!r} must be an int "
+                       ">= 1 (tokens) or None (the whole sequence budget).")
+    if (not isinstance(self.reasoning_markers, str) or self.reasoning_markers not in (
+        "auto", "none") and len(self.reasoning_markers.split()) != 2):
+      raise ValueError(f"GradingConfig.reasoning_markers={self.reasoning_markers!r}; use "
+                       "'auto', 'none', or the open and close markers separated by a space, "
+                       "e.g. '<think> </think>'.")
+
+  def prompt_budget(self, max_seq_len: int) -> int:
+    """Longest prompt in tokens: min(max_prefill_len, max_seq_len - min_completion_tokens).
+
+    Raises:
+      ValueError: when max_seq_len leaves no prompt token once min_completion_tokens are
+        reserved, or when max_prefill_len exceeds that (naming the settings and the fix).
+    """
+    budget = max_seq_len - self.min_completion_tokens
+    if budget < 1:
+      raise ValueError(f"max_seq_len={max_seq_len} leaves no prompt token once "
+                       f"GradingConfig.min_completion_tokens={self.min_completion_tokens} are "
+                       "reserved for the completion; raise max_seq_len or lower "
+                       "min_completion_tokens.")
+    if self.max_prefill_len is None:
+      return budget
+    if self.max_prefill_len > budget:
+      raise ValueError(f"GradingConfig.max_prefill_len={self.max_prefill_len} exceeds "
+                       f"max_seq_len={max_seq_len} - min_completion_tokens="
+                       f"{self.min_completion_tokens} = {budget}: such prompts leave no room for "
+                       "the completion; lower max_prefill_len (or leave it None), or raise "
+                       "max_seq_len.")
+    return self.max_prefill_len
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -137,18 +195,13 @@ def generation_prompt_ids(tok: tokenizer_lib.Tokenizer) -> list[int]:
 
 def prepare_prompt(tok: tokenizer_lib.Tokenizer, prompt: str, max_seq_len: int,
                    cfg: GradingConfig) -> PreparedPrompt:
-  """Encodes `prompt` (`tok.encode_prompt`) and applies `cfg.prompt_policy` (module docstring).
+  """Encodes `prompt` (`tok.encode_prompt`) and applies `cfg.prompt_policy` against the prompt
+  budget `cfg.prompt_budget(max_seq_len)` (module docstring).
 
   Raises:
-    ValueError: when max_seq_len leaves no room for `min_completion_tokens` plus one prompt token
-      (naming both settings).
+    ValueError: as `GradingConfig.prompt_budget` (naming the settings).
   """
-  budget = max_seq_len - cfg.min_completion_tokens
-  if budget < 1:
-    raise ValueError(f"max_seq_len={max_seq_len} leaves no prompt token once "
-                     f"GradingConfig.min_completion_tokens={cfg.min_completion_tokens} are "
-                     "reserved for the completion; raise max_seq_len or lower "
-                     "min_completion_tokens.")
+  budget = cfg.prompt_budget(max_seq_len)
   ids = tok.encode_prompt(prompt)
   if len(ids) <= budget:
     return PreparedPrompt(np.asarray(ids, np.int32), len(ids))
@@ -159,6 +212,41 @@ def prepare_prompt(tok: tokenizer_lib.Tokenizer, prompt: str, max_seq_len: int,
     tail = []
   kept = ids[:budget - len(tail)] + tail
   return PreparedPrompt(np.asarray(kept, np.int32), len(ids), truncated=True)
+
+
+# ---- reasoning blocks ----------------------------------------------------------------------------
+def resolve_reasoning_markers(tok: tokenizer_lib.Tokenizer,
+                              cfg: GradingConfig) -> tuple[str, str] | None:
+  """The (open, close) reasoning markers `cfg.reasoning_markers` names for `tok`, or None."""
+  if cfg.reasoning_markers == "none":
+    return None
+  if cfg.reasoning_markers == "auto":
+    return tok.reasoning_markers
+  open_marker, close_marker = cfg.reasoning_markers.split()
+  return open_marker, close_marker
+
+
+def completion_for_grading(tok: tokenizer_lib.Tokenizer, prompt_ids, completion_ids,
+                           markers: tuple[str, str] | None) -> str:
+  """The text a task's `reward` grades: the decoded completion after its reasoning block.
+
+  Args:
+    tok: the tokenizer.
+    prompt_ids: int[P] prompt ids (tells whether the completion starts inside a block).
+    completion_ids: int[T] sampled ids.
+    markers: (open, close) markers (`resolve_reasoning_markers`), or None: the whole completion.
+
+  Returns:
+    The text after the last closing marker; the whole text when it has no block; "" when a
+    block is left open (no final answer: graded as the empty completion).
+  """
+  text = tok.decode(completion_ids)
+  if markers is None:
+    return text
+  prompt = tok.decode(prompt_ids, stop_at_eos=False)
+  starts_inside = prompt.rfind(markers[0]) > prompt.rfind(markers[1])
+  after = answers.text_after_reasoning(text, markers, starts_inside)
+  return "" if after is None else after
 
 
 # ---- overlong completions ------------------------------------------------------------------------
@@ -205,6 +293,8 @@ def apply_overlong_policy(reward: float, rollout: Rollout, cfg: GradingConfig,
   """
   if math.isnan(reward) or cfg.overlong_policy == "keep":
     return reward
+  if cfg.overlong_policy == "zero":
+    return 0.0 if is_cut(rollout) else reward
   if cfg.overlong_policy == "mask":
     return math.nan if is_cut(rollout) else reward
   max_tokens = cfg.overlong_max_tokens or completion_budget

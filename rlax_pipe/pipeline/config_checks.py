@@ -49,6 +49,14 @@ def _check_lengths(cfg) -> None:
         f"RunConfig.sampler.max_seq_len={s.max_seq_len} leaves no prompt token once "
         f"RunConfig.pipeline.grading.min_completion_tokens={g.min_completion_tokens} are "
         "reserved for the completion; raise sampler.max_seq_len or lower min_completion_tokens.")
+  if g.max_prefill_len is not None and g.max_prefill_len > s.max_seq_len - g.min_completion_tokens:
+    raise ConfigError(
+        f"RunConfig.pipeline.grading.max_prefill_len={g.max_prefill_len} > "
+        f"RunConfig.sampler.max_seq_len={s.max_seq_len} - "
+        f"RunConfig.pipeline.grading.min_completion_tokens={g.min_completion_tokens}: such a "
+        "prompt leaves no room for the completion; lower grading.max_prefill_len (<= "
+        f"{s.max_seq_len - g.min_completion_tokens}, or None for the whole sequence budget) or "
+        "raise sampler.max_seq_len.")
   if (g.overlong_policy == "soft_penalty" and g.overlong_max_tokens is not None
       and g.overlong_max_tokens - g.overlong_buffer_tokens >= s.max_new_tokens):
     raise ConfigError(

@@ -15,8 +15,9 @@ engine's per-request `abort` when it has one, else by discarding the group in th
 samples are counted and ignored when they finish.
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
-completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, completions cut
-by the length limit and failed verifiers follow `PipelineConfig.grading` (`rlax_pipe.grading`);
+completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, reasoning
+blocks (the verifier sees the text after them), completions cut by the length limit and failed
+verifiers follow `PipelineConfig.grading` (`rlax_pipe.grading`);
 verifiers run in worker processes with a hard time limit (`tasks.VerifierPool`).
 """
 
@@ -74,10 +75,8 @@ class RolloutWorker:
     self.counters = counters or WorkerCounters()
     self._round_open = 0  # groups still to start in the current round
     g = cfg.grading
-    if engine.cfg.max_seq_len - g.min_completion_tokens < 1:
-      raise ValueError(f"SamplerConfig.max_seq_len={engine.cfg.max_seq_len} leaves no prompt "
-                       f"token once GradingConfig.min_completion_tokens={g.min_completion_tokens} "
-                       "are reserved; raise max_seq_len or lower min_completion_tokens.")
+    g.prompt_budget(engine.cfg.max_seq_len)  # raises on settings that leave no prompt budget
+    self._reasoning_markers = grading.resolve_reasoning_markers(tok, g)
     self.verifier = VerifierPool(task, timeout_s=cfg.reward_timeout_s,
                                  num_workers=g.verifier_workers)
     self._monitor = grading.FailureMonitor(g.max_failure_fraction, g.failure_window)
@@ -173,12 +172,14 @@ class RolloutWorker:
         return prepared
       self._count("filtered_overlong")
       c.next_prompt += 1
+    g = self.cfg.grading
     raise ValueError(
         f"{_MAX_FILTERED_IN_A_ROW} prompts in a row of task {getattr(self.task, 'name', '?')!r} "
-        f"are longer than max_seq_len={max_seq_len} - min_completion_tokens="
-        f"{self.cfg.grading.min_completion_tokens} tokens (the last had "
-        f"{prepared.original_length}); raise SamplerConfig.max_seq_len, or set "
-        "GradingConfig.prompt_policy='truncate'.")
+        f"are longer than the prompt budget of {g.prompt_budget(max_seq_len)} tokens "
+        f"(max_seq_len={max_seq_len} - min_completion_tokens={g.min_completion_tokens}, "
+        f"GradingConfig.max_prefill_len={g.max_prefill_len}; the last had "
+        f"{prepared.original_length}); raise SamplerConfig.max_seq_len or max_prefill_len, or "
+        "set GradingConfig.prompt_policy='truncate'.")
 
   def _submit_group(self) -> None:
     c = self.counters
@@ -289,7 +290,9 @@ class RolloutWorker:
       for r in rollouts:
         if r.finish_reason == "aborted":
           self._truncated.discard(r.sample_id)
-    items = [(self.task.problem(r.prompt_index, "train"), self.tok.decode(r.completion_tokens))
+    items = [(self.task.problem(r.prompt_index, "train"),
+              grading.completion_for_grading(self.tok, r.prompt_tokens, r.completion_tokens,
+                                             self._reasoning_markers))
              for r in live]
     verdicts = self.verifier.grade(items, [r.sample_id for r in live])
     graded = {}

@@ -1,19 +1,39 @@
 """Reading a final answer out of text, and deciding whether two answers are the same.
 
-Answer formats (`extract_answer(text, fmt)`), each matched only at a boundary so that a marker
-inside a word or a longer token never counts ("Launches by NASA: 7" holds no "A:" answer):
+Answer formats (`extract_answer(text, fmt)`), each matched only where a marker starts a token, so
+that a marker inside a word or after other punctuation never counts ("Launches by NASA: 7" and
+the heading "### Q&A: setup" hold no "A:" answer):
 
-- "marker": the text after the FIRST "A:" (not preceded by a letter, digit or "_") up to the end
-  of its line; the convention of the built-in tasks (`base.extract_marked_answer`).
-- "gsm8k": the text after the LAST "####" up to the end of its line (GSM8K's `#### 72`).
-- "boxed": the content of the LAST `\\boxed{...}` (or `\\fbox{...}`), braces balanced (MATH).
+- "marker": the text after the FIRST "A:" that starts a whitespace-separated token (only opening
+  brackets, quotes, "*" or ">" may come before it: "(A: 5)", "**A:** 5") up to the end of its
+  line, without surrounding "*" emphasis; the convention of the built-in tasks
+  (`base.extract_marked_answer`).
+- "gsm8k": the text after "####" (not part of a longer run of "#") up to the end of its line, of
+  the LAST such line that states a number (`parse_number`), else of the last one: a markdown
+  heading of that level ("#### Step 2") written after the answer is not the answer.
+- "boxed": the content of the LAST `\\boxed{...}` (or `\\fbox{...}`), braces balanced (MATH);
+  without braces (`\\boxed 5`, `\\boxed5`, which LaTeX and some MATH solutions write) the text
+  after it up to the closing "$", "\\)" / "\\]" or the end of the line.
 - "answer_line": the LAST line of the form "Answer: ..." (also "Final answer:", "**Answer:**"),
-  case-insensitive, at the start of a line.
+  case-insensitive, at the start of a line; with nothing after the colon, the next non-empty
+  line.
 - "answer_tag": the content of the LAST `<answer>...</answer>` (reasoning-gym's and DeepSeek-R1's
   convention), stripped.
-- "auto": the first of boxed, gsm8k, answer_tag, answer_line, marker that finds an answer.
+- "auto": the first of boxed, gsm8k (a "####" line stating a number), answer_tag, answer_line,
+  marker, gsm8k (any "####" line: a heading is the last resort) that finds an answer.
+
+Whatever the format, math delimiters around the whole answer are removed (`strip_math_delimiters`:
+`\\boxed{...}`, `\\fbox{...}`, `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`, `\\text{...}`,
+nested ones too), so `<answer>\\boxed{72}</answer>` and "Answer: $72$" read as "72".
+
+Reasoning: the model's reasoning block (`<think>...</think>`, markers from the tokenizer's chat
+template) is not part of the answer: `text_after_reasoning` keeps the text after the block, and
+an unclosed block has no final answer. The pipeline applies it before any task's `reward`
+(`rlax_pipe.grading.completion_for_grading`).
 
 Equivalence (`answers_match(got, reference, grader)`):
+
+Both sides lose their math delimiters first (`strip_math_delimiters`), then:
 
 - "exact": equal after `normalize_text` (strip, collapse whitespace, case-fold, drop trailing
   periods).
@@ -41,54 +61,128 @@ _GSM8K = re.compile(r"(?<![\w#])####(?!#)[ \t]*([^\n]*)")
 _ANSWER_LINE = re.compile(r"^[ \t*_]*(?:final[ \t]+)?answer[ \t*_]*:[ \t*_]*(.*?)[ \t*_]*$",
                           re.IGNORECASE | re.MULTILINE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])[ \t]*")
+# Ends of an unbraced box's argument: the closing math delimiter or the end of the line.
+_UNBRACED_END = re.compile(r"\$|\\\)|\\\]|\n")
+_WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_BRACED_WRAPPER = re.compile(r"\\(?:boxed|fbox|text|textbf|mathrm)[ \t]*\{")
+# A marker counts where it starts a whitespace-separated token, after opening brackets, quotes,
+# "*" emphasis or a ">" quote at most.
+_MARKER_PREFIX = r"(?<!\S)[(\[{\"'`*>]*"
 # A plain number: sign, digits (optionally with thousands commas), decimals, exponent; or a/b.
 _NUMBER = re.compile(r"[+-]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?")
 _RATIO = re.compile(r"[+-]?\d+/\d+")
 
 
 def _marker_pattern(marker: str) -> re.Pattern:
-  return re.compile(r"(?<![\w])" + re.escape(marker))
+  return re.compile(_MARKER_PREFIX + re.escape(marker))
 
 
 def extract_marked_answer(text: str, marker: str = ANSWER_MARKER) -> str | None:
-  """Text after the first `marker` that starts a word, up to the end of its line; stripped.
+  """Text after the first `marker` that starts a token, up to the end of its line; stripped of
+  whitespace and "*" emphasis (module docstring).
 
   Example: extract_marked_answer("The DATA: 5 rows\\nA: 7") == "7";
-  extract_marked_answer("Launches by NASA: 7") is None.
+  extract_marked_answer("Launches by NASA: 7") is None;
+  extract_marked_answer("### Q&A: setup\\n**A:** 7") == "7".
 
   Returns:
-    The answer text, or None when no marker starts a word.
+    The answer text, or None when no marker starts a token.
   """
   match = _marker_pattern(marker).search(text)
   if match is None:
     return None
-  return text[match.end():].split("\n", 1)[0].strip()
+  return text[match.end():].split("\n", 1)[0].strip().strip("*").strip()
 
 
 def extract_gsm8k(text: str) -> str | None:
-  """Text after the last "####" (not part of a longer run of "#"), to the end of its line."""
-  matches = _GSM8K.findall(text)
-  return matches[-1].strip() if matches else None
+  """Text after "####" (not part of a longer run of "#") to the end of its line, of the last such
+  line stating a number, else of the last one (module docstring)."""
+  matches = [m.strip() for m in _GSM8K.findall(text)]
+  return _extract_gsm8k_number(text, matches) or (matches[-1] if matches else None)
 
 
-def extract_boxed(text: str) -> str | None:
-  """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces; None if unclosed."""
-  starts = [m.end() for m in _BOXED.finditer(text)]
-  if not starts:
-    return None
-  depth, start = 1, starts[-1]
+def _extract_gsm8k_number(text: str, matches: list[str] | None = None) -> str | None:
+  """The last "####" line's text that states a number, or None."""
+  if matches is None:
+    matches = [m.strip() for m in _GSM8K.findall(text)]
+  numeric = [m for m in matches if parse_number(strip_math_delimiters(m)) is not None]
+  return numeric[-1] if numeric else None
+
+
+def _balanced_end(text: str, start: int) -> int | None:
+  """Index of the "}" closing the "{" just before `start`, or None when it is never closed."""
+  depth = 1
   for k in range(start, len(text)):
     depth += {"{": 1, "}": -1}.get(text[k], 0)
     if depth == 0:
-      return text[start:k].strip()
+      return k
+  return None
+
+
+def extract_boxed(text: str) -> str | None:
+  """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces (None if unclosed);
+  of an unbraced `\\boxed 5` / `\\boxed5`, the text after it up to the closing math delimiter
+  or the end of its line (trailing period dropped)."""
+  boxes = list(_BOX.finditer(text))
+  if not boxes:
+    return None
+  start = boxes[-1].end()
+  if text.startswith("{", start):
+    end = _balanced_end(text, start + 1)
+    return None if end is None else text[start + 1:end].strip()
+  stop = _UNBRACED_END.search(text, start)
+  found = text[start:stop.start() if stop else len(text)].strip().rstrip(".").strip()
+  return found or None
+
+
+def strip_math_delimiters(text: str) -> str:
+  """`text` stripped, without math delimiters or a box around the WHOLE of it, repeatedly.
+
+  Removed: `\\boxed{...}`, `\\fbox{...}`, `\\text{...}`, `\\textbf{...}`, `\\mathrm{...}`
+  (balanced braces), `$$...$$`, `$...$`, `\\(...\\)`, `\\[...\\]`, and one sentence period
+  after a closing delimiter. Text that is not wholly enclosed ("$5", "$x$ and $y$") is
+  returned stripped, otherwise unchanged.
+
+  Example: strip_math_delimiters("$\\boxed{72}$.") == "72".
+  """
+  s = text.strip()
+  while True:
+    inner = _unwrap_once(s[:-1].rstrip() if s.endswith(".") else s)
+    if inner is None and s.endswith("."):
+      inner = _unwrap_once(s)
+    if inner is None:
+      return s
+    s = inner.strip()
+
+
+def _unwrap_once(s: str) -> str | None:
+  """The content of one delimiter pair enclosing all of `s`, or None."""
+  match = _BRACED_WRAPPER.match(s)
+  if match is not None and _balanced_end(s, match.end()) == len(s) - 1:
+    return s[match.end():-1]
+  for left, right in _WRAPPERS:
+    if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
+      inner = s[len(left):len(s) - len(right)]
+      if left.startswith("$") and "$" in inner:  # "$x$ and $y$" is not one span
+        continue
+      if left.startswith("\\") and (left in inner or right in inner):
+        continue
+      return inner
   return None
 
 
 def extract_answer_line(text: str) -> str | None:
-  """The answer of the last "Answer: ..." line (see the module docstring)."""
-  matches = _ANSWER_LINE.findall(text)
-  return matches[-1].strip() if matches else None
+  """The answer of the last "Answer: ..." line (see the module docstring); when nothing follows
+  the colon ("**Final Answer:**" alone), the next non-empty line."""
+  matches = list(_ANSWER_LINE.finditer(text))
+  if not matches:
+    return None
+  last = matches[-1]
+  if last.group(1).strip():
+    return last.group(1).strip()
+  following = [line for line in text[last.end():].split("\n") if line.strip()]
+  return following[0].strip() if following else ""
 
 
 def extract_answer_tag(text: str) -> str | None:
@@ -100,6 +194,7 @@ def extract_answer_tag(text: str) -> str | None:
 _EXTRACTORS = {
     "boxed": extract_boxed, "gsm8k": extract_gsm8k, "answer_tag": extract_answer_tag,
     "answer_line": extract_answer_line, "marker": extract_marked_answer,
+    "gsm8k_number": _extract_gsm8k_number,
 }
 
 
@@ -110,14 +205,44 @@ def extract_answer(text: str, fmt: str = "auto") -> str | None:
     ValueError: for an unknown format.
   """
   if fmt == "auto":
-    for name in ("boxed", "gsm8k", "answer_tag", "answer_line", "marker"):
-      found = _EXTRACTORS[name](text)
-      if found is not None:
-        return found
-    return None
-  if fmt not in _EXTRACTORS:
+    names = ("boxed", "gsm8k_number", "answer_tag", "answer_line", "marker", "gsm8k")
+  elif fmt in ANSWER_FORMATS:
+    names = (fmt,)
+  else:
     raise ValueError(f"answer format {fmt!r}; choose one of {ANSWER_FORMATS}.")
-  return _EXTRACTORS[fmt](text)
+  for name in names:
+    found = _EXTRACTORS[name](text)
+    if found is not None:
+      return strip_math_delimiters(found)
+  return None
+
+
+def text_after_reasoning(text: str, markers: tuple[str, str] | None,
+                         starts_inside: bool = False) -> str | None:
+  """The part of a completion after its reasoning block: what is graded.
+
+  Args:
+    text: the decoded completion.
+    markers: (open, close) reasoning markers, e.g. ("<think>", "</think>") (from
+      `Tokenizer.reasoning_markers`); None = no reasoning block: `text` as is.
+    starts_inside: whether the prompt left a block open (a generation prompt ending in
+      "<think>\\n", as DeepSeek-R1's template writes), so the completion starts inside one.
+
+  Returns:
+    The text after the last closing marker; `text` when it holds no marker and does not start
+    inside a block; None when a block is left open (an unclosed block has no final answer).
+
+  Example: text_after_reasoning("<think>A: 3?</think>A: 4", ("<think>", "</think>")) == "A: 4".
+  """
+  if markers is None:
+    return text
+  open_marker, close_marker = markers
+  at_open, at_close = text.rfind(open_marker), text.rfind(close_marker)
+  if at_close >= 0 and at_close > at_open:
+    return text[at_close + len(close_marker):]
+  if at_open >= 0 or starts_inside:
+    return None
+  return text
 
 
 def format_answer(answer: str, fmt: str = "marker") -> str:
@@ -199,6 +324,7 @@ def answers_match(got: str | None, reference: str, grader: str = "numeric") -> b
     raise ValueError(f"grader {grader!r}; choose one of {GRADERS}.")
   if got is None:
     return False
+  got, reference = strip_math_delimiters(got), strip_math_delimiters(reference)
   if grader != "exact":
     a, b = parse_number(got), parse_number(reference)
     if a is not None and b is not None:

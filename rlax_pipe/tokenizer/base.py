@@ -31,6 +31,14 @@ import numpy as np
 from rlax_pipe.tokenizer import chat_template as chat_lib
 
 PROMPT_FORMATS: tuple[str, ...] = ("raw", "chat")
+# (open, close) markers of a reasoning block, as model families write them: Qwen3 / QwQ /
+# DeepSeek-R1 "<think>", Anthropic-style "<thinking>", Mistral's Magistral "[THINK]", Cohere's
+# "<|START_THINKING|>", GPT-OSS's analysis and final channels.
+REASONING_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<think>", "</think>"), ("<thinking>", "</thinking>"), ("[THINK]", "[/THINK]"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),
+    ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +170,24 @@ class Tokenizer(abc.ABC):
   def prompt_format(self) -> PromptFormat:
     """Default `PromptFormat` of `encode_prompt`."""
     return self._prompt_format
+
+  @property
+  def reasoning_markers(self) -> tuple[str, str] | None:
+    """The (open, close) markers of the model's reasoning block, or None when it has none.
+
+    The first pair of `REASONING_MARKERS` that the chat template writes (both strings in its
+    source, e.g. Qwen3's and DeepSeek-R1's "<think>" / "</think>"), else whose strings are both
+    single tokens of the vocabulary (added tokens). The shipped character-level tokenizer has
+    none. Grading reads only the text after the block (`rlax_pipe.grading`).
+    """
+    source = self._chat_template.source if self._chat_template is not None else ""
+    for pair in REASONING_MARKERS:
+      if all(m in source for m in pair):
+        return pair
+    for pair in REASONING_MARKERS:
+      if all(len(self.encode(m)) == 1 for m in pair):
+        return pair
+    return None
 
   def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
     """Encodes one string.
