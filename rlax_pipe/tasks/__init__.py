@@ -12,6 +12,8 @@ from rlax_pipe.tasks.answers import extract_answer as extract_final_answer
 from rlax_pipe.tasks.answers import format_answer
 from rlax_pipe.tasks.answers import GRADERS
 from rlax_pipe.tasks.answers import parse_number
+from rlax_pipe.tasks.answers import strip_math_delimiters
+from rlax_pipe.tasks.answers import text_after_reasoning
 from rlax_pipe.tasks.arithmetic import ArithmeticConfig
 from rlax_pipe.tasks.arithmetic import ArithmeticTask
 from rlax_pipe.tasks.arithmetic import draw_num_terms
@@ -55,5 +57,5 @@ __all__ = [
     "answers_match", "draw_num_terms", "extract_answer", "extract_final_answer",
     "extract_marked_answer", "format_answer", "grade_inline", "length_stats", "make_task",
     "normalize_answer", "parse_number", "read_jsonl_problems", "read_rows", "render",
-    "split_of", "take_problems",
+    "split_of", "strip_math_delimiters", "take_problems", "text_after_reasoning",
 ]

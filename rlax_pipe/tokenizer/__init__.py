@@ -8,6 +8,7 @@ end-of-turn id), batch encoding, and `encode_prompt` in a raw or chat-template `
 
 from rlax_pipe.tokenizer.base import PROMPT_FORMATS
 from rlax_pipe.tokenizer.base import PromptFormat
+from rlax_pipe.tokenizer.base import REASONING_MARKERS
 from rlax_pipe.tokenizer.base import Tokenizer
 from rlax_pipe.tokenizer.chat_template import ChatTemplate
 from rlax_pipe.tokenizer.hf_tokenizer import HFTokenizer
@@ -24,6 +25,6 @@ from rlax_pipe.tokenizer.sentencepiece_tokenizer import UNK_ID
 
 __all__ = [
     "BOS_ID", "ChatTemplate", "EOS_ID", "HFTokenizer", "NEWLINE_PIECE", "PAD_ID", "PROMPT_FORMATS",
-    "PromptFormat", "SentencePieceTokenizer", "Tokenizer", "UNK_ID", "default_tokenizer",
-    "default_tokenizer_path", "load_tokenizer", "train_tokenizer",
+    "PromptFormat", "REASONING_MARKERS", "SentencePieceTokenizer", "Tokenizer", "UNK_ID",
+    "default_tokenizer", "default_tokenizer_path", "load_tokenizer", "train_tokenizer",
 ]

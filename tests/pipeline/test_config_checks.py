@@ -55,6 +55,9 @@ def test_issue_input_seq_len_below_sampler_max_seq_len():
                                             overlong_max_tokens=500)}},
      r"overlong_max_tokens=500 minus overlong_buffer_tokens=64 is >= "
      r"RunConfig.sampler.max_new_tokens=384.*never applies"),
+    ({"pipeline": {"grading": GradingConfig(max_prefill_len=369)}},  # 384 - 16 = 368
+     r"RunConfig.pipeline.grading.max_prefill_len=369 > RunConfig.sampler.max_seq_len=384 - "
+     r"RunConfig.pipeline.grading.min_completion_tokens=16.*<= 368"),
     ({"objective": {"aggregation": "constant", "max_completion_len": 128}},
      r"RunConfig.objective.max_completion_len=128 != RunConfig.sampler.max_new_tokens=384.*"
      r"set objective.max_completion_len=384"),

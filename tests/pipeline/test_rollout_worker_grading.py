@@ -172,7 +172,7 @@ def test_failed_rewards_are_nan_counted_and_stop_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("policy,expected", [("keep", 1.0), ("mask", math.nan),
-                                             ("soft_penalty", 0.0)])
+                                             ("soft_penalty", 0.0), ("zero", 0.0)])
 def test_overlong_policy_on_cut_completions(tmp_path, policy, expected):
   # The issue's sample: cut by the length limit while writing "5+7=12\nA: 12", graded 1.0.
   path = tmp_path / "p.jsonl"
@@ -218,3 +218,106 @@ def test_chat_prompt_ids_reach_the_learner_unchanged(tmp_path):
     assert mask.tolist() == [0.0] * len(prompt) + [1.0] * len(sampled)
   finally:
     worker.close()
+
+
+def test_default_does_not_reward_a_cut_answer(tmp_path):
+  """Issue #27 item 12: with the default policy a completion cut inside (or after) its answer
+  gets the wrong-answer reward 0.0; the same text that stopped gets 1.0."""
+  assert grading.GradingConfig().overlong_policy == "zero"
+  path = tmp_path / "p.jsonl"
+  path.write_text("".join(json.dumps({"prompt": f"Q: {k}\n", "answer": "12"}) + "\n"
+                          for k in range(2)))
+  task = tasks.JsonlTask(tasks.JsonlConfig(path=path, eval_fraction=0.0))
+  text_ids = TOK.encode("5+7=12\nA: 12")
+  finish = {"Q: 0\n": "length", "Q: 1\n": STOP}
+
+  def complete(req):
+    reason = finish[task.problem(req.prompt_index).prompt]
+    return text_ids + ([TOK.eos_id] if reason == STOP else []), reason
+  worker = _worker(task, complete)
+  try:
+    rewards = {}
+    for _ in range(2):
+      worker.top_up()
+      rewards.update({task.problem(r.prompt_index).prompt: r.reward for r in worker.step()})
+    assert rewards == {"Q: 0\n": 0.0, "Q: 1\n": 1.0}
+  finally:
+    worker.close()
+
+
+def test_max_prefill_len_caps_prompts_below_the_sequence_budget(tmp_path):
+  """Issue #27 item 8: prompts longer than max_prefill_len are filtered (or truncated to it)
+  although they fit max_seq_len - min_completion_tokens; None keeps the old budget."""
+  prompts = ["Q: 1+2\n", "Q: 1+2+3+4+5+6\n", "Q: 3\n"]    # 8, 16 and 6 tokens with BOS
+  assert [len(TOK.encode_prompt(p)) for p in prompts] == [8, 16, 6]
+  task = _jsonl_task(tmp_path, prompts)
+  for kw, seen, lengths in [({}, {0, 1, 2}, {8, 16, 6}),
+                            ({"max_prefill_len": 10}, {0, 2}, {8, 6}),
+                            ({"max_prefill_len": 10, "prompt_policy": "truncate"}, {0, 1, 2},
+                             {8, 10, 6})]:
+    seen = {prompts[k] for k in seen}
+    worker = _worker(task, _answer("A: 1"), max_seq_len=48, **kw)
+    try:
+      got, got_lengths = set(), set()
+      for _ in range(3):
+        worker.top_up()
+        got |= {task.problem(r.prompt_index).prompt for r in worker.engine.requests}
+        got_lengths |= {int(r.prompt_tokens.shape[0]) for r in worker.engine.requests}
+        worker.step()
+      assert (got, got_lengths) == (seen, lengths), kw
+      filtered = worker.pop_metrics()["filtered_overlong"]
+      assert (filtered > 0) == (kw == {"max_prefill_len": 10})
+    finally:
+      worker.close()
+  with pytest.raises(ValueError, match="max_prefill_len=40 exceeds"):
+    _worker(task, _answer("A: 1"), max_seq_len=48, max_prefill_len=40)
+  with pytest.raises(ValueError, match="max_prefill_len"):
+    grading.GradingConfig(max_prefill_len=0)
+
+
+THINK_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% if opened %}<think>\n{% endif %}"
+                  "{% endif %}{# reasoning goes in <think> ... </think> #}")
+
+
+def _think_tokenizer(tmp_path, **template_kwargs):
+  shutil.copy(tokenizer_lib.default_tokenizer_path(), tmp_path / "tokenizer.model")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": THINK_TEMPLATE, "bos_token": "<s>"}))
+  return tokenizer_lib.load_tokenizer(tmp_path, prompt_format=tokenizer_lib.PromptFormat(
+      "chat", template_kwargs=template_kwargs))
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_grading_sees_only_the_text_after_the_reasoning_block(tmp_path, opened):
+  """Issue #27 item 5: a tentative answer in <think>...</think> (markers from the chat template)
+  is never graded; an unclosed block has no final answer. With `opened`, the generation prompt
+  opens the block (DeepSeek-R1 style) and the completion starts inside it."""
+  tok = _think_tokenizer(tmp_path, opened=opened)
+  assert tok.reasoning_markers == ("<think>", "</think>")
+  head = "" if opened else "<think>"
+  completions = {   # prompt index -> (completion text, expected reward; the answer is "1")
+      0: (head + "\nA: 1\nmaybe?</think>\nA: 2", 0.0),   # right only in the reasoning
+      1: (head + "\nA: 2\nmaybe?</think>\nA: 1", 1.0),   # right after it
+      2: (head + "\nso\nA: 1", 0.0),                       # never closed: no final answer
+  }
+  task = _jsonl_task(tmp_path, [f"Q: {k}\n" for k in completions])
+
+  def key(req):
+    return int(task.problem(req.prompt_index).prompt[3])
+
+  def complete(req):
+    return tok.encode(completions[key(req)][0]) + [tok.eos_id], STOP
+  worker = _worker(task, complete, tok=tok, max_seq_len=64)
+  plain = _worker(task, complete, tok=tok, max_seq_len=64, reasoning_markers="none")
+  try:
+    for w, expected in [(worker, {k: v[1] for k, v in completions.items()}),
+                        (plain, {0: 1.0, 1: 0.0, 2: 1.0})]:  # "none": the first "A:" counts
+      rewards = {}
+      for _ in range(3):
+        w.top_up()
+        rewards.update({key(r): r.reward for r in w.step()})
+      assert rewards == expected
+  finally:
+    worker.close()
+    plain.close()
