@@ -6,10 +6,11 @@ Prints one JSON object (wall-clock seconds, measured with time.perf_counter on t
 - `workload_s`: a fixed pure-Python workload (median of 5) before any hang, after three hangs of
   a verifier run in abandoned daemon threads (the former `safe_reward`), and after three hangs
   in a `VerifierPool` (processes killed at the timeout);
-- `pool_start_s`: first `grade` of a fresh pool (forkserver start, worker start, one call);
+- `pool_start_s`: first `grade` of a fresh pool (a worker process `python -m
+  rlax_pipe.tasks.verifier_worker` started, the task loaded, one call);
 - `call_s`: mean time per call of 200 calls on a warm one-worker pool;
-- `hang_grade_s`: a `grade` whose call hangs (timeout + kill); `restart_s`: the next `grade`
-  (a fresh worker process + one call);
+- `hang_grade_s`: a `grade` whose call hangs (timeout + kill, the replacement process started
+  without waiting); `restart_s`: the next `grade` at once (waits for the replacement + one call);
 - the live thread count after each kind of hang.
 """
 
@@ -18,21 +19,11 @@ import statistics
 import threading
 import time
 
+from lib.verifier_tasks import SpinTask
 from rlax_pipe import tasks
 
 PROBLEM = tasks.Problem(index=0, split="train", prompt="Q: 1+1\n", answer="2", solution="A: 2")
 TIMEOUT_S = 0.2
-
-
-class SpinTask:
-  """Scores "A: 2"; spins forever on "hang" (a verifier stuck in a loop)."""
-
-  name = "spin"
-
-  def reward(self, problem, completion):
-    while completion == "hang":
-      pass
-    return 1.0 if completion == "A: 2" else 0.0
 
 
 def _workload() -> float:

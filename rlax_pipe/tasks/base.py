@@ -6,8 +6,9 @@ stream is restored after a restart from an integer counter alone (`take_problems
 
 Answer convention: a completion states its final answer on a line that starts after the marker
 `ANSWER_MARKER` ("A:"); `extract_marked_answer` returns the text after the FIRST marker that starts
-a word (so "DATA:" or "NASA:" never count) up to the end of that line (later markers are ignored,
-so writing several answers never helps).
+a whitespace-separated token (so "DATA:", "NASA:" or a heading's "Q&A:" never count; opening
+brackets, quotes, "*" and ">" may precede it) up to the end of that line (later markers are
+ignored, so writing several answers never helps).
 
 Splits: "train" and "eval" are disjoint by content. `split_of(prompt, eval_fraction)` assigns a
 prompt to a split from a stable hash of its text (BLAKE2b, independent of seeds and of Python's
@@ -114,7 +115,7 @@ def split_of(prompt: str, eval_fraction: float) -> str:
 
 
 def extract_marked_answer(completion: str, marker: str = ANSWER_MARKER) -> str | None:
-  """Text after the first `marker` that starts a word, up to the end of its line, stripped; None
+  """Text after the first `marker` that starts a token, up to the end of its line, stripped; None
   without such a marker (`answers.extract_marked_answer`).
 
   Example: extract_marked_answer("1+2=3\\nA: 3\\nA: 4") == "3";

@@ -9,8 +9,9 @@ File format: one JSON object per line, UTF-8. Blank lines are skipped. Keys:
 Other keys are ignored. Any other deviation raises `JsonlFormatError` naming the file, the line
 number (1-based) and what is wrong.
 
-Verifier: the answer of a completion is the text after the first "A:" that starts a word, up to the
-end of that line, if there is one, else its last non-empty line. It matches the reference under
+Verifier: the answer of a completion is the text after the first "A:" that starts a token
+(`answers.extract_marked_answer`), up to the end of that line, if there is one, else its last
+non-empty line. It matches the reference under
 `JsonlConfig.grader` (`answers.answers_match`; default "numeric": numbers compared as numbers,
 `72.0` == `72`, `1e3` == `1000`, other text by normalized exact match): reward 1.0, else 0.0.
 
@@ -72,7 +73,7 @@ def normalize_answer(text: str) -> str:
 
 
 def extract_answer(completion: str) -> str:
-  """The answer part of a completion: after the first "A:" that starts a word, to the end of its
+  """The answer part of a completion: after the first "A:" that starts a token, to the end of its
   line; else the last non-empty line."""
   marked = base.extract_marked_answer(completion)
   if marked is not None:

@@ -100,6 +100,7 @@ class _Worker:
     self.fd = self.proc.stdout.fileno()
     os.set_blocking(self.fd, False)
     self._buffer = b""
+    self.ready = False  # True once it answered "ready"
 
   def start(self, task_bytes: bytes) -> None:
     """Sends the task and the parent's import path (the worker answers "ready" once loaded)."""
@@ -208,28 +209,37 @@ class VerifierPool:
     self.restarts = 0  # workers killed because a call hung (or their process died)
 
   # ---- processes --------------------------------------------------------------------------------
+  def _spawn_missing(self) -> None:
+    """Starts processes up to `num_workers` without waiting for them (their imports overlap
+    whatever the caller does next; `_ensure_workers` waits)."""
+    fresh = [_Worker() for _ in range(self.num_workers - len(self._workers))]
+    self._workers.extend(fresh)
+    for worker in fresh:  # all import at once; each reads its task when it is ready to
+      worker.start(self._task_bytes)
+
   def _ensure_workers(self) -> list[_Worker]:
-    """Starts missing workers and waits for them to be ready (before any call's deadline)."""
-    fresh = []
+    """Starts missing workers and waits for every one to be ready (before any call's deadline).
+
+    Raises:
+      RuntimeError: when a worker cannot be started, exits while starting, or is not ready
+        within `startup_timeout_s`.
+    """
     try:
-      while len(self._workers) + len(fresh) < self.num_workers:
-        fresh.append(_Worker())
-      for w in fresh:  # all start their imports at once; each reads its task when ready
-        w.start(self._task_bytes)
+      self._spawn_missing()
     except (OSError, ValueError) as e:
-      for w in fresh:
-        w.kill()
+      self._kill()
       raise RuntimeError(f"verifier processes of task {self.task_name!r} could not be started: "
                          f"{e!r}") from e
-    if fresh:
-      replies = _wait_replies(fresh, time.monotonic() + self.startup_timeout_s)
-      if len(replies) < len(fresh) or any(isinstance(r, EOFError) for r in replies.values()):
-        for w in fresh:
-          w.kill()
+    starting = [w for w in self._workers if not w.ready]
+    if starting:
+      replies = _wait_replies(starting, time.monotonic() + self.startup_timeout_s)
+      if len(replies) < len(starting) or any(isinstance(r, EOFError) for r in replies.values()):
+        self._kill()
         raise RuntimeError(f"verifier processes of task {self.task_name!r} did not start "
                            f"within {self.startup_timeout_s:.0f} s (or exited while starting; "
                            "their stderr says why).")
-      self._workers.extend(fresh)
+      for w in starting:
+        w.ready = True
     return self._workers
 
   def _kill(self) -> None:
@@ -302,6 +312,11 @@ class VerifierPool:
     for k in sorted(dead, reverse=True):
       self.restarts += 1
       self._workers.pop(k).kill()
+    if dead:  # replacements start now, so their start-up overlaps the caller's next work
+      try:
+        self._spawn_missing()
+      except (OSError, ValueError):
+        pass  # retried (and reported) by the next wave's _ensure_workers
     return [verdicts[k] for k in range(len(wave))]
 
   def _log_failure(self, sample_id: int, v: safe_reward.Verdict) -> None:
