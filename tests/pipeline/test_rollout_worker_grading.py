@@ -258,12 +258,10 @@ def test_max_prefill_len_caps_prompts_below_the_sequence_budget(tmp_path):
     seen = {prompts[k] for k in seen}
     worker = _worker(task, _answer("A: 1"), max_seq_len=48, **kw)
     try:
-      got, got_lengths = set(), set()
-      for _ in range(3):
-        worker.top_up()
-        got |= {task.problem(r.prompt_index).prompt for r in worker.engine.requests}
-        got_lengths |= {int(r.prompt_tokens.shape[0]) for r in worker.engine.requests}
-        worker.step()
+      worker.top_up()  # 4 groups fill the 8 slots: more than one epoch of the 3 prompts
+      requests = worker.engine.requests
+      got = {task.problem(r.prompt_index).prompt for r in requests}
+      got_lengths = {int(r.prompt_tokens.shape[0]) for r in requests}
       assert (got, got_lengths) == (seen, lengths), kw
       filtered = worker.pop_metrics()["filtered_overlong"]
       assert (filtered > 0) == (kw == {"max_prefill_len": 10})
