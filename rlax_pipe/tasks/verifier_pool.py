@@ -31,6 +31,7 @@ import pathlib
 import pickle
 import pickletools
 import select
+import site
 import struct
 import subprocess
 import sys
@@ -87,16 +88,25 @@ def main_module_refs(data: bytes) -> list[str]:
   return sorted(set(refs))
 
 
+def _worker_env() -> dict[str, str]:
+  """The environment of a worker: this one, with the directory holding this `rlax_pipe` first on
+  PYTHONPATH unless it is a site-packages directory (an installed package is found there anyway;
+  putting site-packages before the standard library could shadow it)."""
+  env = dict(os.environ)
+  site_dirs = {os.path.realpath(d) for d in site.getsitepackages() + [site.getusersitepackages()]}
+  if os.path.realpath(_PACKAGE_ROOT) not in site_dirs:
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  return env
+
+
 class _Worker:
   """One worker process: its pipes and a buffer of reply bytes read so far."""
 
   def __init__(self):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, "-P", "-m", WORKER_MODULE], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, env=env, close_fds=True)
+        stdout=subprocess.PIPE, env=_worker_env(), close_fds=True)
     self.fd = self.proc.stdout.fileno()
     os.set_blocking(self.fd, False)
     self._buffer = b""

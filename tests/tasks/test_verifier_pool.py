@@ -292,3 +292,15 @@ def test_worker_that_dies_is_an_error_and_is_replaced():
     assert verdicts[0].outcome == "error" and "exited" in verdicts[0].detail
     assert pool.grade([(PROBLEM, "A: 2")])[0].reward == 1.0
     assert pool.restarts == 1
+
+
+def test_workers_import_the_callers_rlax_pipe(tmp_path, monkeypatch):
+  """Even when the caller found this rlax_pipe only through its own sys.path (no PYTHONPATH, run
+  from another directory), the worker imports the same package."""
+  from rlax_pipe.tasks import verifier_pool  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("PYTHONPATH", raising=False)
+  proc = subprocess.run([sys.executable, "-P", "-c", "import rlax_pipe; print(rlax_pipe.__file__)"],
+                        env=verifier_pool._worker_env(), cwd=tmp_path, capture_output=True,
+                        text=True, timeout=60, check=True)
+  assert pathlib.Path(proc.stdout.strip()).resolve() == pathlib.Path(
+      tasks.__file__).resolve().parents[1] / "__init__.py"
