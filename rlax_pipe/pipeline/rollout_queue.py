@@ -16,12 +16,8 @@ already complete (ready, trained or discarded) and a sample the group was not ad
 rejected and counted (`QueueStats.rejected_samples`), never fatal and never reopening a group.
 `missing_samples` names the samples a group still waits for; `discard_group(..., "lost")` gives
 up on a group whose samples will not come (counted as waste reason "lost").
-
-Dynamic sampling (`group_filter`, issue #24 item 3): with a `GroupFilterConfig` whose mode is
-"zero_variance", a complete group without learning signal is discarded (waste reason "filtered")
-when its last sample is put, at most `max_dropped_per_step` times between two batches; the
-discard releases its admission so the sampler admits a replacement (`filtered_groups` is what a
-round-based worker re-opens, `rules.reopen_filtered`).
+Dynamic sampling (`group_filter`): `put` drops a complete group without learning signal (waste
+reason "filtered"), which releases its admission so the sampler admits a replacement.
 """
 
 from __future__ import annotations
