@@ -96,11 +96,15 @@ def should_drop(config: GroupFilterConfig, rewards: Sequence[float] | np.ndarray
     rewards: float[S] the group's rewards (NaN = missing).
     dropped_since_batch: groups this filter dropped since the learner's last batch.
   """
-  return (config.mode == "zero_variance" and dropped_since_batch < config.max_dropped_per_step
-          and not has_signal(rewards))
+  return dropped_since_batch < config.max_dropped_per_step and matches(config, rewards)
 
 
-def is_filtered_kind(config: GroupFilterConfig, rewards: Sequence[float] | np.ndarray) -> bool:
-  """Whether the filter would drop the group if its bound allowed (zero-variance under
-  "zero_variance"; never under "off")."""
+def matches(config: GroupFilterConfig, rewards: Sequence[float] | np.ndarray) -> bool:
+  """Whether the filter's mode selects the group, bound aside (zero-variance, `has_signal`
+  False, under "zero_variance"; never under "off").
+
+  Args:
+    config: the filter.
+    rewards: float[S] the group's rewards (NaN = missing).
+  """
   return config.mode == "zero_variance" and not has_signal(rewards)

@@ -288,7 +288,7 @@ class RolloutQueue:
         self._discard([group], "filtered")
         self._filtered_since_batch += 1
       else:
-        if self._filter.active and group_filter_lib.is_filtered_kind(
+        if self._filter.active and group_filter_lib.matches(
             self._filter, [r.reward for r in group]):
           self._filter_kept += 1  # at the bound: trained with zero advantage
         self._push_ready(_Ready(self._seq, _oldest(group), group))

@@ -47,6 +47,8 @@ def test_should_drop_and_its_bound():
   assert not gf.should_drop(ZV, [1, 1], 2)  # at the bound: kept
   assert not gf.should_drop(ZV, [0, 1], 0)
   assert not gf.should_drop(gf.GroupFilterConfig(), [1, 1], 0)  # off
+  assert gf.matches(ZV, [1, 1]) and not gf.matches(ZV, [0, 1])
+  assert not gf.matches(gf.GroupFilterConfig(), [1, 1])
 
 
 def test_config_validation_names_the_flag():
