@@ -73,7 +73,7 @@ def test_all_zero_variance_terminates_at_the_bound():
     ("pipeline", "block", 1), ("pipeline", "learner-wait", 2), ("pipeline", "drop", 1),
     ("async-batch", "block", 1)])
 def test_filter_keeps_the_staleness_bound_and_batch_size(driver, policy, max_lag):
-  res = sim.simulate(_cfg(driver, policy, max_lag, steps=40, record_schedule=True,
+  res = sim.simulate(_cfg(driver, policy, max_lag, steps=25, record_schedule=True,
                           rewards=rewards.SolveRate(0.7, 0.7), group_filter=ZV))
   assert res.waste.filtered_groups > 0
   assert res.token_lag_max <= max_lag
