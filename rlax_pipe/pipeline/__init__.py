@@ -19,6 +19,8 @@ from rlax_pipe.pipeline.driver import DeadlockError
 from rlax_pipe.pipeline.driver import run_reproducible
 from rlax_pipe.pipeline.driver import run_threaded
 from rlax_pipe.pipeline.driver import VirtualState
+from rlax_pipe.pipeline.group_filter import FILTER_MODES
+from rlax_pipe.pipeline.group_filter import GroupFilterConfig
 from rlax_pipe.pipeline.hooks import Checkpoint
 from rlax_pipe.pipeline.hooks import Evaluation
 from rlax_pipe.pipeline.hooks import Report
@@ -44,10 +46,11 @@ from rlax_pipe.pipeline.weight_channel import params_manifest
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 __all__ = (
-    "Checkpoint", "ChannelStats", "CostModel", "DRIVERS", "DeadlockError", "Evaluation", "Job",
-    "JobClock", "MODES", "ManifestError", "POLICIES", "PipelineConfig", "QueueClosed",
-    "QueueStats", "QueueTimeout", "Report", "RolloutQueue", "RolloutWorker", "RunConfig",
-    "StalenessConfig", "StepHook", "StepResult", "TrainLog", "Trainer", "UnpackedSample",
+    "Checkpoint", "ChannelStats", "CostModel", "DRIVERS", "DeadlockError", "Evaluation",
+    "FILTER_MODES", "GroupFilterConfig", "Job", "JobClock", "MODES", "ManifestError", "POLICIES",
+    "PipelineConfig", "QueueClosed", "QueueStats", "QueueTimeout", "Report", "RolloutQueue",
+    "RolloutWorker", "RunConfig", "StalenessConfig", "StepHook", "StepResult", "TrainLog",
+    "Trainer", "UnpackedSample",
     "VirtualState", "WasteCounters", "WeightChannel", "build_job", "pack_rollouts",
     "params_manifest", "run_reproducible", "run_threaded", "token_lag", "unpack_batch",
 )

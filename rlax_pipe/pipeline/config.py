@@ -15,6 +15,7 @@ from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline import config_checks
+from rlax_pipe.pipeline.group_filter import GroupFilterConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.tokenizer import PromptFormat
@@ -44,6 +45,14 @@ class PipelineConfig:
       `rlax_pipe.advantages`, need >= 2, which `RunConfig` checks).
     seq_len: tokens per packed learner row (>= the sampler's max_seq_len).
     advantage: advantage estimator name (see `rlax_pipe.advantages`).
+    filter_groups: dynamic sampling (DAPO, arXiv 2503.14476, Sec. 3.2; `pipeline.group_filter`):
+      "off" (train every complete scored group) or "zero_variance" (the queue drops a group whose
+      valid rewards are all equal, which teaches a group-relative advantage nothing, and a
+      replacement prompt is admitted so the batch keeps its size; dropped groups and their
+      tokens are counted as waste reason "filtered").
+    filter_max_dropped_per_step: the bound of "zero_variance": most groups dropped between two
+      learner batches (>= 1); past it, zero-variance groups are trained (zero advantage) and
+      counted (`filter_kept_groups` in the metrics), so a run whose groups all agree still steps.
     staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size
       in prompt groups, `staleness.groups_per_step` (the unit of the AReaL admission bound; the
       one place it is set, read as `groups_per_step`).
@@ -86,6 +95,8 @@ class PipelineConfig:
   group_size: int = 8
   seq_len: int = 384
   advantage: str = "grpo"
+  filter_groups: str = "off"
+  filter_max_dropped_per_step: int = 32
   staleness: StalenessConfig = StalenessConfig(policy="learner-wait", max_lag=4,
                                                groups_per_step=8)
   eval_every: int = 10
@@ -118,6 +129,7 @@ class PipelineConfig:
     if not self.wait_timeout_factor > 1 or not self.wait_timeout_floor_s > 0:
       raise ValueError(f"PipelineConfig.wait_timeout_factor={self.wait_timeout_factor} must be "
                        f"> 1 and wait_timeout_floor_s={self.wait_timeout_floor_s} > 0.")
+    self.group_filter  # pylint: disable=pointless-statement  (validates the filter fields)
     if self.lost_sample_policy not in LOST_SAMPLE_POLICIES:
       raise ValueError(f"PipelineConfig.lost_sample_policy={self.lost_sample_policy!r}; choose "
                        f"one of {LOST_SAMPLE_POLICIES}.")
@@ -126,6 +138,15 @@ class PipelineConfig:
   def groups_per_step(self) -> int:
     """Prompt groups per learner batch (set in `staleness.groups_per_step`)."""
     return self.staleness.groups_per_step
+
+  @property
+  def group_filter(self) -> GroupFilterConfig:
+    """The queue's dynamic-sampling filter (`filter_groups`, `filter_max_dropped_per_step`).
+
+    Raises:
+      ValueError: naming the `--config.pipeline.` field, when a value is out of range.
+    """
+    return GroupFilterConfig(self.filter_groups, self.filter_max_dropped_per_step)
 
   def resolved_cost_model(self) -> CostModel:
     """The virtual clock's cost model: `cost_model_file`'s when set, else `cost_model`.

@@ -227,13 +227,16 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
         else:
           st.learner_must_act = True
     else:
+      filtered = trainer.queue.filtered_groups()
       while st.transit and st.transit[0][0] <= st.t_l:
         trainer.queue.put(heapq.heappop(st.transit)[2])
       deliver(st.t_s)
       groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.learner.version)
       if groups is None:
-        if st.learner_must_act:  # t_l == t_s, every finished sample is queued, sampler is stuck
+        # t_l == t_s, every finished sample is queued, the sampler is stuck
+        if rules.deadlocked(st.learner_must_act, filtered, trainer.queue.filtered_groups()):
           raise DeadlockError(_deadlock_message(worker, trainer))
+        st.learner_must_act = False  # (a filtered group released an admission: sampler moves)
         timeline.record("learner", timeline_lib.WAIT_BATCH, st.t_l, st.t_s)
         st.t_l = st.t_s  # nothing to train before the sampler's clock: wait for it
         continue

@@ -23,6 +23,7 @@ from rlax_pipe import model_dir
 from rlax_pipe import plots
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.model import Transformer
+from rlax_pipe.pipeline import group_filter
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.trainer import StepResult
 from rlax_pipe.run_dir import to_jsonable
@@ -138,7 +139,7 @@ def signal_group_fraction(result: StepResult) -> float:
       groups.setdefault(r.group_id, []).append(r.reward)
   if not groups:
     return float("nan")
-  return float(np.mean([len(v) >= 2 and max(v) > min(v) for v in groups.values()]))
+  return float(np.mean([group_filter.has_signal(v) for v in groups.values()]))
 
 
 # Consecutive learner steps without a single group of differing rewards before a warning.
@@ -194,6 +195,11 @@ class TrainLog:
         "lost_groups": stats.waste.lost_groups,
         "eta_s": eta,
     }
+    if pcfg.group_filter.active:  # dynamic sampling, whole run (`pipeline.group_filter`)
+      row.update(filtered_groups=stats.waste.filtered_groups,
+                 filtered_samples=stats.waste.filtered_samples,
+                 filtered_tokens=stats.waste.filtered_tokens,
+                 filter_kept_groups=stats.filter_kept_groups)
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
     row["signal_group_frac"] = signal_group_fraction(result)
     self._check_signal(step, row["signal_group_frac"])

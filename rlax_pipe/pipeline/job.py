@@ -424,8 +424,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
     # would otherwise replay the first run's stream from key(seed)).
     engine.load_rng_state(engine_keys(extra["sampler_rng"]))
-  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
-           else RolloutQueue(pcfg.staleness, pcfg.group_size))
+  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness, pcfg.group_filter)
+           if extra else RolloutQueue(pcfg.staleness, pcfg.group_size, pcfg.group_filter))
   worker = RolloutWorker(engine, task, tok, queue, pcfg)  # one worker: it owns verifier processes
   if extra:
     worker_state = dict(extra["worker"])

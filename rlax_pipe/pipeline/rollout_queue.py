@@ -16,6 +16,8 @@ already complete (ready, trained or discarded) and a sample the group was not ad
 rejected and counted (`QueueStats.rejected_samples`), never fatal and never reopening a group.
 `missing_samples` names the samples a group still waits for; `discard_group(..., "lost")` gives
 up on a group whose samples will not come (counted as waste reason "lost").
+Dynamic sampling (`group_filter`): `put` drops a complete group without learning signal (waste
+reason "filtered"), which releases its admission so the sampler admits a replacement.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from rlax_pipe.pipeline import group_filter as group_filter_lib
 from rlax_pipe.pipeline import staleness
 from rlax_pipe.types import Rollout
 
@@ -60,6 +63,8 @@ class QueueStats:
     waste: discarded work, by reason.
     rejected_samples: samples put twice, put after their group was complete, or not of their
       group's admitted sample ids (rejected, not stored).
+    filter_kept_groups: zero-variance groups kept and trained because the filter had dropped
+      `max_dropped_per_step` groups since the last batch (its bound); 0 with the filter off.
   """
 
   ready_groups: int
@@ -72,6 +77,7 @@ class QueueStats:
   learner_version: int
   waste: staleness.WasteCounters
   rejected_samples: int = 0
+  filter_kept_groups: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +129,14 @@ class RolloutQueue:
     batch = q.try_get_batch(2, learner_version=0)   # None until 2 fresh groups are ready
   """
 
-  def __init__(self, config: staleness.StalenessConfig, group_size: int):
+  def __init__(self, config: staleness.StalenessConfig, group_size: int,
+               group_filter: group_filter_lib.GroupFilterConfig | None = None):
     """Creates an empty queue.
 
     Args:
       config: staleness policy and bound.
       group_size: samples per prompt group (>= 1).
+      group_filter: dynamic sampling (None = off: every complete scored group is trained).
 
     Raises:
       ValueError: if group_size < 1.
@@ -136,6 +144,7 @@ class RolloutQueue:
     if group_size < 1:
       raise ValueError(f"RolloutQueue: group_size={group_size} must be >= 1.")
     self._config, self._group_size = config, group_size
+    self._filter = group_filter or group_filter_lib.GroupFilterConfig()
     self._cond = threading.Condition()
     self._reset()
 
@@ -157,12 +166,25 @@ class RolloutQueue:
     self._waste = staleness.WasteCounters()
     self._trained = [0, 0, 0]  # groups, samples, tokens
     self._rejected = 0
+    self._filtered_since_batch = 0  # groups the filter dropped since the last batch
+    self._filter_kept = 0           # zero-variance groups kept at the filter's bound
     self._closed = False
 
   @property
   def config(self) -> staleness.StalenessConfig:
     """The staleness config."""
     return self._config
+
+  @property
+  def group_filter(self) -> group_filter_lib.GroupFilterConfig:
+    """The dynamic-sampling filter."""
+    return self._filter
+
+  def filtered_groups(self) -> int:
+    """Groups dropped by the filter so far (waste reason "filtered"; O(1), for the worker's
+    replacement rule `rules.reopen_filtered`)."""
+    with self._cond:
+      return self._waste.filtered_groups
 
   # ------------------------------------------------------------------ sampler side
 
@@ -216,8 +238,10 @@ class RolloutQueue:
     A complete group is discarded if any sample was aborted (reason "aborted"), if no sample has a
     reward (all NaN: failed verifiers or masked samples; reason "unscored"), or if its oldest
     token is already too stale for the newest known learner version (reason "stale"; that can
-    only get worse). Under queue-drop, the oldest ready groups beyond capacity are then dropped
-    (reason "overflow").
+    only get worse), or if the dynamic-sampling filter drops it (reason "filtered",
+    `group_filter.should_drop`; at the filter's bound a zero-variance group is kept and counted in
+    `filter_kept_groups`). Under queue-drop, the oldest ready groups beyond capacity are then
+    dropped (reason "overflow").
 
     Args:
       rollout: a finished sample.
@@ -259,7 +283,14 @@ class RolloutQueue:
         self._discard([group], "unscored")  # no baseline and nothing to train
       elif staleness.is_too_stale(_oldest(group), self._learner_version, self._config.max_lag):
         self._discard([group], "stale")
+      elif self._filter.active and group_filter_lib.should_drop(
+          self._filter, [r.reward for r in group], self._filtered_since_batch):
+        self._discard([group], "filtered")
+        self._filtered_since_batch += 1
       else:
+        if self._filter.active and group_filter_lib.matches(
+            self._filter, [r.reward for r in group]):
+          self._filter_kept += 1  # at the bound: trained with zero advantage
         self._push_ready(_Ready(self._seq, _oldest(group), group))
         self._seq += 1
         overflow = staleness.queue_overflow(len(self._ready), self._config.queue_capacity_groups)
@@ -383,7 +414,7 @@ class RolloutQueue:
           admitted_groups=self._admission.num_admitted, trained_groups=self._trained[0],
           trained_samples=self._trained[1], trained_tokens=self._trained[2],
           learner_version=self._learner_version, waste=self._waste,
-          rejected_samples=self._rejected)
+          rejected_samples=self._rejected, filter_kept_groups=self._filter_kept)
 
   def in_flight_group_ids(self) -> list[int]:
     """Live groups not yet ready (admitted and not complete), oldest admission first; O(n)."""
@@ -405,6 +436,8 @@ class RolloutQueue:
           "last_batch_version": self._last_batch_version,
           "trained": list(self._trained),
           "rejected": self._rejected,
+          "filtered_since_batch": self._filtered_since_batch,
+          "filter_kept": self._filter_kept,
           "waste": dataclasses.asdict(self._waste),
           "admission": self._admission.to_dict(),
           "expected": [[g, list(ids)] for g, ids in self._expected.items()],
@@ -418,18 +451,22 @@ class RolloutQueue:
 
   @classmethod
   def from_state_dict(cls, state: dict[str, Any],
-                      config: staleness.StalenessConfig | None = None) -> RolloutQueue:
+                      config: staleness.StalenessConfig | None = None,
+                      group_filter: group_filter_lib.GroupFilterConfig | None = None
+                      ) -> RolloutQueue:
     """A new queue holding `state_dict()` output.
 
     Args:
       state: the dict.
       config: overrides the stored staleness config (e.g. a changed max_lag on resume).
+      group_filter: the dynamic-sampling filter (not stored in the state; None = off).
 
     Raises:
       ValueError: on an unknown state format.
     """
     _check_format(state)
-    q = cls(config or staleness.StalenessConfig(**state["config"]), int(state["group_size"]))
+    q = cls(config or staleness.StalenessConfig(**state["config"]), int(state["group_size"]),
+            group_filter)
     q.load_state_dict(state)
     return q
 
@@ -451,6 +488,8 @@ class RolloutQueue:
     self._last_batch_version = int(state.get("last_batch_version", -1))
     self._trained = [int(x) for x in state["trained"]]
     self._rejected = int(state.get("rejected", 0))
+    self._filtered_since_batch = int(state.get("filtered_since_batch", 0))
+    self._filter_kept = int(state.get("filter_kept", 0))
     self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
     self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
     self._expected = {int(g): tuple(int(i) for i in ids) for g, ids in state.get("expected", [])}
@@ -571,6 +610,7 @@ class RolloutQueue:
         self._remove_ready(gid)
     groups = [g.rollouts for g in chosen]
     self._last_batch_version = max(self._last_batch_version, learner_version)
+    self._filtered_since_batch = 0
     self._retire([g[0].group_id for g in groups], trained=True)
     self._trained[0] += len(groups)
     self._trained[1] += sum(len(g) for g in groups)

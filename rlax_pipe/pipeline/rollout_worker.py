@@ -48,13 +48,15 @@ _MAX_FILTERED_IN_A_ROW = 1000
 
 @dataclasses.dataclass
 class WorkerCounters:
-  """Task-iterator state (checkpointed): the next prompt index, group id and sample id, and the
-  number of generation rounds started (round-based drivers)."""
+  """Task-iterator state (checkpointed): the next prompt index, group id and sample id, the
+  number of generation rounds started (round-based drivers) and the number of groups dropped by
+  the queue's dynamic-sampling filter that the worker has re-opened (`rules.reopen_filtered`)."""
 
   next_prompt: int = 0
   next_group: int = 0
   next_sample: int = 0
   rounds_started: int = 0
+  filtered_reopened: int = 0
 
 
 class RolloutWorker:
@@ -141,13 +143,17 @@ class RolloutWorker:
 
   def top_up(self) -> int:
     """Starts as many new prompt groups as the driver's rule (`rules.begin_top_up`,
-    `rules.may_start_group`) and the admission policy allow.
+    `rules.may_start_group`) and the admission policy allow; round-based drivers first re-open
+    the groups the queue's filter dropped since the last call (`rules.reopen_filtered`).
 
     Returns:
       Number of groups started.
     """
     cfg, c = self.cfg, self.counters
     state = rules.RoundState(c.rounds_started, self._round_open)
+    filtered = self.queue.filtered_groups()
+    state = rules.reopen_filtered(cfg.driver, state, filtered - c.filtered_reopened)
+    c.filtered_reopened = filtered
     state, ok = rules.begin_top_up(cfg.driver, state, has_work=self.engine.has_work,
                                    weights_version=self.weights_version,
                                    groups_per_step=cfg.groups_per_step)

@@ -15,6 +15,12 @@ Drivers (DESIGN.md, "Drivers"):
     weights install only when the engine is empty (no sample mixes versions).
   * "sync": like async-batch, and round r starts only once the weights of version r (trained on
     rounds 0..r-1) are installed, so every token has lag 0.
+
+Dynamic sampling (`group_filter`): a group the queue drops for lack of learning signal is
+replaced. Pipeline: nothing to do (the drop releases its admission and the sampler keeps
+admitting). Round-based drivers: `reopen_filtered` re-opens one group of the current round per
+dropped group, started at once with the weights the sampler holds (no new round, so sync keeps
+lag 0: its learner cannot step before the replacements finish).
 """
 
 from __future__ import annotations
@@ -60,6 +66,29 @@ def begin_top_up(driver: str, state: RoundState, *, has_work: bool, weights_vers
   return state, True
 
 
+def reopen_filtered(driver: str, state: RoundState, num_filtered: int) -> RoundState:
+  """Round state after the queue dropped `num_filtered` more groups (dynamic sampling).
+
+  Round-based drivers owe the learner `groups_per_step` groups per round: each dropped group
+  re-opens one slot of the current round, so `begin_top_up` lets it start without waiting for
+  a new round (a new round would wait for an empty engine and, under sync, for weights that the
+  learner cannot produce before the batch is full). Pipeline: unchanged.
+
+  Args:
+    driver: the driver.
+    state: round state.
+    num_filtered: groups dropped since the last call (>= 0).
+
+  Raises:
+    ValueError: if num_filtered < 0.
+  """
+  if num_filtered < 0:
+    raise ValueError(f"reopen_filtered: num_filtered={num_filtered} must be >= 0.")
+  if driver == "pipeline" or num_filtered == 0:
+    return state
+  return dataclasses.replace(state, round_open=state.round_open + num_filtered)
+
+
 def may_start_group(driver: str, state: RoundState, free_slots: int) -> bool:
   """Whether one more group may start now (before asking the staleness admission).
 
@@ -78,6 +107,20 @@ def group_started(driver: str, state: RoundState) -> RoundState:
   if driver == "pipeline":
     return state
   return dataclasses.replace(state, round_open=state.round_open - 1)
+
+
+def deadlocked(sampler_stuck: bool, filtered_before: int, filtered_after: int) -> bool:
+  """Virtual-clock deadlock test when the learner found no batch: the sampler was stuck (it could
+  do nothing before the learner acted) and the learner's move dropped no group by the filter
+  (dynamic sampling: a drop releases an admission, so the sampler may start a replacement and
+  moves again; without the filter the counts never change and this is `sampler_stuck`).
+
+  Args:
+    sampler_stuck: the sampler has nothing to do before the learner acts.
+    filtered_before, filtered_after: `RolloutQueue.filtered_groups()` before and after the
+      learner's move put the samples that reached it.
+  """
+  return sampler_stuck and filtered_after == filtered_before
 
 
 def may_install_weights(driver: str, has_work: bool) -> bool:

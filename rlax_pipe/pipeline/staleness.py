@@ -31,7 +31,8 @@ Every policy counts wasted tokens (generated completion tokens that are never tr
 reason: ``stale`` (too old), ``overflow`` (queue-drop), ``aborted`` (a sample in the group was
 aborted), ``unscored`` (no sample of the group has a reward: every verifier call failed, or the
 overlong policy masked every sample), ``lost`` (a sample never arrived and the group was given
-up instead of re-dispatched).
+up instead of re-dispatched), ``filtered`` (dynamic sampling dropped a group without learning
+signal, `group_filter`; a replacement prompt is admitted in its place).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 POLICIES: tuple[str, ...] = ("block", "learner-wait", "drop", "queue-drop")
-WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored", "lost")
+WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored", "lost",
+                                  "filtered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +388,8 @@ class WasteCounters:
       only: failed verifiers, or samples masked by the overlong policy).
     lost_groups, lost_samples, lost_tokens: groups given up because a sample never arrived
       (samples and tokens: those that did arrive).
+    filtered_groups, filtered_samples, filtered_tokens: complete groups without learning signal
+      dropped by dynamic sampling (`group_filter`, `PipelineConfig.filter_groups`).
   """
 
   stale_groups: int = 0
@@ -403,6 +407,9 @@ class WasteCounters:
   lost_groups: int = 0
   lost_samples: int = 0
   lost_tokens: int = 0
+  filtered_groups: int = 0
+  filtered_samples: int = 0
+  filtered_tokens: int = 0
 
   @property
   def dropped_groups(self) -> int:

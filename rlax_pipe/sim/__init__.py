@@ -4,6 +4,7 @@
   formulas      closed-form staleness / lag / step-period / idle models (Applied Compute,
                 PipelineRL) and the log-normal extreme-value approximation;
   distributions completion-length distributions (empirical, grouped, replay, log-normal, Pareto);
+  rewards       reward models (Beta solve rates, replay) for dynamic sampling's group filter;
   sim_config    what a simulation takes and returns (`SimConfig`, `SimResult`);
   simulator     discrete-event simulator of the sync / async-batch / pipeline drivers that runs
                 the real driver rules, `RolloutQueue`, staleness and packing code and the
@@ -34,6 +35,8 @@ from rlax_pipe.sim.formulas import step_period
 from rlax_pipe.sim.formulas import sync_idle_fraction
 from rlax_pipe.sim.formulas import tailness
 from rlax_pipe.sim.formulas import tailness_from_groups
+from rlax_pipe.sim.rewards import RewardReplay
+from rlax_pipe.sim.rewards import SolveRate
 from rlax_pipe.sim.sim_config import SimConfig
 from rlax_pipe.sim.sim_config import SimDeadlock
 from rlax_pipe.sim.sim_config import SimResult
@@ -42,9 +45,9 @@ from rlax_pipe.sim.simulator import simulate
 
 __all__ = (
     "BodyTail", "Constant", "Empirical", "GroupedEmpirical", "LogNormal",
-    "Pareto", "Replay", "SimConfig", "SimDeadlock", "SimResult",
+    "Pareto", "Replay", "RewardReplay", "SimConfig", "SimDeadlock", "SimResult",
     "applied_compute_staleness", "calibrate_run", "expected_max_of_k",
     "lognormal_expected_max", "lognormal_tailness", "measured", "pipeline_max_lag", "rates",
-    "sim_config_for_run", "simulate", "split_for_rho", "step_period", "sync_idle_fraction",
+    "sim_config_for_run", "simulate", "SolveRate", "split_for_rho", "step_period", "sync_idle_fraction",
     "tailness", "tailness_from_groups",
 )

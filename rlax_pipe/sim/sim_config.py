@@ -10,6 +10,7 @@ from typing import Any
 
 from rlax_pipe.costs import CostModel
 from rlax_pipe.pipeline import staleness as staleness_lib
+from rlax_pipe.pipeline.group_filter import GroupFilterConfig
 from rlax_pipe.pipeline.config import DRIVERS
 from rlax_pipe.sim import distributions
 
@@ -46,6 +47,11 @@ class SimConfig:
     share_prompt_pages: a group's samples admitted under the same weights prefill the prompt
       once (`SamplerConfig.share_prompt_pages`).
     record_schedule: keep every learner step's (end time, samples, per-token versions).
+    group_filter: dynamic sampling (`PipelineConfig.filter_groups` / `filter_max_dropped_per_step`):
+      the queue drops groups without learning signal and the sampler admits replacements.
+    rewards: reward model of the samples (`rewards.SolveRate`, `rewards.RewardReplay`; drawn a
+      group at a time from its own random stream, so the length draws do not change), or None =
+      every reward 0.0 (needed only by an active `group_filter`).
   """
 
   driver: str
@@ -68,6 +74,8 @@ class SimConfig:
   decode_steps_per_dispatch: int = 1
   share_prompt_pages: bool = False
   record_schedule: bool = False
+  group_filter: GroupFilterConfig = GroupFilterConfig()
+  rewards: Any = None
 
   def __post_init__(self):
     if self.driver not in DRIVERS:
@@ -78,6 +86,9 @@ class SimConfig:
         raise ValueError(f"SimConfig.{name}={getattr(self, name)} must be >= 1.")
     if not 0 <= self.warmup_steps < self.num_steps:
       raise ValueError(f"SimConfig.warmup_steps={self.warmup_steps} must be in [0, num_steps).")
+    if self.group_filter.active and self.rewards is None:
+      raise ValueError("SimConfig.group_filter is active but rewards is None (every group would "
+                       "be zero-variance); pass a reward model, e.g. rewards.SolveRate(2, 2).")
     if self.driver == "pipeline" and self.concurrency < self.group_size:
       raise ValueError(f"SimConfig: pipeline needs slots ({self.concurrency}) >= group_size "
                        f"({self.group_size}) to ever start a group.")
@@ -120,7 +131,11 @@ class SimResult:
     mean_active_slots: time-weighted mean active slots over decode time.
     sync_t99_s, sync_t100_s: round-based drivers: mean seconds from a round's start until 99% /
       100% of its samples finished (None for pipeline).
-    waste: discarded work by reason (from the queue), whole run.
+    waste: discarded work by reason (from the queue), whole run; dynamic sampling's drops are
+      reason "filtered".
+    generated_samples_per_step: samples that finished (or were aborted) per learner step,
+      whole run: trained plus discarded; with dynamic sampling, the over-sampling.
+    filter_kept_groups: zero-variance groups trained at the filter's bound (whole run).
     wasted_token_fraction: wasted / (wasted + trained) completion tokens, whole run.
     schedule: with `record_schedule`, per learner step (end time, ((sample id, group id,
       policy versions), ...) in batch order); else None.
@@ -147,6 +162,8 @@ class SimResult:
   waste: staleness_lib.WasteCounters
   wasted_token_fraction: float
   schedule: tuple | None = None
+  generated_samples_per_step: float = float("nan")
+  filter_kept_groups: int = 0
 
   def to_dict(self) -> dict[str, Any]:
     """JSON-ready dict (without the schedule)."""

@@ -32,6 +32,10 @@ Model (what is simulated, what is assumed):
     token is already too stale are given up when the learner's version changes, their requests
     aborted (slots freed) and counted as waste (`RolloutWorker.abort_too_stale` with the
     engine's per-request abort).
+  * Dynamic sampling (`SimConfig.group_filter`): rewards come from `SimConfig.rewards` (drawn a
+    group at a time); the real queue drops zero-variance groups (waste reason "filtered", up to
+    its bound per learner batch) and the sampler admits replacements by the same rules as the
+    worker (the staleness admission; `rules.reopen_filtered` for round-based drivers).
   * Learner: one step on the batch the queue hands out takes `CostModel.train(rows * seq_len,
     micro-batches)` (rows from the packing rule; without `seq_len`, the batch's tokens); the push
     then takes `CostModel.push(push_bytes)`; the sampler sees the new version at its first step
@@ -75,7 +79,8 @@ class _Run:
     self.cfg, self.costs = cfg, cfg.costs
     self.rng = np.random.default_rng(cfg.seed)
     self.prompt_rng = np.random.default_rng([cfg.seed, 1])
-    self.queue = RolloutQueue(cfg.staleness, cfg.group_size)
+    self.reward_rng = np.random.default_rng([cfg.seed, 2])
+    self.queue = RolloutQueue(cfg.staleness, cfg.group_size, cfg.group_filter)
     self.t_s = self.t_l = 0.0
     self.transit: list[tuple[float, int, Rollout]] = []
     self.seq = itertools.count()
@@ -102,11 +107,14 @@ class _Run:
     self.stale_checked_version = -1
     self.next_group = self.next_sample = 0
     self.rounds = rules.RoundState()
+    self.filtered_reopened = 0  # groups dropped by the filter that were re-opened (rounds)
     self.round_of_group: dict[int, int] = {}
     self.round_start: dict[int, float] = {}
     self.round_finishes: dict[int, list[float]] = collections.defaultdict(list)
     self.lengths = np.zeros((0, cfg.group_size), np.int64)  # lengths of the current 1024 groups
     self.prompts = np.zeros((0, 1), np.int64)
+    self.rewards = np.zeros((0, cfg.group_size), np.float64)
+    self.sample_reward: dict[int, float] = {}  # sid -> reward, while the sample is unfinished
     self._zeros_i = np.zeros(1, np.int32)
     self._zeros_f = np.zeros(1, np.float32)
     # Records.
@@ -122,17 +130,22 @@ class _Run:
     self.schedule: list = []
 
   # ---- sampler ----------------------------------------------------------------------------
-  def _draw_group(self) -> tuple[list[int], int]:
-    """Completion lengths and prompt length of the next group (drawn 1024 groups at a time)."""
+  def _draw_group(self) -> tuple[list[int], int, list[float] | None]:
+    """Completion lengths, prompt length and rewards (None without a reward model) of the next
+    group (drawn 1024 groups at a time, each from its own random stream)."""
     k = self.next_group % 1024
     if k == 0:
+      if self.cfg.rewards is not None:
+        self.rewards = np.asarray(self.cfg.rewards.sample_groups(
+            self.reward_rng, 1024, self.cfg.group_size, self.next_group), np.float64)
       self.lengths = distributions.sample_groups(self.cfg.lengths, self.rng, 1024,
                                                  self.cfg.group_size, self.next_group)
       self.prompts = distributions.sample_groups(self.cfg.prompt_lengths, self.prompt_rng, 1024,
                                                  1, self.next_group)
       if self.lengths.min() < 1 or self.prompts.min() < 1:
         raise ValueError("SimConfig.lengths / prompt_lengths drew a length < 1.")
-    return self.lengths[k].tolist(), int(self.prompts[k, 0])
+    rewards = None if self.cfg.rewards is None else self.rewards[k].tolist()
+    return self.lengths[k].tolist(), int(self.prompts[k, 0]), rewards
 
   def _has_work(self) -> bool:
     return bool(self.active) or bool(self.waiting)
@@ -154,12 +167,14 @@ class _Run:
   def _submit_group(self) -> None:
     gid = self.next_group
     self.unfinished[gid] = self.cfg.group_size
-    lengths, prompt = self._draw_group()
+    lengths, prompt, rewards = self._draw_group()
     if self.cfg.max_seq_len is not None:
       lengths = [max(1, min(n, self.cfg.max_seq_len - prompt)) for n in lengths]
-    for length in lengths:
+    for i, length in enumerate(lengths):
       self.waiting.append((self.next_sample, gid, length, prompt))
       self.outstanding[self.next_sample] = gid
+      if rewards is not None:
+        self.sample_reward[self.next_sample] = rewards[i]
       self.next_sample += 1
     self.next_group += 1
     if self.cfg.driver != "pipeline":
@@ -168,6 +183,10 @@ class _Run:
   def _top_up(self) -> None:
     """`RolloutWorker.top_up`: the same rules (`rules`) and the same admission (the queue)."""
     cfg = self.cfg
+    filtered = self.queue.filtered_groups()
+    self.rounds = rules.reopen_filtered(cfg.driver, self.rounds,
+                                        filtered - self.filtered_reopened)
+    self.filtered_reopened = filtered
     started = self.rounds.rounds_started
     self.rounds, ok = rules.begin_top_up(cfg.driver, self.rounds, has_work=self._has_work(),
                                          weights_version=self.version,
@@ -257,6 +276,7 @@ class _Run:
                    completion_tokens=self._zeros_i[:length],
                    behavior_logprobs=self._zeros_f[:length],
                    policy_versions=self._versions(start, length), finish_reason="eos",
+                   reward=self.sample_reward.pop(sid, 0.0),
                    t_admit=t_admit, t_first_token=t_admit, t_finish=self.t_s)
 
   def _prefill(self, admitted) -> tuple[int, int]:
@@ -391,6 +411,7 @@ class _Run:
   def _learner_move(self) -> None:
     cfg = self.cfg
     completed = False  # did a put complete a group (the only way a put changes the ready set)
+    filtered = self.queue.filtered_groups()
     while self.transit and self.transit[0][0] <= self.t_l:
       rollout = heapq.heappop(self.transit)[2]
       self.queue.put(rollout)
@@ -405,7 +426,7 @@ class _Run:
     self.admission_blocked = False  # puts and batches may drop or retire groups
     groups = self.queue.try_get_batch(cfg.groups_per_step, self.learner_version)
     if groups is None:
-      if self.must_act:
+      if rules.deadlocked(self.must_act, filtered, self.queue.filtered_groups()):
         q = self.queue.stats()
         raise SimDeadlock(
             f"simulated learner (version {self.learner_version}) waits for "
@@ -413,6 +434,7 @@ class _Run:
             f"flight; the sampler may not start another group (driver {cfg.driver!r}, "
             f"staleness {cfg.staleness}, {cfg.concurrency} slots).")
       self.learner_waiting = True
+      self.must_act = False  # (a filtered group released an admission: the sampler moves)
       self.t_l = self.t_s
       return
     self.learner_waiting = self.must_act = False
@@ -497,7 +519,11 @@ class _Run:
         sync_t99_s=t99, sync_t100_s=t100, waste=stats.waste,
         wasted_token_fraction=stats.waste.wasted_tokens / max(
             1, stats.waste.wasted_tokens + stats.trained_tokens),
-        schedule=tuple(self.schedule) if cfg.record_schedule else None)
+        schedule=tuple(self.schedule) if cfg.record_schedule else None,
+        generated_samples_per_step=(stats.trained_samples + sum(
+            getattr(stats.waste, f"{r}_samples") for r in staleness_lib.WASTE_REASONS))
+        / len(self.step_ends),
+        filter_kept_groups=stats.filter_kept_groups)
 
 
 def simulate(cfg: SimConfig) -> SimResult:

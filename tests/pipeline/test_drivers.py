@@ -73,11 +73,20 @@ def test_resume_continues_from_checkpoint(tmp_path, tiny_init, tiny_config, trai
   assert summary["steps"] == 4
 
 
+@pytest.mark.parametrize("driver,filter_groups", [("pipeline", "off"),
+                                                  ("sync", "zero_variance")])
 def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_config,
-                                                     train_rows):
-  whole = tiny_config(tmp_path, tiny_init, steps=4, max_lag=2, run_name="whole")
+                                                     train_rows, driver, filter_groups):
+  """Also with dynamic sampling: the queue's drop counters and the worker's re-opened count
+  are checkpointed, so the resumed run drops and replaces the same groups."""
+  def config(steps, name):
+    cfg = tiny_config(tmp_path, tiny_init, driver=driver, steps=steps, max_lag=2,
+                      run_name=name)
+    return dataclasses.replace(cfg, pipeline=dataclasses.replace(
+        cfg.pipeline, filter_groups=filter_groups, filter_max_dropped_per_step=2))
+  whole = config(4, "whole")
   run_lib.run(whole)
-  part = tiny_config(tmp_path, tiny_init, steps=2, max_lag=2, run_name="part")
+  part = config(2, "part")
   run_lib.run(part)  # stands for a run killed after its step-2 checkpoint
   run_lib.run(dataclasses.replace(
       part, resume=True, pipeline=dataclasses.replace(part.pipeline, num_steps=4),
@@ -85,6 +94,8 @@ def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_
   drop = ("wall_s", "eta_s")
   strip = lambda rows: [{k: v for k, v in r.items() if k not in drop} for r in rows]
   assert strip(train_rows(tmp_path / "part")) == strip(train_rows(tmp_path / "whole"))
+  if filter_groups != "off":
+    assert train_rows(tmp_path / "whole")[-1]["filtered_groups"] > 0, "nothing filtered"
 
 
 def test_threaded_resume_continues_the_sampling_random_stream(tmp_path, tiny_init, tiny_config):

@@ -222,8 +222,8 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
                          for r in range(topo.num_replicas)})
   for state in proxy.replicas.values():  # a lower bound: a replica's first version is newer
     state.version = learner.version
-  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness) if extra
-           else RolloutQueue(pcfg.staleness, pcfg.group_size))
+  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness, pcfg.group_filter)
+           if extra else RolloutQueue(pcfg.staleness, pcfg.group_size, pcfg.group_filter))
   worker = RolloutWorker(proxy, task, tok, queue, pcfg)
   if extra:
     _restore_pipeline(extra, queue, worker, proxy)
