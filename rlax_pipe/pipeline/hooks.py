@@ -278,7 +278,7 @@ class Evaluation:
   def _params(job: Job) -> tuple[int, object]:
     if job.eval_params is not None:
       return job.eval_params()
-    return job.learner.version, job.learner.params
+    return job.learner.version, job.learner.merged_params()  # the learner's own, without LoRA
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
