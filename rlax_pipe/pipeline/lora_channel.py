@@ -14,6 +14,10 @@ holds one copy of the base, a new policy version is fully described by its adapt
      ordinary `WeightUpdate` of the merged params, with the checksums of that merged tree so the
      engine's own check (`sampler.weight_check`) still proves it decodes with what it was given.
 
+The merge runs when the sampler takes the version (`try_take` / `take` wait for it: one jitted
+pass reading the base and writing the merged tree, plus a rank-r matmul per adapted weight), so the
+sampler thread pays that once per version instead of the full-params transfer.
+
 The engine swaps the merged tree in at a step boundary exactly like a full update, so every token
 keeps the exact version of the weights that produced it (merged, not unmerged, adapters: the
 decode step runs the plain model on merged weights, at no per-token cost). Sampler memory: the

@@ -151,3 +151,32 @@ def test_peft_export_loads_in_peft_with_the_merged_models_logits(base, adapters,
   assert np.max(np.abs(plain - theirs)) > 1e-2
   with pytest.raises(FileExistsError):
     save_peft_adapter(tmp_path / "lora", adapters, LORA)
+
+
+def test_adapter_gradients_follow_the_chain_rule_through_the_full_weight_gradient(base,
+                                                                                 adapters):
+  """dL/dA = s B^T G and dL/dB = s G A^T (HF layout), G = dL/dW' of the merged weight."""
+  tokens = (np.arange(12, dtype=np.int32)[None] * 7) % CFG.vocab_size
+  pos = np.arange(12, dtype=np.int32)[None]
+
+  def loss(params):
+    logits, _ = MODEL.forward(params, tokens, pos)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  merged = jax.jit(LORA.merge)(base, adapters)
+  g_full = jax.device_get(jax.jit(jax.grad(loss))(merged))
+  g_ad = jax.device_get(jax.jit(jax.grad(lambda a: loss(LORA.merge(base, a))))(adapters))
+  s, r = LORA.cfg.alpha / LORA.cfg.rank, LORA.cfg.rank
+  for name, k in (("wq", 1), ("wo", 2), ("w_down", 1)):
+    g = np.asarray(g_full["layers"][name], np.float64)
+    a = np.asarray(adapters[f"layers/{name}"]["lora_a"], np.float64)
+    b = np.asarray(adapters[f"layers/{name}"]["lora_b"], np.float64)
+    for i in range(CFG.n_layers):
+      in_w = int(np.prod(g.shape[1:1 + k]))
+      g_hf, a_hf, b_hf = g[i].reshape(in_w, -1).T, a[i].reshape(r, in_w), b[i].reshape(-1, r)
+      np.testing.assert_allclose(
+          g_ad[f"layers/{name}"]["lora_a"][i].reshape(r, in_w), s * b_hf.T @ g_hf,
+          atol=1e-6, rtol=1e-4)
+      np.testing.assert_allclose(
+          g_ad[f"layers/{name}"]["lora_b"][i].reshape(-1, r), s * g_hf @ a_hf.T,
+          atol=1e-6, rtol=1e-4)
