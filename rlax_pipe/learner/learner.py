@@ -20,6 +20,7 @@ import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
+from rlax_pipe import param_checksum
 from rlax_pipe.learner import checkpoint as checkpoint_lib
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner import sharding as sharding_lib
@@ -29,6 +30,10 @@ from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.types import TrainBatch
+
+# Checkpoint extra key of a LoRA learner: the checksums of the frozen base the adapters belong to.
+LORA_BASE_KEY = "lora_base_checksum"
+
 
 class NonFiniteError(RuntimeError):
   """Raised after `max_consecutive_nonfinite` skipped (non-finite) optimizer steps in a row."""
@@ -457,6 +462,8 @@ class Learner:
     """
     if self._checkpointer is None:
       raise ValueError("Learner.save: LearnerConfig.checkpoint.directory is None.")
+    if self.lora is not None:  # the adapters are only meaningful on top of this very base
+      extra = {**(extra or {}), LORA_BASE_KEY: self._base_checksum()}
     step = self.step
     self._checkpointer.save(step, self.state_dict(), extra)
     logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
@@ -471,18 +478,30 @@ class Learner:
 
     Raises:
       ValueError: if `LearnerConfig.checkpoint.directory` is None.
-      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable).
+      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable);
+        `CheckpointMismatchError` too when a LoRA checkpoint's adapters were trained on another
+        base than this learner's `base_params` (exact checksums compared).
     """
     if self._checkpointer is None:
       raise ValueError("Learner.restore: LearnerConfig.checkpoint.directory is None.")
     target = train_state_lib.sharded_abstract_state(self._space, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
+    base = restored.extra.pop(LORA_BASE_KEY, None)
+    if self.lora is not None and base is not None and base != self._base_checksum():
+      raise checkpoint_lib.CheckpointMismatchError(
+          f"checkpoint step {restored.step} in {self._checkpointer.directory} holds LoRA adapters "
+          "trained on another base than the params this learner was given: pass the same "
+          "initial params (RunConfig.init) as the run that saved it.")
     self._state, self._pending = restored.state, None
     self.last_restore = restored._replace(state=None)  # step, skipped steps and why
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
                  self.version, self._checkpointer.directory,
                  f", skipping bad steps {list(restored.skipped)}" if restored.skipped else "")
     return restored.extra
+
+  def _base_checksum(self) -> list[int]:
+    """Exact per-leaf checksums of the frozen base (`param_checksum`), as JSON-able ints."""
+    return [int(x) for x in param_checksum.host(param_checksum.checksum(self._frozen))]
 
   def close(self) -> None:
     """Waits for pending checkpoint writes."""

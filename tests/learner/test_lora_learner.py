@@ -4,6 +4,7 @@ adapters and restore onto a learner given the same base."""
 
 import jax
 import numpy as np
+import pytest
 
 from rlax_pipe import learner as learner_lib
 from rlax_pipe.config import LoraConfig, ModelConfig
@@ -72,3 +73,6 @@ def test_only_adapters_are_trained_and_checkpointed(tmp_path):
   shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(saved) if len(x.shape) > 1)
   assert shapes == sorted(adapter_shapes * 3)  # params, Adam mu, Adam nu (+ scalars, rng)
   restored.close()
+  other = jax.tree.map(lambda a: a + np.float32(1e-3), base)
+  with pytest.raises(learner_lib.CheckpointMismatchError, match="another base"):
+    _learner(other, checkpoint_dir=str(tmp_path), restore=True)
