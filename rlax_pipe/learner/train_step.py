@@ -202,9 +202,9 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
       (meaningful when final): the `ObjectiveDiagnostics` fields; loss and grad_norm (mean over
       minibatches with data; NaN if none), update_norm (mean over applied updates; NaN if
       none), param_norm (of state.params: the adapters with LoRA), learning_rate (of the last
-      applied update; NaN if none), tokens_processed, negative_lag_tokens, updates_applied, minibatches_with_data, is_finite,
-      loss_finite, grad_finite, inputs_finite, logp_finite, version and step (after the step),
-      nonfinite_consecutive, nonfinite_total.
+      applied update; NaN if none), tokens_processed, negative_lag_tokens, updates_applied,
+      minibatches_with_data, is_finite, loss_finite, grad_finite, inputs_finite, logp_finite,
+      version and step (after the step), nonfinite_consecutive, nonfinite_total.
   """
   model = as_model(model)
   c = constrain or (lambda x, *_, **__: x)

@@ -43,7 +43,8 @@ def _hf_module(spec_path: tuple[str, ...]) -> tuple[str, int, bool]:
     per_layer = True
     hf = f"model.layers.{{i}}.{hf}"
   else:
-    hf, kind = hf_io._TOP_TENSORS.get(spec_path[0], (None, None))  # pylint: disable=protected-access
+    top = hf_io._TOP_TENSORS  # pylint: disable=protected-access
+    hf, kind = top.get(spec_path[0], (None, None))
     per_layer = False
   if not isinstance(kind, int) or not hf.endswith(".weight"):
     raise ValueError(f"LoRA on {'/'.join(spec_path)} has no PEFT export (not an HF Linear "

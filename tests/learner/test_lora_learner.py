@@ -69,7 +69,8 @@ def test_only_adapters_are_trained_and_checkpointed(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), want)
   # (the restore target is the adapters-only state, and a restore checks that the saved tree has
   # exactly the target's leaves: CheckpointMismatchError on any extra, e.g. base, leaf)
-  saved = restored.checkpointer._manager.item_metadata(2)["state"]  # pylint: disable=protected-access
+  manager = restored.checkpointer._manager  # pylint: disable=protected-access
+  saved = manager.item_metadata(2)["state"]
   shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(saved) if len(x.shape) > 1)
   assert shapes == sorted(adapter_shapes * 3)  # params, Adam mu, Adam nu (+ scalars, rng)
   restored.close()
