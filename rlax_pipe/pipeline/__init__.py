@@ -41,6 +41,7 @@ from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.pipeline.weight_channel import ChannelStats
 from rlax_pipe.pipeline.weight_channel import ManifestError
 from rlax_pipe.pipeline.weight_channel import params_manifest
+from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 __all__ = (
@@ -48,6 +49,6 @@ __all__ = (
     "JobClock", "MODES", "ManifestError", "POLICIES", "PipelineConfig", "QueueClosed",
     "QueueStats", "QueueTimeout", "Report", "RolloutQueue", "RolloutWorker", "RunConfig",
     "StalenessConfig", "StepHook", "StepResult", "TrainLog", "Trainer", "UnpackedSample",
-    "VirtualState", "WasteCounters", "WeightChannel", "build_job", "pack_rollouts",
-    "params_manifest", "run_reproducible", "run_threaded", "token_lag", "unpack_batch",
+    "VirtualState", "WasteCounters", "WeightChannel", "LoraWeightChannel", "build_job",
+    "pack_rollouts", "params_manifest", "run_reproducible", "run_threaded", "token_lag", "unpack_batch",
 )
