@@ -14,6 +14,7 @@ CFG = ModelConfig(vocab_size=61, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2
                   d_ff=24, max_seq_len=32, tie_embeddings=False)
 MODEL = Transformer(CFG)
 LORA = LoraAdapters(MODEL, LoraConfig(rank=3, alpha=5.0))
+MERGE = jax.jit(LORA.merge)  # one compile shared by the tests
 
 
 def _random(tree, seed, std=0.3):
@@ -51,7 +52,7 @@ def _numpy_merge(base, adapters, lora):
 
 
 def test_merge_equals_numpy_reference_and_merged_forward(base, adapters):
-  merged = jax.jit(LORA.merge)(base, adapters)
+  merged = MERGE(base, adapters)
   want = _numpy_merge(base, adapters, LORA)
   for path, got in jax.tree_util.tree_flatten_with_path(merged)[0]:
     ref = want
@@ -69,7 +70,7 @@ def test_merge_equals_numpy_reference_and_merged_forward(base, adapters):
 
 def test_fresh_adapters_leave_the_base_unchanged_and_have_the_stated_shapes(base):
   fresh = jax.jit(LORA.init_params)(jax.random.key(0))
-  merged = jax.jit(LORA.merge)(base, fresh)
+  merged = MERGE(base, fresh)
   for got, want in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(got), want)
   wo = fresh["layers/wo"]
@@ -141,7 +142,7 @@ def test_peft_export_loads_in_peft_with_the_merged_models_logits(base, adapters,
   tokens = np.array([[3, 17, 5, 60, 2, 9, 44, 1]], np.int64)
   with torch.no_grad():
     theirs = peft_model(input_ids=torch.from_numpy(tokens)).logits.float().numpy()
-  ours, _ = MODEL.forward(LORA.merge(base, adapters), tokens.astype(np.int32),
+  ours, _ = MODEL.forward(MERGE(base, adapters), tokens.astype(np.int32),
                           np.arange(8, dtype=np.int32)[None])
   np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=0)
   with torch.no_grad():  # the adapters matter: without them the logits differ
@@ -163,7 +164,7 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_full_weight_gradien
     logits, _ = MODEL.forward(params, tokens, pos)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-  merged = jax.jit(LORA.merge)(base, adapters)
+  merged = MERGE(base, adapters)
   g_full = jax.device_get(jax.jit(jax.grad(loss))(merged))
   g_ad = jax.device_get(jax.jit(jax.grad(lambda a: loss(LORA.merge(base, a))))(adapters))
   s, r = LORA.cfg.alpha / LORA.cfg.rank, LORA.cfg.rank
