@@ -8,6 +8,8 @@ devices: the HLO-derived collective summary). On CPU the script exposes 8 virtua
   # CPU, reduced: timing on a tiny model (fsdp 2 x tp 2), memory + collectives at V=32k, L=2k
   python3 experiments/bench_learner.py --model=reduced_32k --steps=0 --seq_len=2048
   python3 experiments/bench_learner.py --model=tiny --mesh=fsdp:2,tp:2 --skip_memory
+  # LoRA vs full fine-tuning at the same shape: push_bytes, opt_state_bytes and step_s
+  python3 experiments/bench_learner.py --model=tiny --skip_memory --skip_collectives --lora_rank=8
   # one GPU, a 0.6B shape (Qwen3-0.6B) in bf16 compute with fp32 master params
   python3 experiments/bench_learner.py --model=qwen3_0p6b --mesh=fsdp:1 --compute_dtype=bfloat16 \
       --seq_len=2048 --batch_size=16 --micro_batch_rows=8 --remat=full --steps=4
@@ -29,7 +31,7 @@ import jax  # noqa: E402
 
 from rlax_pipe import learner  # noqa: E402
 from rlax_pipe import sharding  # noqa: E402
-from rlax_pipe.config import ModelConfig  # noqa: E402
+from rlax_pipe.config import LoraConfig, ModelConfig  # noqa: E402
 from rlax_pipe.learner import benchmark  # noqa: E402
 from rlax_pipe.logprobs import SamplingConfig  # noqa: E402
 from rlax_pipe.objectives import ObjectiveConfig  # noqa: E402
@@ -67,6 +69,8 @@ _OBJECTIVE = flags.DEFINE_string("objective", "tis_pg", "Objective name.")
 _REMAT = flags.DEFINE_enum("remat", "none", list(learner.REMAT_POLICIES), "Remat policy.")
 _PEAK = flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per chip for MFU (default: the "
                            "named-chip table by device kind).")
+_LORA_RANK = flags.DEFINE_integer("lora_rank", 0, "LoRA rank (0 = full fine-tuning).")
+_LORA_ALPHA = flags.DEFINE_float("lora_alpha", 16.0, "LoRA alpha (update scale alpha / rank).")
 _SKIP_MEMORY = flags.DEFINE_bool("skip_memory", False, "Skip the memory report.")
 _SKIP_COLLECTIVES = flags.DEFINE_bool("skip_collectives", False, "Skip the collective report.")
 
@@ -81,7 +85,8 @@ def main(argv):
   cfg = learner.LearnerConfig(
       mesh_axes=_axes(_MESH.value), micro_batch_rows=_ROWS.value,
       num_minibatches=_MINI.value, logits_chunk_len=_CHUNK.value or None,
-      attention_block_len=_ATTN.value or None, remat=_REMAT.value)
+      attention_block_len=_ATTN.value or None, remat=_REMAT.value,
+      lora=LoraConfig(rank=_LORA_RANK.value, alpha=_LORA_ALPHA.value))
   objective, sampling = ObjectiveConfig(name=_OBJECTIVE.value), SamplingConfig()
   out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend()}

@@ -128,3 +128,54 @@ class ModelConfig:
         isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
       raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of "
                        f"token ids in [0, vocab_size={self.vocab_size}).")
+
+
+# Weight matrices of the built-in model (`model.transformer`) that LoRA may adapt.
+LORA_BUILTIN_TARGETS: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (LoRA, Hu et al. 2021, eq. 3): W' = W + (alpha / rank) * B A.
+
+  The learner trains only A [rank, in] and B [out, rank] of each targeted weight matrix; the
+  base weights stay frozen (no gradient, no optimizer state). A starts uniform in
+  +-1/sqrt(in) (PEFT's default, Kaiming-uniform with a = sqrt(5)) and B at zero, so the initial
+  policy is exactly the base model.
+
+  Attributes:
+    rank: r, the adapters' inner width (>= 0; 0 = LoRA off: full fine-tuning, the default).
+      Typical 8-64; must be <= the smallest input / output width of a targeted matrix.
+    alpha: scale numerator (> 0): the update is scaled by alpha / rank (dimensionless); the
+      common choice is alpha = 2 * rank or alpha = rank.
+    target_modules: names of the weight matrices to adapt, matched against any key of a
+      parameter's path (the built-in model's names: wq, wk, wv, wo, w_gate, w_up, w_down; for an
+      NNX model its module names, e.g. "q_proj"). Only leaves with >= 2 axes besides a leading
+      stacked "layers" axis are adapted; every name must match at least one.
+  """
+
+  rank: int = 0
+  alpha: float = 16.0
+  target_modules: tuple[str, ...] = LORA_BUILTIN_TARGETS
+
+  def __post_init__(self):
+    if isinstance(self.target_modules, list):
+      object.__setattr__(self, "target_modules", tuple(self.target_modules))
+    if not isinstance(self.rank, int) or self.rank < 0:
+      raise ValueError(f"LoraConfig.rank={self.rank!r} must be an int >= 0 (0 = LoRA off).")
+    if not (math.isfinite(self.alpha) and self.alpha > 0):
+      raise ValueError(f"LoraConfig.alpha={self.alpha} must be finite and > 0.")
+    if not self.target_modules or not all(isinstance(t, str) and t
+                                          for t in self.target_modules):
+      raise ValueError(f"LoraConfig.target_modules={self.target_modules!r} must be a non-empty "
+                       "tuple of parameter names, e.g. ('wq', 'wv').")
+
+  @property
+  def enabled(self) -> bool:
+    """Whether LoRA is on (rank > 0)."""
+    return self.rank > 0
+
+  @property
+  def scale(self) -> float:
+    """alpha / rank, the factor of B A in W' = W + scale * B A (only meaningful when enabled)."""
+    return self.alpha / max(self.rank, 1)

@@ -43,9 +43,11 @@ VOCAB = "vocab"          # vocabulary
 LAYERS = "layers"        # stacked layers
 PAGES = "pages"          # KV pool pages
 PAGE_SIZE = "page_size"  # tokens per KV page
+LORA_RANK = "lora_rank"  # inner width r of LoRA adapters (always replicated: r is small)
 
 LOGICAL_AXES: tuple[str, ...] = (
-    BATCH, LENGTH, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, PAGES, PAGE_SIZE)
+    BATCH, LENGTH, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, PAGES, PAGE_SIZE,
+    LORA_RANK)
 
 # ---- mesh axis names ----------------------------------------------------------------------------
 DATA = "data"  # independent replicas (batch split, weights replicated)
@@ -69,6 +71,7 @@ LEARNER_RULES: Rules = types.MappingProxyType({
     HEAD_DIM: (),
     VOCAB: (TP,),
     LAYERS: (),
+    LORA_RANK: (),
 })
 
 # How the learner computes (FSDP = ZeRO-3, plus data and Megatron tensor parallelism): inside the
@@ -90,6 +93,7 @@ SAMPLER_RULES: Rules = types.MappingProxyType({
     HEAD_DIM: (),
     VOCAB: (TP,),
     LAYERS: (),
+    LORA_RANK: (),
 })
 
 # The paged KV pool (`rlax_pipe.sampler.page_pool`: layers folded into pages, [K, L*P, S, D] k

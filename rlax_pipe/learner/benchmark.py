@@ -132,7 +132,8 @@ def run_benchmark(model: ModelLike, learner_cfg: LearnerConfig,
     backend compiles in every later step, probes included; goal 0; None if the counter saw no
     compile in step 1, i.e. it does not work on this JAX), model_flops_per_token,
     achieved_tflops (model FLOP/s over all chips, 1e12), peak_tflops_per_chip and its source,
-    mfu (None without a peak), steps, device info and the configs used.
+    mfu (None without a peak), steps, push_bytes (bytes of one pushed version: the trained params,
+    with LoRA the adapters only), opt_state_bytes, device info and the configs used.
   """
   model = as_model(model)
   model_cfg = getattr(model, "cfg", None)  # the built-in family: FLOPs by formula
@@ -187,6 +188,10 @@ def run_benchmark(model: ModelLike, learner_cfg: LearnerConfig,
       "peak_source": source,
       "mfu": None if (peak is None or achieved is None) else achieved / (peak * chips),
       "steps": steps,
+      # What one pushed version weighs (the trained tree: with LoRA the adapters only) and the
+      # optimizer state held for it.
+      "push_bytes": int(sum(x.nbytes for x in jax.tree.leaves(learner.params))),
+      "opt_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(learner.state.opt_state))),
       "final_loss": float(last["loss"]) if last is not None and "loss" in last else None,
       "device_kind": kind,
       "devices": [str(d) for d in learner.mesh.devices.flat],

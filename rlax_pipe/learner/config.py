@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rlax_pipe.config import LoraConfig
+
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
 # Mesh axes that split batch rows (data parallelism); weights are split over fsdp only.
@@ -134,6 +136,10 @@ class LearnerConfig:
     compiler_options: extra XLA compiler options for the jitted init and train step, as
       (name, value) pairs, e.g. (("xla_backend_optimization_level", 0),) compiles about 3x
       faster on CPU (tests) at some runtime cost. Default () = XLA defaults.
+    lora: low-rank adapters (`LoraConfig`: rank, alpha, target_modules). rank 0 (default) =
+      full fine-tuning; rank >= 1 trains only the adapters (base frozen, optimizer state for the
+      adapters only), checkpoints hold the adapters, and the weight channel pushes only the
+      adapters (the sampler merges them into its copy of the base).
   """
 
   mesh_axes: tuple[tuple[str, int], ...] = (("fsdp", 1), ("tp", 1))
@@ -147,6 +153,7 @@ class LearnerConfig:
   max_consecutive_nonfinite: int = 3
   seed: int = 0
   compiler_options: tuple[tuple[str, str | int | float | bool], ...] = ()
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     if self.mesh_axes != () and not all(
@@ -166,6 +173,8 @@ class LearnerConfig:
                for p in self.compiler_options):
       raise ValueError(f"LearnerConfig.compiler_options={self.compiler_options!r} must be a "
                        "tuple of (option name, value) pairs.")
+    if not isinstance(self.lora, LoraConfig):
+      raise TypeError(f"LearnerConfig.lora must be a LoraConfig; got {type(self.lora).__name__}.")
 
   def _validate_accumulation(self):
     """Checks micro-batch rows against the batch axes, minibatches, chunking and remat."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
+from rlax_pipe import param_checksum
 from rlax_pipe.learner import checkpoint as checkpoint_lib
 from rlax_pipe.learner import optimizer
 from rlax_pipe.learner import sharding as sharding_lib
@@ -27,7 +28,12 @@ from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import Model, ModelLike, as_model
+from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.types import TrainBatch
+
+# Checkpoint extra key of a LoRA learner: the checksums of the frozen base the adapters belong to.
+LORA_BASE_KEY = "lora_base_checksum"
+
 
 class NonFiniteError(RuntimeError):
   """Raised after `max_consecutive_nonfinite` skipped (non-finite) optimizer steps in a row."""
@@ -51,14 +57,17 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   learners). Their inputs have fixed shapes ([micro_batch_rows, seq_len] micro-batches), so a
   batch of any number of rows reuses them."""
   tx = optimizer.make_optimizer(step_cfg.optimizer)
-  state_sh = train_state_lib.state_shardings(model, tx, mesh)
+  lora = lora_lib.adapters_for(model, step_cfg.lora)
+  space = lora or model
+  state_sh = train_state_lib.state_shardings(space, tx, mesh)
+  frozen_sh = None if lora is None else sharding_lib.param_shardings(model, mesh)
   fns = train_step_lib.make_step_fns(model, step_cfg, objective_cfg, sampling_cfg, tx,
-                                     sharding_lib.compute_constraint(mesh))
+                                     sharding_lib.compute_constraint(mesh), lora=lora)
   rows = (step_cfg.micro_batch_rows, seq_len)
   tok_sh = sharding_lib.batch_sharding(mesh, rows)
   micro_sh = {name: tok_sh for name in train_step_lib.BATCH_FIELDS}
   rep = sharding_lib.replicated(mesh)
-  abstract = model.abstract_params()
+  abstract = space.abstract_params()
   bins = objective_cfg.hist_bins
   make_acc = lambda: (train_step_lib.init_accum(abstract), train_step_lib.init_stats(bins))
   acc_abstract, stats_abstract = jax.eval_shape(make_acc)
@@ -68,9 +77,9 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   opts = dict(step_cfg.compiler_options) or None
   jit = functools.partial(jax.jit, compiler_options=opts)
   return _Compiled(
-      prox=jit(fns.prox, in_shardings=(state_sh, micro_sh), out_shardings=tok_sh),
+      prox=jit(fns.prox, in_shardings=(state_sh, micro_sh, frozen_sh), out_shardings=tok_sh),
       accumulate=jit(fns.accumulate,
-                     in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep),
+                     in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep, frozen_sh),
                      out_shardings=(acc_sh, stats_sh), donate_argnums=(1, 2)),
       apply=jit(fns.apply, in_shardings=(state_sh, acc_sh, stats_sh, rep),
                 out_shardings=(state_sh, acc_sh, stats_sh, rep), donate_argnums=(0, 1, 2)),
@@ -89,14 +98,19 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
   step_cfg, model = cfg.step_slice(), as_model(model)
   fns = _compiled_step(model, step_cfg, objective_cfg, sampling_cfg, mesh, seq_len)
   tx = optimizer.make_optimizer(step_cfg.optimizer)
-  state = train_state_lib.sharded_abstract_state(model, tx, mesh)
+  lora = lora_lib.adapters_for(model, step_cfg.lora)
+  state = train_state_lib.sharded_abstract_state(lora or model, tx, mesh)
+  frozen = None if lora is None else jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.abstract_params(),
+      sharding_lib.param_shardings(model, mesh))
   acc, stats = jax.eval_shape(fns.init)
   shape = (step_cfg.micro_batch_rows, seq_len)
   mb = {name: jax.ShapeDtypeStruct(shape, train_step_lib.BATCH_DTYPES[name],
                                    sharding=fns.micro_sharding[name])
         for name in train_step_lib.BATCH_FIELDS}
   prox = jax.ShapeDtypeStruct(shape, np.float32, sharding=fns.micro_sharding["tokens"])
-  return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_))
+  return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_),
+                              frozen)
 
 
 def plan_micro_batches(num_rows: int, micro_batch_rows: int,
@@ -129,8 +143,23 @@ def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_init(model: Model, step_cfg: LearnerConfig, mesh: Mesh, from_params: bool):
-  """Jitted state initializer writing straight into the learner shardings."""
+def _compiled_base_init(model: Model, mesh: Mesh):
+  """Jitted random init of a LoRA run's frozen base, straight into the learner shardings."""
+  return jax.jit(lambda seed: model.init_params(jax.random.key(seed)),
+                 out_shardings=sharding_lib.param_shardings(model, mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_merge(lora: lora_lib.LoraAdapters, mesh: Mesh):
+  """Jitted `lora.merge(base, adapters)` into the model's learner shardings."""
+  return jax.jit(lora.merge, out_shardings=sharding_lib.param_shardings(lora.model, mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_init(model: Model | lora_lib.LoraAdapters, step_cfg: LearnerConfig, mesh: Mesh,
+                   from_params: bool):
+  """Jitted state initializer writing straight into the learner shardings (`model` may be a
+  `LoraAdapters`: then the state trains freshly initialized adapters)."""
   tx = optimizer.make_optimizer(step_cfg.optimizer)
   state_sh = train_state_lib.state_shardings(model, tx, mesh)
   opts = dict(step_cfg.compiler_options) or None
@@ -186,10 +215,14 @@ class Learner:
       mesh: an existing learner mesh (its shape must match `cfg.mesh_axes`).
       params: initial parameters (e.g. an SFT checkpoint), any placement; they are copied
         onto the learner shardings. None = random init from `cfg.seed`, created directly on
-        the shardings by a jitted init with `out_shardings`.
+        the shardings by a jitted init with `out_shardings`. With LoRA (`cfg.lora.rank` >= 1)
+        these are the frozen base (`base_params`) and the trained state starts from fresh
+        adapters (B = 0, so version 0 is exactly the base).
       restore: instead of initializing, restore the newest usable checkpoint of
         `cfg.checkpoint.directory` onto this mesh (its JSON extra dict is kept in
-        `self.restored_extra`); `params` must then be None.
+        `self.restored_extra`); `params` must then be None, except with LoRA, where the
+        checkpoint holds the adapters only and `params` is the same frozen base as when it
+        was saved.
 
     Raises:
       ValueError: on a mesh / device-count mismatch, params of the wrong structure, or
@@ -207,7 +240,11 @@ class Learner:
     self.mesh = mesh
     self._step_cfg = cfg.step_slice()
     self._tx = optimizer.make_optimizer(self._step_cfg.optimizer)
-    self.state_shardings = train_state_lib.state_shardings(self.model, self._tx, mesh)
+    # LoRA: the optimizer trains the adapters; the frozen base is held here, outside the state.
+    self.lora = lora_lib.adapters_for(self.model, cfg.lora)
+    self._space = self.lora or self.model
+    self.state_shardings = train_state_lib.state_shardings(self._space, self._tx, mesh)
+    self._frozen = None
     self._checkpointer = None
     ckpt = cfg.checkpoint
     if ckpt.directory is not None:
@@ -226,14 +263,22 @@ class Learner:
     logging.info("Learner: mesh %s on devices %s; initial state from %s.", dict(mesh.shape),
                  [d.id for d in mesh.devices.flat],
                  "checkpoint" if restore else "given params" if params is not None else "random")
+    seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
+    if self.lora is not None:
+      self._frozen = (_compiled_base_init(self.model, mesh)(seed) if params is None else
+                      jax.device_put(params, sharding_lib.param_shardings(self.model, mesh)))
+      params = None
+      logging.info("Learner: LoRA rank %d, alpha %g on %d weights (%s): %d adapter bytes "
+                   "trained, base frozen.", cfg.lora.rank, cfg.lora.alpha, len(self.lora.specs),
+                   ", ".join(sp.name for sp in self.lora.specs),
+                   lora_lib.adapter_bytes(self.lora.abstract_params()))
     if restore:
       if params is not None:
         raise ValueError("Learner: pass either params or restore=True, not both.")
       self.restored_extra = self.restore()
       return
-    seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
     if params is None:
-      self._state = _compiled_init(self.model, self._step_cfg, mesh, False)(seed)
+      self._state = _compiled_init(self._space, self._step_cfg, mesh, False)(seed)
     else:
       params = jax.device_put(params, self.state_shardings.params)
       self._state = _compiled_init(self.model, self._step_cfg, mesh, True)(params, seed)
@@ -247,9 +292,23 @@ class Learner:
 
   @property
   def params(self) -> Any:
-    """Learner-sharded params of the current version, valid until the next `train_step`
-    (which donates them): copy them (e.g. into the weight channel) before stepping again."""
+    """Learner-sharded trained params of the current version (with LoRA: the adapters only),
+    valid until the next `train_step` (which donates them): copy them (e.g. into the weight
+    channel) before stepping again."""
     return self._state.params
+
+  @property
+  def base_params(self) -> Any:
+    """With LoRA, the frozen base params (learner-sharded, never donated); else None."""
+    return self._frozen
+
+  def merged_params(self) -> Any:
+    """The model's full params of the current version: `params` itself, or with LoRA the base
+    merged with the adapters (W + alpha/r B A, a new learner-sharded tree; e.g. for an HF
+    export of the trained policy or an evaluation engine)."""
+    if self.lora is None:
+      return self._state.params
+    return _compiled_merge(self.lora, self.mesh)(self._frozen, self._state.params)
 
   @property
   def version(self) -> int:
@@ -314,7 +373,7 @@ class Learner:
     no_prox = fns.micro_sharding["tokens"]
     prox = {}
     if cfg.num_minibatches > 1:  # proximal log-probs: the params before the first update
-      prox = {(j, i): fns.prox(self._state, mb) for j in range(1, len(micro))
+      prox = {(j, i): fns.prox(self._state, mb, self._frozen) for j in range(1, len(micro))
               for i, mb in enumerate(micro[j])}
     acc, stats = self._accum
     for j, minibatch in enumerate(micro):
@@ -323,7 +382,7 @@ class Learner:
         if p is None:
           p = self._zeros(no_prox, mb["tokens"].shape)
         acc, stats = fns.accumulate(self._state, acc, stats, mb, p,
-                                    self._flags[(j, i) in prox])
+                                    self._flags[(j, i) in prox], self._frozen)
       self._state, acc, stats, metrics = fns.apply(self._state, acc, stats,
                                                    self._flags[j == len(micro) - 1])
     self._accum = (acc, stats)
@@ -403,6 +462,8 @@ class Learner:
     """
     if self._checkpointer is None:
       raise ValueError("Learner.save: LearnerConfig.checkpoint.directory is None.")
+    if self.lora is not None:  # the adapters are only meaningful on top of this very base
+      extra = {**(extra or {}), LORA_BASE_KEY: self._base_checksum()}
     step = self.step
     self._checkpointer.save(step, self.state_dict(), extra)
     logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
@@ -417,18 +478,30 @@ class Learner:
 
     Raises:
       ValueError: if `LearnerConfig.checkpoint.directory` is None.
-      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable).
+      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable);
+        `CheckpointMismatchError` too when a LoRA checkpoint's adapters were trained on another
+        base than this learner's `base_params` (exact checksums compared).
     """
     if self._checkpointer is None:
       raise ValueError("Learner.restore: LearnerConfig.checkpoint.directory is None.")
-    target = train_state_lib.sharded_abstract_state(self.model, self._tx, self.mesh)
+    target = train_state_lib.sharded_abstract_state(self._space, self._tx, self.mesh)
     restored = self._checkpointer.restore(target, step)
+    base = restored.extra.pop(LORA_BASE_KEY, None)
+    if self.lora is not None and base is not None and base != self._base_checksum():
+      raise checkpoint_lib.CheckpointMismatchError(
+          f"checkpoint step {restored.step} in {self._checkpointer.directory} holds LoRA adapters "
+          "trained on another base than the params this learner was given: pass the same "
+          "initial params (RunConfig.init) as the run that saved it.")
     self._state, self._pending = restored.state, None
     self.last_restore = restored._replace(state=None)  # step, skipped steps and why
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
                  self.version, self._checkpointer.directory,
                  f", skipping bad steps {list(restored.skipped)}" if restored.skipped else "")
     return restored.extra
+
+  def _base_checksum(self) -> list[int]:
+    """Exact per-leaf checksums of the frozen base (`param_checksum`), as JSON-able ints."""
+    return [int(x) for x in param_checksum.host(param_checksum.checksum(self._frozen))]
 
   def close(self) -> None:
     """Waits for pending checkpoint writes."""

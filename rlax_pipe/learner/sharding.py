@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import ModelLike, as_model
+from rlax_pipe.model.lora import LoraAdapters
 # One definition each, in rlax_pipe.sharding; re-exported for the learner's modules.
 from rlax_pipe.sharding import (  # pylint: disable=unused-import
     compute_constraint, opt_state_shardings, replicated)
@@ -34,10 +35,11 @@ def learner_mesh(devices: Sequence[Any], cfg: LearnerConfig) -> Mesh:
   return sharding_lib.make_mesh(devices, cfg.mesh_shape, sharding_lib.LEARNER_RULES)
 
 
-def param_shardings(model: ModelLike, mesh: Mesh,
+def param_shardings(model: ModelLike | LoraAdapters, mesh: Mesh,
                     rules: sharding_lib.Rules = sharding_lib.LEARNER_RULES) -> Any:
-  """NamedSharding per parameter, from `model.param_axes()` and its abstract shapes."""
-  model = as_model(model)
+  """NamedSharding per parameter, from `model.param_axes()` and its abstract shapes (a
+  `LoraAdapters`: per adapter, from their logical axes)."""
+  model = model if isinstance(model, LoraAdapters) else as_model(model)
   return sharding_lib.logical_to_sharding(model.param_axes(), mesh, rules,
                                           shapes=model.abstract_params())
 

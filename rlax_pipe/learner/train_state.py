@@ -11,13 +11,24 @@ import optax
 
 from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
+from rlax_pipe.model.lora import LoraAdapters
+
+# What the optimizer trains: a model's params, or the LoRA adapters of one.
+Trainable = ModelLike | LoraAdapters
+
+
+def trainable_space(model: Trainable) -> Any:
+  """`model` as the object whose `abstract_params` / `param_axes` are the trained params."""
+  return model if isinstance(model, LoraAdapters) else as_model(model)
 
 
 class TrainState(NamedTuple):
   """Everything the learner carries from one optimizer step to the next.
 
   Attributes:
-    params: model parameter tree (`Model.abstract_params()` layout), learner-sharded.
+    params: the trained parameter tree, learner-sharded: the model's params
+      (`Model.abstract_params()` layout), or with LoRA the adapters only
+      (`LoraAdapters.abstract_params()`; the frozen base is held by the learner outside).
     opt_state: optax state of `optimizer.make_optimizer(cfg)`.
     version: int32 scalar policy version of `params`: initial weights are version 0 and every
       learner batch with at least one applied optimizer update makes v + 1, however many
@@ -64,12 +75,13 @@ def init_state(params: Any, tx: optax.GradientTransformation,
   )
 
 
-def abstract_state(model: ModelLike, tx: optax.GradientTransformation) -> TrainState:
-  """TrainState of `jax.ShapeDtypeStruct` leaves (no allocation)."""
-  return jax.eval_shape(lambda p: init_state(p, tx, 0), as_model(model).abstract_params())
+def abstract_state(model: Trainable, tx: optax.GradientTransformation) -> TrainState:
+  """TrainState of `jax.ShapeDtypeStruct` leaves (no allocation); `model` may be a
+  `LoraAdapters` (then the state trains the adapters)."""
+  return jax.eval_shape(lambda p: init_state(p, tx, 0), trainable_space(model).abstract_params())
 
 
-def state_shardings(model: ModelLike, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+def state_shardings(model: Trainable, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
   """TrainState of NamedShardings on the learner mesh, derived from the abstract state."""
   abstract = abstract_state(model, tx)
   params = sharding_lib.param_shardings(model, mesh)
@@ -80,7 +92,7 @@ def state_shardings(model: ModelLike, tx: optax.GradientTransformation, mesh: Me
       version=rep, rng=rep, step=rep, nonfinite_consecutive=rep, nonfinite_total=rep)
 
 
-def sharded_abstract_state(model: ModelLike, tx: optax.GradientTransformation,
+def sharded_abstract_state(model: Trainable, tx: optax.GradientTransformation,
                            mesh: Mesh) -> TrainState:
   """Abstract state whose leaves carry their target sharding (an orbax restore target)."""
   return jax.tree.map(

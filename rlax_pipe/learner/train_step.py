@@ -36,6 +36,7 @@ from rlax_pipe.learner import optimizer
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.train_state import TrainState
 from rlax_pipe.model import HiddenStatesModel, ModelLike, as_model
+from rlax_pipe.model.lora import LoraAdapters
 from rlax_pipe.objectives import ObjectiveConfig
 
 Batch = dict[str, jax.Array]
@@ -168,7 +169,8 @@ def _schedule_step(opt_state: Any) -> jax.Array | None:
 
 def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
                   objective_cfg: ObjectiveConfig, sampling_cfg: logprobs_lib.SamplingConfig,
-                  tx: optax.GradientTransformation, constrain: Any = None) -> StepFns:
+                  tx: optax.GradientTransformation, constrain: Any = None,
+                  lora: LoraAdapters | None = None) -> StepFns:
   """Builds the step's pure functions for one configuration.
 
   Args:
@@ -184,18 +186,25 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     constrain: sharding hook `constrain(x, logical_axes, weight=False)` for the forward pass
       (`rlax_pipe.sharding.compute_constraint`: weights gathered per layer, activations split
       over the batch axes); None = no constraints.
+    lora: the adapter space (`rlax_pipe.model.lora.LoraAdapters`) when LoRA is on: then
+      `state.params` holds the adapters only (the optimizer state, the gradient accumulator
+      and the update touch nothing else) and `prox` / `accumulate` take the frozen base params
+      as their last argument `frozen`; the forward runs on `lora.merge(frozen, state.params)`
+      and the gradient is taken with respect to the adapters only. None = full fine-tuning
+      (`frozen` is then None).
 
   Returns:
     StepFns(prox, accumulate, apply):
-      prox(state, mb) -> float32 [R, L] log-probs (gradient stopped);
-      accumulate(state, acc, stats, mb, prox_logp [R, L], use_prox bool) -> (acc, stats);
+      prox(state, mb, frozen=None) -> float32 [R, L] log-probs (gradient stopped);
+      accumulate(state, acc, stats, mb, prox_logp [R, L], use_prox bool, frozen=None) ->
+        (acc, stats);
       apply(state, acc, stats, final bool) -> (state, zeroed acc, stats, metrics). Metrics
       (meaningful when final): the `ObjectiveDiagnostics` fields; loss and grad_norm (mean over
       minibatches with data; NaN if none), update_norm (mean over applied updates; NaN if
-      none), param_norm, learning_rate (of the last applied update; NaN if none),
-      tokens_processed, negative_lag_tokens, updates_applied, minibatches_with_data, is_finite,
-      loss_finite, grad_finite, inputs_finite, logp_finite, version and step (after the step),
-      nonfinite_consecutive, nonfinite_total.
+      none), param_norm (of state.params: the adapters with LoRA), learning_rate (of the last
+      applied update; NaN if none), tokens_processed, negative_lag_tokens, updates_applied,
+      minibatches_with_data, is_finite, loss_finite, grad_finite, inputs_finite, logp_finite,
+      version and step (after the step), nonfinite_consecutive, nonfinite_total.
   """
   model = as_model(model)
   c = constrain or (lambda x, *_, **__: x)
@@ -216,8 +225,12 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
                                             batch_groups=learner_cfg.batch_shards,
                                             constrain=constrain)
 
-  def micro_loss(params, mb, prox_logp, use_prox, version):
-    logp, ent = token_logprobs(params, mb)
+  def model_params(trainable, frozen):
+    """What the model runs on: the trainable params, or the base merged with the adapters."""
+    return trainable if lora is None else lora.merge(frozen, trainable)
+
+  def micro_loss(params, mb, prox_logp, use_prox, version, frozen=None):
+    logp, ent = token_logprobs(model_params(params, frozen), mb)
     seg = mb["segment_ids"]
     mask = completion_mask(mb["loss_mask"], seg)
     lag = (version - mb["policy_versions"]).astype(jnp.int32)
@@ -239,14 +252,14 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-  def prox(state: TrainState, mb: Batch) -> jax.Array:
-    return jax.lax.stop_gradient(token_logprobs(state.params, mb)[0])
+  def prox(state: TrainState, mb: Batch, frozen: Any = None) -> jax.Array:
+    return jax.lax.stop_gradient(token_logprobs(model_params(state.params, frozen), mb)[0])
 
   def accumulate(state: TrainState, acc: GradAccum, stats: BatchStats, mb: Batch,
-                 prox_logp: jax.Array, use_prox: jax.Array):
+                 prox_logp: jax.Array, use_prox: jax.Array, frozen: Any = None):
     check_batch(mb)
     (numerator, (counts, sums, x)), grads = grad_fn(state.params, mb, prox_logp, use_prox,
-                                                    state.version)
+                                                    state.version, frozen)
     acc = GradAccum(
         grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
         numerator=acc.numerator + numerator,

@@ -61,6 +61,12 @@ class Transformer:
     """Dtype of activations and matmuls (logits are always float32)."""
     return self.cfg.compute_dtype
 
+  @property
+  def lora_input_dims(self) -> dict[str, int]:
+    """Input axes (after the layer axis) of weights whose input is not just their first axis:
+    wo [H, D, E] takes H x D inputs (`model.lora`; every other matrix has one input axis)."""
+    return {"wo": 2}
+
   def with_compute_dtype(self, dtype: str) -> "Transformer":
     """The same model computing in `dtype` (same params; e.g. a bf16 sampler, ablation A9)."""
     return Transformer(dataclasses.replace(self.cfg, compute_dtype=dtype))

@@ -43,14 +43,15 @@ from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.pipeline.weight_channel import ChannelStats
 from rlax_pipe.pipeline.weight_channel import ManifestError
 from rlax_pipe.pipeline.weight_channel import params_manifest
+from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 
 __all__ = (
     "Checkpoint", "ChannelStats", "CostModel", "DRIVERS", "DeadlockError", "Evaluation",
-    "FILTER_MODES", "GroupFilterConfig", "Job", "JobClock", "MODES", "ManifestError", "POLICIES",
-    "PipelineConfig", "QueueClosed", "QueueStats", "QueueTimeout", "Report", "RolloutQueue",
-    "RolloutWorker", "RunConfig", "StalenessConfig", "StepHook", "StepResult", "TrainLog",
-    "Trainer", "UnpackedSample",
+    "FILTER_MODES", "GroupFilterConfig", "Job", "JobClock", "LoraWeightChannel", "MODES",
+    "ManifestError", "POLICIES", "PipelineConfig", "QueueClosed", "QueueTimeout", "QueueStats",
+    "Report", "RolloutQueue", "RolloutWorker", "RunConfig", "StalenessConfig", "StepHook",
+    "StepResult", "TrainLog", "Trainer", "UnpackedSample",
     "VirtualState", "WasteCounters", "WeightChannel", "build_job", "pack_rollouts",
     "params_manifest", "run_reproducible", "run_threaded", "token_lag", "unpack_batch",
 )

@@ -22,7 +22,7 @@ from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import model_dir
 from rlax_pipe import plots
 from rlax_pipe import timeline as timeline_lib
-from rlax_pipe.model import Transformer
+from rlax_pipe.model import Transformer, save_peft_adapter
 from rlax_pipe.pipeline import group_filter
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.trainer import StepResult
@@ -187,6 +187,7 @@ class TrainLog:
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
+        "push_bytes": result.push_bytes,  # one version's weights (LoRA: the adapters only)
         "idle_sampler": sampler_idle(summary.idle),
         "idle_learner": summary.idle.get("learner", float("nan")),
         "slot_occupancy": summary.slot_occupancy,
@@ -284,7 +285,7 @@ class Evaluation:
   def _params(job: Job) -> tuple[int, object]:
     if job.eval_params is not None:
       return job.eval_params()
-    return job.learner.version, job.learner.params
+    return job.learner.version, job.learner.merged_params()  # the learner's own, without LoRA
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
@@ -337,7 +338,8 @@ def save_cost_fit(job: Job) -> dict | None:
 
 class Export:
   """At the end: the trained policy as an HF model directory run_dir/hf/ (`RunConfig.export_hf`;
-  built-in model family only), with the run's tokenizer and generation config."""
+  built-in model family only), with the run's tokenizer and generation config. With LoRA, hf/
+  holds the merged weights and run_dir/hf_lora/ the adapters as a PEFT adapter directory."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del job, result, time_s
@@ -355,6 +357,13 @@ class Export:
     _, params = Evaluation._params(job)  # pylint: disable=protected-access
     model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
+    lora = getattr(job.learner, "lora", None)
+    if lora is not None:  # the adapters alone too, loadable by peft on top of the base
+      adapter_path = job.run_dir.path / "hf_lora"
+      save_peft_adapter(adapter_path, jax.device_get(job.learner.params), lora,
+                        base_model_name_or_path=str(job.cfg.init))
+      logging.info("LoRA adapters exported as a PEFT adapter directory: %s (merged policy in "
+                   "%s)", adapter_path, path)
 
 
 class Report:

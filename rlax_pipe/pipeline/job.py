@@ -52,6 +52,7 @@ from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 from rlax_pipe.run_dir import RunDir, load_state, save_state, to_jsonable
 from rlax_pipe.sampler import SamplerEngine
@@ -339,7 +340,7 @@ def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]
 
   def verify(sampler_params, version: int) -> None:
     ls, _ = model.forward(sampler_params, probe, pos)
-    ll, _ = model.forward(learner.params, probe, pos)
+    ll, _ = model.forward(learner.merged_params(), probe, pos)
     diff = float(np.max(np.abs(np.asarray(ls) - np.asarray(ll))))
     if not diff < 1e-3:
       raise RuntimeError(f"weight push of version {version} did not apply: sampler and learner "
@@ -355,7 +356,14 @@ def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: 
   pcfg, reproducible = cfg.pipeline, cfg.pipeline.mode == "reproducible"
   target = _sampler_target(model, sampler_mesh)
   verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
-  channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
+  if learner.lora is None:
+    channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
+  else:  # adapters only over the wire; the sampler merges them into its copy of the base
+    channel = LoraWeightChannel(learner.lora, learner.base_params, sampler_mesh, verify=verify,
+                                debug=pcfg.debug_verify_push)
+    logging.info("LoRA: the base (%d bytes) went to the sampler once; each version pushes its "
+                 "adapters only (%d bytes) and the sampler merges them.", channel.base_bytes,
+                 channel.adapter_bytes)
   engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
                    on_span=None if reproducible else timeline.record)
   if state is None:

@@ -60,6 +60,12 @@ def check_supported(cfg: RunConfig) -> None:
         "PipelineConfig.debug_verify_push compares learner and sampler params in one process; "
         "across processes every replica checks the learner's checksums of each version it "
         "installs (always on). Leave debug_verify_push False.")
+  if cfg.learner.lora.enabled:
+    raise ValueError(
+        f"LearnerConfig.lora.rank={cfg.learner.lora.rank}: LoRA runs in one process only for now "
+        "(the cross-process sender moves full params versions; the adapters-only channel with "
+        "the sampler-side merge is the in-process `LoraWeightChannel`). Set "
+        "--config.learner.lora.rank=0 or run on one process.")
 
 
 def learner_mesh(cfg: RunConfig, topology: cluster.Topology):
