@@ -43,10 +43,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rlax_pipe import offpolicy
-
 KL_MODES: tuple[str, ...] = ("off", "loss", "reward")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def _log_ratio(a_BT, b_BT, clamp):
+  """log a - log b clipped to [-clamp, clamp] (as `offpolicy.clamped_log_ratio`; this layer-0
+  module imports no other package module)."""
+  return jnp.clip(a_BT - b_BT, -clamp, clamp)
+
+
+def _check_shapes(**arrays):
+  shapes = {name: jnp.shape(x) for name, x in arrays.items()}
+  if len(set(shapes.values())) != 1 or any(len(v) != 2 for v in shapes.values()):
+    raise ValueError(f"kl_penalty: every array must be [B, T] with one shape; got {shapes}.")
+  return next(iter(shapes.values()))
 
 
 def estimate(log_r_BT: jax.Array, estimator: str) -> jax.Array:
@@ -94,14 +105,12 @@ def loss_penalty(logp_BT: jax.Array, ref_logp_BT: jax.Array, behavior_logp_BT: j
      kl_BT: the unweighted estimate k(log r) without the coefficient, gradient stopped, for
      diagnostics).
   """
-  offpolicy.check_token_shapes(logp_BT=logp_BT, ref_logp_BT=ref_logp_BT,
-                               behavior_logp_BT=behavior_logp_BT)
-  log_r = offpolicy.clamped_log_ratio(jax.lax.stop_gradient(ref_logp_BT), logp_BT,
-                                      log_ratio_clamp)
+  _check_shapes(logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, behavior_logp_BT=behavior_logp_BT)
+  log_r = _log_ratio(jax.lax.stop_gradient(ref_logp_BT), logp_BT, log_ratio_clamp)
   k = estimate(log_r, estimator)
   term = coef * k
   if is_weight:
-    weight = jnp.exp(offpolicy.clamped_log_ratio(logp_BT, behavior_logp_BT, log_ratio_clamp))
+    weight = jnp.exp(_log_ratio(logp_BT, behavior_logp_BT, log_ratio_clamp))
     term = jax.lax.stop_gradient(weight) * term
   return term, jax.lax.stop_gradient(k)
 
@@ -111,8 +120,8 @@ def penalty_to_go(k_BT: jax.Array, valid_BT: jax.Array,
   """sum_{t' >= t, t' in t's sample, valid} k_t' for every token t (undiscounted, gamma = 1).
 
   Samples are contiguous runs of one segment id within a row (packing), so with the row's
-  inclusive prefix sum P_t, the suffix sum within t's sample is E_s - P_t + k_t, where E_s is
-  P at the sample's last token.
+  inclusive prefix sum P_t, the suffix sum within t's sample is P_e(t) - P_t + k_t, where e(t)
+  is the last position of t's run (a reverse cumulative min over the run ends).
 
   Args:
     k_BT: float[B, T] per-token penalty (finite everywhere).
@@ -122,17 +131,16 @@ def penalty_to_go(k_BT: jax.Array, valid_BT: jax.Array,
   Returns:
     float[B, T] (values at invalid tokens are their sample's penalty still to come).
   """
-  shape = offpolicy.check_token_shapes(k_BT=k_BT, valid_BT=valid_BT)
+  b, t = _check_shapes(k_BT=k_BT, valid_BT=valid_BT)
   k = jnp.where(valid_BT, k_BT, jnp.zeros((), k_BT.dtype))
   prefix = jnp.cumsum(k, axis=1)
   if segment_ids_BT is None:
-    end = prefix[:, -1:]
-  else:
-    seg = segment_ids_BT
-    last = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((shape[0], 1), bool)], axis=1)
-    at_end = jnp.where(last, prefix, jnp.zeros((), prefix.dtype))[..., None]
-    end = offpolicy.per_token(offpolicy.per_sample(at_end, seg)[..., 0], seg, shape[1])
-  return end - prefix + k
+    return prefix[:, -1:] - prefix + k
+  seg = segment_ids_BT
+  last = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  end = jax.lax.cummin(jnp.where(last, pos, t), axis=1, reverse=True)
+  return jnp.take_along_axis(prefix, end, axis=1) - prefix + k
 
 
 def reward_penalty(advantages_BT: jax.Array, ref_logp_BT: jax.Array,
@@ -158,11 +166,10 @@ def reward_penalty(advantages_BT: jax.Array, ref_logp_BT: jax.Array,
   Returns:
     (advantages_BT with the penalty, gradient stopped; kl_BT: the per-token estimate k).
   """
-  offpolicy.check_token_shapes(advantages_BT=advantages_BT, ref_logp_BT=ref_logp_BT,
-                               behavior_logp_BT=behavior_logp_BT, valid_BT=valid_BT)
+  _check_shapes(advantages_BT=advantages_BT, ref_logp_BT=ref_logp_BT,
+                behavior_logp_BT=behavior_logp_BT, valid_BT=valid_BT)
   dtype = jnp.promote_types(advantages_BT.dtype, jnp.float32)
-  log_r = offpolicy.clamped_log_ratio(ref_logp_BT.astype(dtype),
-                                      behavior_logp_BT.astype(dtype), log_ratio_clamp)
+  log_r = _log_ratio(ref_logp_BT.astype(dtype), behavior_logp_BT.astype(dtype), log_ratio_clamp)
   log_r = jnp.where(valid_BT, log_r, jnp.zeros((), dtype))
   k = jax.lax.stop_gradient(estimate(log_r, estimator))
   adv = advantages_BT.astype(dtype) - coef * penalty_to_go(k, valid_BT, segment_ids_BT)

@@ -47,7 +47,10 @@ class ObjectiveConfig:
   `no_correction`), so an ablation never runs a knob that does nothing.
 
   Attributes:
-    name: objective, a key of `OBJECTIVES`.
+    name: objective, a key of `OBJECTIVES`: the per-token tis_pg, ppo_clip, cispo,
+      decoupled_ppo, is_mask, no_correction, untruncated_is, or the sequence-level gspo (GSPO,
+      Zheng et al. 2025: clipped length-normalised sequence ratio; the paper's settings are
+      clip_eps=3e-4, clip_eps_high=4e-4, aggregation="sequence_mean").
     truncation: c > 0, upper bound of the held-constant importance weight min(r, c) in `tis_pg`
       and `cispo` (epsilon_max there). Default 2.0, the TIS / verl rollout-correction default
       (Yao et al. 2025); PipelineRL trains with 5, ScaleRL's CISPO with 4-8.

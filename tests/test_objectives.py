@@ -409,7 +409,7 @@ def test_on_policy_objectives_agree():
 
 def test_registry_and_typo():
   assert set(NAMES) == {"tis_pg", "ppo_clip", "cispo", "decoupled_ppo", "is_mask",
-                        "no_correction", "untruncated_is"}
+                        "no_correction", "untruncated_is", "gspo"}
   assert objectives.get_objective("tis_pg") is objectives.tis_pg
   with pytest.raises(ValueError, match="tis_pg") as err:
     objectives.get_objective("tis-pg")
