@@ -50,28 +50,27 @@ def _reference_loss(params, ref_params, batch, cfg):
 
 
 @pytest.mark.parametrize("objective", [
-    ObjectiveConfig(name="tis_pg", max_lag=4, kl="loss", kl_estimator="k3", kl_coef=0.5),
-    ObjectiveConfig(name="tis_pg", max_lag=4, kl="reward", kl_estimator="k1", kl_coef=0.5),
     ObjectiveConfig(name="gspo", max_lag=4, aggregation="sequence_mean", clip_eps=3e-4,
-                    clip_eps_high=4e-4)])
+                    clip_eps_high=4e-4, kl="loss", kl_estimator="k3", kl_coef=0.5),
+    ObjectiveConfig(name="tis_pg", max_lag=4, kl="reward", kl_estimator="k1", kl_coef=0.5)],
+    ids=["gspo-kl_loss", "tis_pg-kl_reward"])
 def test_step_loss_matches_whole_batch_reference(objective, tmp_path):
   """kl_reference from an HF directory (params differ from the learner's), micro-batches of 2
   rows on fsdp 2 x tp 2: loss == the float32 whole-batch objective with full logits."""
   params, ref = _params(0), _params(1)
-  if objective.kl != "off":
-    hf_io.save_hf_checkpoint(tmp_path / "ref", ref, TINY)
-    objective = dataclasses.replace(objective, kl_reference=str(tmp_path / "ref"))
+  hf_io.save_hf_checkpoint(tmp_path / "ref", ref, TINY)
+  objective = dataclasses.replace(objective, kl_reference=str(tmp_path / "ref"))
   learner = learner_lib.Learner(TINY, _cfg(), objective, SAMPLING, devices=jax.devices()[:4],
                                 params=params)
   batch = learner_lib.synthetic_batch(np.random.default_rng(2), B, L, TINY.vocab_size)
   learner.train_step(batch)
   m = learner.flush()
-  want = _reference_loss(params, None if objective.kl == "off" else ref, batch, objective)
+  want = _reference_loss(params, ref, batch, objective)
   np.testing.assert_allclose(m["loss"], want, rtol=2e-5)
-  if objective.kl != "off":
-    assert float(m["kl_ref"]) > 0.01
-  else:
-    assert "kl_ref" not in m
+  without_kl = _reference_loss(params, None, batch, dataclasses.replace(
+      objective, kl="off", kl_estimator="k3", kl_coef=0.04, kl_reference=None))
+  assert abs(float(want) - float(without_kl)) > 1e-3   # the KL term is not negligible here
+  assert float(m["kl_ref"]) > 0.01
 
 
 def test_reference_defaults_to_initial_params_sharded_in_compute_dtype():
