@@ -198,7 +198,7 @@ class ObjectiveConfig:
                          "effect with kl='off'; set --config.objective.kl=loss or reward.")
     if self.kl_is_weight and self.kl != "loss":
       raise ValueError(f"ObjectiveConfig.kl_is_weight=True is only used with kl='loss' (got "
-                       f"kl={self.kl!r}: the reward penalty is taken under mu and needs no weight).")
+                       f"kl={self.kl!r}: the reward penalty is taken under mu, needs no weight).")
 
   def _validate_lag_truncation(self):
     """Checks `lag_truncation`'s form and that the chosen objective has a level to scale."""

@@ -20,12 +20,12 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig",
-    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "Checkpointer", "GradAccum", "Learner", "LearnerConfig",
-    "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES", "Restored", "SCHEDULES", "StepFns",
-    "TrainState", "abstract_reference", "abstract_state", "batch_arrays", "batch_sharding", "completion_mask",
-    "decay_mask", "init_state", "learner_mesh", "learning_rate", "load_reference_params", "lower_accumulate",
-    "make_optimizer", "make_step_fns", "param_shardings", "plan_micro_batches", "reference_bytes", "run_benchmark",
+    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig", "CheckpointCorruptError",
+    "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "Checkpointer",
+    "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES",
+    "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_reference", "abstract_state",
+    "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
+    "learning_rate", "load_reference_params", "lower_accumulate", "make_optimizer", "make_step_fns",
+    "param_shardings", "plan_micro_batches", "reference_bytes", "run_benchmark",
     "sharded_abstract_state", "state_shardings", "synthetic_batch", "token_loss",
 ]

@@ -246,8 +246,9 @@ def with_kl(sel: Selected, out: objectives.TokenLoss | None, ref_logp_BT: jax.Ar
     ValueError: if ref_logp_BT is None while cfg.kl != "off", or given while it is "off".
   """
   if (ref_logp_BT is None) != (cfg.kl == "off"):
+    given = "None" if ref_logp_BT is None else "an array"
     raise ValueError(f"ObjectiveConfig.kl={cfg.kl!r} needs reference log-probs exactly when it "
-                     f"is not 'off'; got ref_logp_BT={'None' if ref_logp_BT is None else 'an array'}.")
+                     f"is not 'off'; got ref_logp_BT={given}.")
   phase = "reward" if out is None else "loss"
   if cfg.kl != phase:
     return (sel if out is None else out), None

@@ -26,7 +26,8 @@ B, L = 4, 32
 
 def _cfg(**kwargs):
   return learner_lib.LearnerConfig(
-      mesh_axes=FSDP_TP, micro_batch_rows=2, compiler_options=(("xla_backend_optimization_level", 0),),
+      mesh_axes=FSDP_TP, micro_batch_rows=2,
+      compiler_options=(("xla_backend_optimization_level", 0),),
       optimizer=learner_lib.OptimizerConfig(learning_rate=1e-3, warmup_steps=0), **kwargs)
 
 
