@@ -44,3 +44,12 @@ def test_pass_at_k_rejects_bad_arguments_and_config_validates_k():
     pconfig.PipelineConfig(eval_pass_k=(1,))
   with pytest.raises(ValueError, match="eval_samples"):
     pconfig.PipelineConfig(eval_samples=-1)
+
+
+def test_plot_keys_of_sampled_eval_rows():
+  from rlax_pipe import plots  # pylint: disable=import-outside-toplevel
+  rows = [{"heldout_accuracy": 0.5, "heldout_pass_at_16": 0.9, "heldout_pass_at_2": 0.7,
+           "heldout_mean_at_16": 0.4}, {"heldout_accuracy": 0.6}]
+  assert plots.sampled_eval_keys(rows) == ["heldout_mean_at_16", "heldout_pass_at_2",
+                                           "heldout_pass_at_16"]
+  assert plots.sampled_eval_keys([{"heldout_accuracy": 0.5}]) == []
