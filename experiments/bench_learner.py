@@ -10,6 +10,9 @@ devices: the HLO-derived collective summary). On CPU the script exposes 8 virtua
   python3 experiments/bench_learner.py --model=tiny --mesh=fsdp:2,tp:2 --skip_memory
   # LoRA vs full fine-tuning at the same shape: push_bytes, opt_state_bytes and step_s
   python3 experiments/bench_learner.py --model=tiny --skip_memory --skip_collectives --lora_rank=8
+  # the KL reference's memory (reference_bytes in `memory`) and its cost in the step
+  python3 experiments/bench_learner.py --model=reduced_32k --kl=loss --compute_dtype=bfloat16 \
+      --steps=3 --batch_size=8 --seq_len=512 --skip_collectives
   # one GPU, a 0.6B shape (Qwen3-0.6B) in bf16 compute with fp32 master params
   python3 experiments/bench_learner.py --model=qwen3_0p6b --mesh=fsdp:1 --compute_dtype=bfloat16 \
       --seq_len=2048 --batch_size=16 --micro_batch_rows=8 --remat=full --steps=4
@@ -66,6 +69,9 @@ _ATTN = flags.DEFINE_integer("attention_block_len", 512, "Queries per attention 
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed optimizer steps (0 = no timing).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps (the first one compiles).")
 _OBJECTIVE = flags.DEFINE_string("objective", "tis_pg", "Objective name.")
+_KL = flags.DEFINE_enum("kl", "off", ["off", "loss", "reward"],
+                        "KL to a reference (ObjectiveConfig.kl; the reference is the initial "
+                        "params): its memory joins the memory report, its forward the timing.")
 _REMAT = flags.DEFINE_enum("remat", "none", list(learner.REMAT_POLICIES), "Remat policy.")
 _PEAK = flags.DEFINE_float("peak_tflops", None, "Peak TFLOP/s per chip for MFU (default: the "
                            "named-chip table by device kind).")
@@ -87,7 +93,7 @@ def main(argv):
       num_minibatches=_MINI.value, logits_chunk_len=_CHUNK.value or None,
       attention_block_len=_ATTN.value or None, remat=_REMAT.value,
       lora=LoraConfig(rank=_LORA_RANK.value, alpha=_LORA_ALPHA.value))
-  objective, sampling = ObjectiveConfig(name=_OBJECTIVE.value), SamplingConfig()
+  objective, sampling = ObjectiveConfig(name=_OBJECTIVE.value, kl=_KL.value), SamplingConfig()
   out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend()}
   if _STEPS.value:

@@ -1,6 +1,8 @@
 """Held-out evaluation: sample completions for task problems with the paged sampler and grade them.
 
-Used by the SFT warm start (greedy and T=1 accuracy) and by the RL drivers (held-out accuracy).
+Used by the SFT warm start (greedy and T=1 accuracy) and by the RL drivers (held-out accuracy,
+and with `PipelineConfig.eval_samples` = n > 0 also mean@n and unbiased pass@k from n samples
+per problem at the sampling temperature, `evaluate_samples`).
 Prompts are encoded as in training (`tok.encode_prompt`, the same over-long-prompt policy) and
 completions graded as in training (the text after the reasoning block, `grading`); verifiers run
 in worker processes (`tasks.VerifierPool`).
@@ -40,6 +42,57 @@ class EvalResult:
   num_problems: int
   mean_completion_tokens: float
   accuracy_by_difficulty: dict
+  num_filtered: int = 0
+  num_failed_rewards: int = 0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, eq. 1).
+
+  pass@k = 1 - C(n - c, k) / C(n, k), computed as 1 - prod_{i = n - c + 1}^{n} (1 - k / i),
+  the numerically stable product form of the paper's Fig. 3 (no large binomials); 1.0 when
+  n - c < k (every k-subset holds a correct sample).
+
+  Args:
+    n: samples drawn (>= 1).
+    c: correct samples (0 <= c <= n).
+    k: subset size (1 <= k <= n).
+
+  Returns:
+    float in [0, 1].
+
+  Raises:
+    ValueError: on n < 1, c outside [0, n] or k outside [1, n].
+  """
+  if n < 1 or not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass_at_k needs n >= 1, 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, "
+                     f"k={k}.")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledEvalResult:
+  """n samples per problem at the sampling temperature.
+
+  Attributes:
+    num_samples: n, samples per problem.
+    mean_at_n: mean over problems of the mean reward of their n samples (= c / n averaged for
+      0/1 rewards); a failed verifier call counts 0.0.
+    pass_at_k: {k: mean over problems of `pass_at_k(n, c_i, k)`}, c_i the samples of problem i
+      with reward >= 1 (a full pass; partial credit does not pass).
+    num_problems: problems evaluated (given minus `num_filtered`).
+    mean_completion_tokens: mean completion length over all samples (tokens).
+    num_filtered: problems skipped because their prompt does not fit.
+    num_failed_rewards: verifier calls that failed.
+  """
+
+  num_samples: int
+  mean_at_n: float
+  pass_at_k: dict
+  num_problems: int
+  mean_completion_tokens: float
   num_filtered: int = 0
   num_failed_rewards: int = 0
 
@@ -106,5 +159,72 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
       accuracy=float(np.mean(rewards)) if rewards else 0.0, num_problems=len(kept),
       mean_completion_tokens=float(np.mean(lengths)) if lengths else 0.0,
       accuracy_by_difficulty={k: float(np.mean(v)) for k, v in sorted(by_diff.items())},
+      num_filtered=len(problems) - len(kept),
+      num_failed_rewards=sum(v.failed for v in verdicts))
+
+
+def evaluate_samples(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tokenizer,
+                     problems: Sequence[task_base.Problem], num_samples: int,
+                     ks: Sequence[int], *, timeout_s: float = 5.0,
+                     verifier: VerifierPool | None = None,
+                     grading: grading_lib.GradingConfig = grading_lib.GradingConfig()
+                     ) -> SampledEvalResult:
+  """Generates `num_samples` completions per problem with `engine` (its weights and sampling
+  config, e.g. the training temperature) and reports mean@n and unbiased pass@k.
+
+  A problem's n requests share a group id, so the paged sampler shares their prompt's pages.
+  The engine must be idle; it is left idle.
+
+  Args:
+    engine: a sampler engine holding the weights to evaluate (sampling, not greedy: n greedy
+      samples would be n copies of one).
+    task, tok, problems, timeout_s, verifier, grading: as for `evaluate`.
+    num_samples: n >= 1 samples per problem.
+    ks: the k of each pass@k (1 <= k <= n).
+
+  Returns:
+    SampledEvalResult.
+
+  Raises:
+    ValueError: on n < 1 or a k outside [1, n].
+    RuntimeError: if the engine has work in flight.
+  """
+  if num_samples < 1 or any(not 1 <= k <= num_samples for k in ks):
+    raise ValueError(f"evaluate_samples: need num_samples >= 1 and every k in [1, "
+                     f"{num_samples}]; got num_samples={num_samples}, ks={tuple(ks)}.")
+  if engine.has_work:
+    raise RuntimeError("evaluate_samples() needs an idle engine; it has requests in flight.")
+  kept = []
+  for p in problems:
+    prepared = grading_lib.prepare_prompt(tok, p.prompt, engine.cfg.max_seq_len, grading)
+    if prepared.ids is None:
+      continue
+    kept.append(p)
+    i = len(kept) - 1
+    for j in range(num_samples):
+      engine.submit(Request(prompt_tokens=prepared.ids, sample_id=i * num_samples + j,
+                            group_id=i, prompt_index=p.index))
+  rollouts = {r.sample_id: r for r in engine.run_to_completion()} if kept else {}
+  ids = sorted(rollouts)
+  items = [(kept[sid // num_samples], tok.decode(rollouts[sid].completion_tokens))
+           for sid in ids]
+  pool = verifier if verifier is not None else VerifierPool(task, timeout_s=timeout_s)
+  try:
+    verdicts = pool.grade(items, ids) if items else []
+  finally:
+    if verifier is None:
+      pool.close()
+  rewards = np.zeros((len(kept), num_samples))
+  for sid, v in zip(ids, verdicts):
+    rewards[sid // num_samples, sid % num_samples] = 0.0 if math.isnan(v.reward) else v.reward
+  correct = (rewards >= 1.0).sum(axis=1)
+  lengths = [rollouts[sid].num_completion_tokens for sid in ids]
+  return SampledEvalResult(
+      num_samples=num_samples,
+      mean_at_n=float(rewards.mean()) if kept else 0.0,
+      pass_at_k={int(k): float(np.mean([pass_at_k(num_samples, int(c), int(k))
+                                        for c in correct])) if kept else 0.0 for k in ks},
+      num_problems=len(kept),
+      mean_completion_tokens=float(np.mean(lengths)) if lengths else 0.0,
       num_filtered=len(problems) - len(kept),
       num_failed_rewards=sum(v.failed for v in verdicts))

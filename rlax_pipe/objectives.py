@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rlax_pipe import kl_penalty
 from rlax_pipe import offpolicy
 
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "constant")
@@ -46,7 +47,10 @@ class ObjectiveConfig:
   `no_correction`), so an ablation never runs a knob that does nothing.
 
   Attributes:
-    name: objective, a key of `OBJECTIVES`.
+    name: objective, a key of `OBJECTIVES`: the per-token tis_pg, ppo_clip, cispo,
+      decoupled_ppo, is_mask, no_correction, untruncated_is, or the sequence-level gspo (GSPO,
+      Zheng et al. 2025: clipped length-normalised sequence ratio; the paper's settings are
+      clip_eps=3e-4, clip_eps_high=4e-4, aggregation="sequence_mean").
     truncation: c > 0, upper bound of the held-constant importance weight min(r, c) in `tis_pg`
       and `cispo` (epsilon_max there). Default 2.0, the TIS / verl rollout-correction default
       (Yao et al. 2025); PipelineRL trains with 5, ScaleRL's CISPO with 4-8.
@@ -81,6 +85,21 @@ class ObjectiveConfig:
     log_ratio_clamp: bound in nats on |log ratio| before exp, in (0, 80] (default 20.0).
     hist_bins: number K >= 2 of lag histogram bins; bins 0..K-2 count lags exactly, bin K-1
       counts lag >= K-1 (default 17).
+    kl: KL regularisation towards a reference policy, one of `kl_penalty.KL_MODES`: "off"
+      (default), "loss" (kl_coef x the per-token estimate added to the loss, GRPO style) or
+      "reward" (kl_coef x the per-token estimate of KL(mu || pi_ref) subtracted from the reward,
+      summed to go, InstructGPT style); see `rlax_pipe.kl_penalty` for exactly what each
+      estimates. The other kl_* fields are only valid when kl != "off".
+    kl_estimator: "k1", "k2" or "k3" (Schulman 2020; default "k3", GRPO's).
+    kl_coef: coefficient beta >= 0 of the KL term (nats -> loss / reward units; default 0.04,
+      DeepSeekMath's GRPO beta, Shao et al. 2024 Sec. 4.2).
+    kl_reference: None (default: the learner's initial params, e.g. the SFT warm start) or the
+      path of an HF-format model directory (config.json + *.safetensors) of the same
+      architecture to use as pi_ref. Held on the learner mesh with the params' shardings, in
+      the model's compute dtype.
+    kl_is_weight: with kl="loss", multiply each KL term by the held-constant importance weight
+      pi_theta / mu, so that k1 / k3 estimate KL(pi_theta || pi_ref) although tokens come from
+      mu (DeepSeek-V3.2's correction); default False (GRPO: no weight).
   """
 
   name: str = "tis_pg"
@@ -97,6 +116,11 @@ class ObjectiveConfig:
   max_completion_len: int | None = None
   log_ratio_clamp: float = 20.0
   hist_bins: int = 17
+  kl: str = "off"
+  kl_estimator: str = "k3"
+  kl_coef: float = 0.04
+  kl_reference: str | None = None
+  kl_is_weight: bool = False
 
   def __post_init__(self):
     if self.name not in OBJECTIVES:
@@ -150,6 +174,31 @@ class ObjectiveConfig:
     if isinstance(self.hist_bins, bool) or not isinstance(self.hist_bins, int) or (
         self.hist_bins < 2):
       raise ValueError(f"ObjectiveConfig.hist_bins={self.hist_bins!r} must be an int >= 2.")
+    self._validate_kl()
+
+  def _validate_kl(self):
+    """Checks the kl_* fields; with kl="off" any non-default kl_* field is an error."""
+    if self.kl not in kl_penalty.KL_MODES:
+      raise ValueError(f"ObjectiveConfig.kl={self.kl!r}; choose one of {kl_penalty.KL_MODES}.")
+    if self.kl_estimator not in kl_penalty.KL_ESTIMATORS:
+      raise ValueError(f"ObjectiveConfig.kl_estimator={self.kl_estimator!r}; choose one of "
+                       f"{kl_penalty.KL_ESTIMATORS}.")
+    if not (isinstance(self.kl_coef, (int, float)) and math.isfinite(self.kl_coef)
+            and self.kl_coef >= 0):
+      raise ValueError(f"ObjectiveConfig.kl_coef={self.kl_coef!r} must be finite and >= 0.")
+    if self.kl_reference is not None and not (isinstance(self.kl_reference, str)
+                                              and self.kl_reference):
+      raise ValueError(f"ObjectiveConfig.kl_reference={self.kl_reference!r} must be None or "
+                       "the path of an HF-format model directory.")
+    if self.kl == "off":
+      defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("kl_")}
+      changed = [n for n, d in defaults.items() if getattr(self, n) != d]
+      if changed:
+        raise ValueError(f"ObjectiveConfig.{changed[0]}={getattr(self, changed[0])!r} has no "
+                         "effect with kl='off'; set --config.objective.kl=loss or reward.")
+    if self.kl_is_weight and self.kl != "loss":
+      raise ValueError(f"ObjectiveConfig.kl_is_weight=True is only used with kl='loss' (got "
+                       f"kl={self.kl!r}: the reward penalty is taken under mu, needs no weight).")
 
   def _validate_lag_truncation(self):
     """Checks `lag_truncation`'s form and that the chosen objective has a level to scale."""
@@ -379,6 +428,63 @@ def untruncated_is(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *,
   return TokenLoss(loss, jnp.zeros(loss.shape, bool))
 
 
+def gspo(logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, *, prox_logp_BT=None,
+         segment_ids_BT=None, valid_BT=None):
+  """Group Sequence Policy Optimization, GSPO (Zheng et al. 2025, eqs. 5-7 and 10-11).
+
+  Sequence ratio (length-normalised, eq. 7), over the valid tokens V_i of sample i:
+    s_i = (pi_theta(y_i|x) / mu(y_i|x))^(1/|V_i|) = exp(mean_{t in V_i} log(pi_theta / mu)_t),
+  and the per-token loss of GSPO-token (eqs. 10-11),
+    l_t = -min(s_it A_t, clip(s_it, 1 - eps, 1 + eps_high) A_t),
+    s_it = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t))   (value s_i; gradient s_i grad log pi),
+  which with `aggregation="sequence_mean"` and an advantage constant over each sample (GRPO's)
+  is exactly GSPO's objective -(1/G) sum_i min(s_i A_i, clip(s_i) A_i) and gradient (eq. 6, 8).
+  The clip range is cfg.clip_eps / cfg.eps_high; the paper uses 3e-4 / 4e-4 (Sec. 5.1), far
+  smaller than PPO's 0.2 because s_i is a per-token geometric mean.
+
+  Composition with the pipeline (documented choices):
+    * old policy = mu, the sampler's recorded log-probs. When versions change inside a sample,
+      mu(y_i|x) = prod_t mu_{v_t}(a_t|s_t) is still exactly the probability with which y_i was
+      generated, so s_i is the length-normalised ratio of pi_theta to the actual behaviour.
+    * the lag mask applies: tokens with lag > max_lag (and non-completion tokens) are outside
+      V_i, excluded from the mean and from the loss; a sample with no valid token contributes
+      nothing.
+    * truncation / lag_truncation / behavior_trunc (per-token importance-weight truncation) do
+      not apply: GSPO bounds the sequence ratio by its clip, and truncating the per-token ratios
+      inside the geometric mean would change what s_i means; `ObjectiveConfig` rejects them.
+  truncated counts tokens whose clip is active (the whole sample's tokens, for one sign of A).
+
+  Args:
+    logp_BT, behavior_logp_BT, advantages_BT, lag_BT, cfg, prox_logp_BT: as for every objective
+      (prox_logp_BT is unused).
+    segment_ids_BT: optional int[B, T] sample id per token (None = one sample per row).
+    valid_BT: optional bool[B, T] tokens of V_i (None = every token).
+
+  Returns:
+    TokenLoss (per-token loss, truncated flags).
+
+  Raises:
+    TypeError: on a non-integer lag or a cfg of the wrong type.
+  """
+  del prox_logp_BT
+  _check(cfg, logp_BT, lag_BT)
+  shape = logp_BT.shape
+  valid = jnp.ones(shape, bool) if valid_BT is None else valid_BT
+  dtype = jnp.promote_types(logp_BT.dtype, jnp.float32)
+  log_ratio = offpolicy.clamped_log_ratio(logp_BT, behavior_logp_BT, cfg.log_ratio_clamp)
+  log_ratio = jnp.where(valid, log_ratio.astype(dtype), jnp.zeros((), dtype))
+  sums = offpolicy.per_sample(jnp.stack([log_ratio, valid.astype(dtype)], -1), segment_ids_BT)
+  mean_S = sums[..., 0] / jnp.maximum(sums[..., 1], 1.0)
+  seq_log_ratio = offpolicy.per_token(jax.lax.stop_gradient(mean_S), segment_ids_BT, shape[1])
+  s = jnp.exp(jnp.clip(seq_log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp))
+  s_token = s * jnp.exp(logp_BT - jax.lax.stop_gradient(logp_BT))
+  adv = jax.lax.stop_gradient(advantages_BT)
+  low, high = 1.0 - cfg.clip_eps, 1.0 + cfg.eps_high
+  surrogate = jnp.minimum(s_token * adv, jnp.clip(s_token, low, high) * adv)
+  clipped = ((adv > 0) & (s > high)) | ((adv < 0) & (s < low))
+  return TokenLoss(-surrogate, clipped)
+
+
 Objective = Callable[..., TokenLoss]
 
 OBJECTIVES: dict[str, Objective] = {
@@ -389,7 +495,11 @@ OBJECTIVES: dict[str, Objective] = {
     "is_mask": is_mask,
     "no_correction": no_correction,
     "untruncated_is": untruncated_is,
+    "gspo": gspo,
 }
+# Objectives whose per-token loss depends on the other tokens of the sample: they also receive
+# `segment_ids_BT` and `valid_BT` (keywords) from `token_loss.per_token_loss`.
+SEQUENCE_OBJECTIVES: tuple[str, ...] = ("gspo",)
 
 def get_objective(name: str) -> Objective:
   """Looks up an objective by its registry name.

@@ -38,8 +38,16 @@ def time_axis_label(rows: Sequence[dict]) -> str:
   return f"run time (s, {clock_of(rows)})"
 
 
+def sampled_eval_keys(evals: Sequence[dict]) -> list[str]:
+  """The mean@n / pass@k fields of eval rows (`heldout_mean_at_<n>`, `heldout_pass_at_<k>`),
+  mean@n first, then pass@k by k."""
+  keys = {k for r in evals for k in r if k.startswith(("heldout_mean_at_", "heldout_pass_at_"))}
+  return sorted(keys, key=lambda k: (k.startswith("heldout_pass"), int(k.rsplit("_", 1)[1])))
+
+
 def plot_reward_accuracy(rows: Sequence[dict], path: str) -> None:
-  """Batch reward and held-out accuracy against run time (seconds) and learner step."""
+  """Batch reward and held-out accuracy (greedy; plus mean@n and pass@k when the eval rows
+  have them) against run time (seconds) and learner step."""
   train = [r for r in rows if r.get("kind") == "train"]
   evals = [r for r in rows if r.get("kind") == "eval"]
   fig = _figure(2)
@@ -49,6 +57,9 @@ def plot_reward_accuracy(rows: Sequence[dict], path: str) -> None:
             alpha=0.6)
     ax.plot([r[key] for r in evals], [r["heldout_accuracy"] for r in evals], "o-",
             label="held-out accuracy (greedy)")
+    for name in sampled_eval_keys(evals):  # mean@n, pass@k of PipelineConfig.eval_samples
+      ax.plot([r[key] for r in evals if name in r], [r[name] for r in evals if name in r],
+              "s--", label=name.replace("heldout_", "held-out ").replace("_at_", "@"))
     ax.set_xlabel(time_axis_label(rows) if key == "time_s" else "learner step")
     ax.set_ylabel("reward / accuracy")
     ax.set_title("Reward and held-out accuracy vs " + ("run time" if key == "time_s"

@@ -167,6 +167,8 @@ def test_finite_difference_gradient(name):
     mu = logp + rng.normal(scale=0.5, size=(2, 3))
     prox = logp + rng.normal(scale=0.1, size=(2, 3))
     adv = rng.normal(size=(2, 3))
+    if name in objectives.SEQUENCE_OBJECTIVES:  # GSPO-token is GSPO's gradient when the
+      adv = np.repeat(adv[:, :1], 3, axis=1)    # advantage is constant over a sample
     mask = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     lag = np.array([[0, 1, 0], [2, 0, 5]], np.int32)
     cfg = ObjectiveConfig(name=name, max_lag=3, truncation=1.3,
@@ -407,7 +409,7 @@ def test_on_policy_objectives_agree():
 
 def test_registry_and_typo():
   assert set(NAMES) == {"tis_pg", "ppo_clip", "cispo", "decoupled_ppo", "is_mask",
-                        "no_correction", "untruncated_is"}
+                        "no_correction", "untruncated_is", "gspo"}
   assert objectives.get_objective("tis_pg") is objectives.tis_pg
   with pytest.raises(ValueError, match="tis_pg") as err:
     objectives.get_objective("tis-pg")

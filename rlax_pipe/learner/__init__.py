@@ -9,7 +9,8 @@ from rlax_pipe.learner.checkpoint import (
 from rlax_pipe.learner.config import (
     BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
 from rlax_pipe.learner.learner import (
-    Learner, NonFiniteError, batch_arrays, lower_accumulate, plan_micro_batches)
+    Learner, NonFiniteError, abstract_reference, batch_arrays, load_reference_params,
+    lower_accumulate, plan_micro_batches, reference_bytes)
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import batch_sharding, learner_mesh, param_shardings
 from rlax_pipe.learner import token_loss
@@ -19,12 +20,12 @@ from rlax_pipe.learner.train_step import (
     BATCH_FIELDS, BatchStats, GradAccum, StepFns, completion_mask, make_step_fns)
 
 __all__ = [
-    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig",
-    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError",
-    "CheckpointNotFoundError", "Checkpointer", "GradAccum", "Learner", "LearnerConfig",
-    "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES", "Restored", "SCHEDULES", "StepFns",
-    "TrainState", "abstract_state", "batch_arrays", "batch_sharding", "completion_mask",
-    "decay_mask", "init_state", "learner_mesh", "learning_rate", "lower_accumulate",
-    "make_optimizer", "make_step_fns", "param_shardings", "plan_micro_batches", "run_benchmark",
+    "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig", "CheckpointCorruptError",
+    "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "Checkpointer",
+    "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES",
+    "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_reference", "abstract_state",
+    "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
+    "learning_rate", "load_reference_params", "lower_accumulate", "make_optimizer", "make_step_fns",
+    "param_shardings", "plan_micro_batches", "reference_bytes", "run_benchmark",
     "sharded_abstract_state", "state_shardings", "synthetic_batch", "token_loss",
 ]

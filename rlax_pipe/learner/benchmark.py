@@ -19,7 +19,7 @@ from rlax_pipe import objectives
 from rlax_pipe.learner import flops
 from rlax_pipe.learner import hlo_analysis
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.learner.learner import Learner, lower_accumulate
+from rlax_pipe.learner.learner import Learner, lower_accumulate, reference_bytes
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 
@@ -217,7 +217,10 @@ def memory_report(model: ModelLike, learner_cfg: LearnerConfig,
 
   Returns:
     temp_bytes, naive_temp_bytes, logits_temp_ratio (= temp_bytes / naive_temp_bytes),
-    argument_bytes, output_bytes, logits_chunk_len, attention_block_len, remat.
+    argument_bytes, output_bytes, logits_chunk_len, attention_block_len, remat; with
+    `objective_cfg.kl` != "off" also kl, reference_bytes and reference_bytes_per_device (the
+    reference params of the KL term in the compute dtype, from their shapes and shardings;
+    they are part of argument_bytes) and reference_dtype.
   """
   chunked = lower_accumulate(model, learner_cfg, objective_cfg, sampling_cfg, mesh,
                              seq_len).compile()
@@ -235,6 +238,9 @@ def memory_report(model: ModelLike, learner_cfg: LearnerConfig,
       "remat": learner_cfg.remat,
       "micro_batch_rows": learner_cfg.micro_batch_rows,
       "seq_len": seq_len,
+      **({} if objective_cfg.kl == "off" else {
+          "kl": objective_cfg.kl, **reference_bytes(model, mesh),
+          "reference_dtype": str(getattr(as_model(model), "compute_dtype", "param dtype"))}),
   }
 
 

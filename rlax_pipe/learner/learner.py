@@ -29,6 +29,7 @@ from rlax_pipe.learner import train_step as train_step_lib
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
+from rlax_pipe.model import hf_io
 from rlax_pipe.types import TrainBatch
 
 # Checkpoint extra key of a LoRA learner: the checksums of the frozen base the adapters belong to.
@@ -79,7 +80,8 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   return _Compiled(
       prox=jit(fns.prox, in_shardings=(state_sh, micro_sh, frozen_sh), out_shardings=tok_sh),
       accumulate=jit(fns.accumulate,
-                     in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep, frozen_sh),
+                     in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep, frozen_sh) + (
+                         () if objective_cfg.kl == "off" else (reference_shardings(model, mesh),)),
                      out_shardings=(acc_sh, stats_sh), donate_argnums=(1, 2)),
       apply=jit(fns.apply, in_shardings=(state_sh, acc_sh, stats_sh, rep),
                 out_shardings=(state_sh, acc_sh, stats_sh, rep), donate_argnums=(0, 1, 2)),
@@ -109,8 +111,74 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
                                    sharding=fns.micro_sharding[name])
         for name in train_step_lib.BATCH_FIELDS}
   prox = jax.ShapeDtypeStruct(shape, np.float32, sharding=fns.micro_sharding["tokens"])
+  ref = () if objective_cfg.kl == "off" else (abstract_reference(model, mesh),)
   return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_),
-                              frozen)
+                              frozen, *ref)
+
+
+def _reference_dtype(model: Model, dtype: Any) -> Any:
+  """The reference copy's dtype of a param leaf: the model's compute dtype for floating leaves
+  (the built-in model casts params to it anyway), unchanged otherwise or for a model without
+  a `compute_dtype`."""
+  cdt = getattr(model, "compute_dtype", None)
+  return np.dtype(cdt) if cdt is not None and np.issubdtype(dtype, np.floating) else dtype
+
+
+def abstract_reference(model: ModelLike, mesh: Mesh) -> Any:
+  """The reference params (`ObjectiveConfig.kl`) as abstract arrays: the params' shapes and
+  learner shardings, in the model's compute dtype (nothing allocated)."""
+  model = as_model(model)
+  shardings = sharding_lib.param_shardings(model, mesh)
+  return jax.tree.map(
+      lambda a, sh: jax.ShapeDtypeStruct(a.shape, _reference_dtype(model, a.dtype), sharding=sh),
+      model.abstract_params(), shardings)
+
+
+def reference_bytes(model: ModelLike, mesh: Mesh) -> dict[str, int]:
+  """Memory of the reference params: total bytes and the largest per-device share (bytes)."""
+  ref = abstract_reference(model, mesh)
+  total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(ref))
+  per_device = sum(
+      int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+      for a in jax.tree.leaves(ref))
+  return {"reference_bytes": total, "reference_bytes_per_device": per_device}
+
+
+def _make_reference(model: Model, mesh: Mesh, params: Any) -> Any:
+  """A copy of `params` on the learner shardings in the compute dtype (a new buffer: the
+  learner's own params are donated by every step, the reference never changes)."""
+  target = abstract_reference(model, mesh)
+  cast = jax.jit(lambda p: jax.tree.map(lambda x, t: x.astype(t.dtype), p, target),
+                 out_shardings=jax.tree.map(lambda t: t.sharding, target))
+  ref = cast(params)
+  if any(r is p for r, p in zip(jax.tree.leaves(ref), jax.tree.leaves(params))):
+    ref = jax.tree.map(lambda x: x.copy(), ref)  # an identity cast may alias the input
+  return ref
+
+
+def load_reference_params(model: Model, path: str) -> Any:
+  """Host params of an HF-format model directory (`ObjectiveConfig.kl_reference`).
+
+  Raises:
+    ValueError: if the directory cannot be read or its params do not match the model's tree
+      and shapes (the message names the field, the path and the difference).
+  """
+  try:
+    _, params = hf_io.load_hf_checkpoint(path)
+  except (ValueError, FileNotFoundError, OSError) as e:
+    raise ValueError(f"ObjectiveConfig.kl_reference={path!r}: {e}") from None
+  want = jax.tree.map(lambda a: a.shape, model.abstract_params())
+  got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
+  if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+    raise ValueError(f"ObjectiveConfig.kl_reference={path!r}: its params do not match the "
+                     "learner's model (tree or shapes differ); pass a checkpoint of the same "
+                     "architecture.")
+  return params
+
+
+def reference_shardings(model: ModelLike, mesh: Mesh) -> Any:
+  """Learner shardings of the reference params (the full model's params, also under LoRA)."""
+  return jax.tree.map(lambda t: t.sharding, abstract_reference(model, mesh))
 
 
 def plan_micro_batches(num_rows: int, micro_batch_rows: int,
@@ -272,9 +340,21 @@ class Learner:
                    "trained, base frozen.", cfg.lora.rank, cfg.lora.alpha, len(self.lora.specs),
                    ", ".join(sp.name for sp in self.lora.specs),
                    lora_lib.adapter_bytes(self.lora.abstract_params()))
+    self.reference_params: Any = None  # pi_ref of ObjectiveConfig.kl, None when off
+    kl_path = objective_cfg.kl_reference if objective_cfg.kl != "off" else None
+    if kl_path is not None:
+      self.reference_params = _make_reference(
+          self.model, mesh, load_reference_params(self.model, kl_path))
     if restore:
       if params is not None:
         raise ValueError("Learner: pass either params or restore=True, not both.")
+      if objective_cfg.kl != "off" and kl_path is None and self.lora is not None:
+        # LoRA: the initial policy is the frozen base (fresh adapters have B = 0).
+        self.reference_params = _make_reference(self.model, mesh, self._frozen)
+      elif objective_cfg.kl != "off" and kl_path is None:
+        raise ValueError("Learner: restore=True without params does not know the initial "
+                         "params to use as the KL reference; pass params and call restore() "
+                         "afterwards, or set --config.objective.kl_reference.")
       self.restored_extra = self.restore()
       return
     if params is None:
@@ -282,6 +362,10 @@ class Learner:
     else:
       params = jax.device_put(params, self.state_shardings.params)
       self._state = _compiled_init(self.model, self._step_cfg, mesh, True)(params, seed)
+    if objective_cfg.kl != "off" and kl_path is None:  # the initial params (default)
+      # With LoRA the initial merged params are the base itself (fresh adapters have B = 0).
+      init = self._frozen if self.lora is not None else self._state.params
+      self.reference_params = _make_reference(self.model, mesh, init)
 
   # ---- state access -------------------------------------------------------------------------
 
@@ -376,13 +460,14 @@ class Learner:
       prox = {(j, i): fns.prox(self._state, mb, self._frozen) for j in range(1, len(micro))
               for i, mb in enumerate(micro[j])}
     acc, stats = self._accum
+    ref = () if self.reference_params is None else (self.reference_params,)
     for j, minibatch in enumerate(micro):
       for i, mb in enumerate(minibatch):
         p = prox.get((j, i))
         if p is None:
           p = self._zeros(no_prox, mb["tokens"].shape)
         acc, stats = fns.accumulate(self._state, acc, stats, mb, p,
-                                    self._flags[(j, i) in prox], self._frozen)
+                                    self._flags[(j, i) in prox], self._frozen, *ref)
       self._state, acc, stats, metrics = fns.apply(self._state, acc, stats,
                                                    self._flags[j == len(micro) - 1])
     self._accum = (acc, stats)

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rlax_pipe import kl_penalty
 from rlax_pipe import objectives
 from rlax_pipe import offpolicy
 from rlax_pipe.objectives import ObjectiveConfig
@@ -206,15 +207,64 @@ def aggregate_loss(loss_BT: jax.Array, valid_BT: jax.Array, cfg: ObjectiveConfig
   return aggregate(*loss_sums(loss_BT, valid_BT, mask_BT, segment_ids_BT, cfg), cfg)
 
 
-def per_token_loss(sel: Selected, lag_BT: jax.Array,
-                   cfg: ObjectiveConfig) -> tuple[jax.Array, objectives.TokenLoss]:
+def per_token_loss(sel: Selected, lag_BT: jax.Array, cfg: ObjectiveConfig,
+                   segment_ids_BT: jax.Array | None = None
+                   ) -> tuple[jax.Array, objectives.TokenLoss]:
   """Runs `cfg.name`'s objective on selected inputs; returns (used_BT, TokenLoss with the loss
-  already zero wherever a token is not used)."""
+  already zero wherever a token is not used). A sequence-level objective
+  (`objectives.SEQUENCE_OBJECTIVES`) also gets the sample ids (None = one sample per row) and
+  the valid tokens."""
+  extra = {}
+  if cfg.name in objectives.SEQUENCE_OBJECTIVES:
+    extra = dict(segment_ids_BT=segment_ids_BT, valid_BT=sel.valid_BT)
   out = objectives.get_objective(cfg.name)(
       sel.logp_BT, sel.behavior_logp_BT, sel.advantages_BT, lag_BT, cfg,
-      prox_logp_BT=sel.prox_logp_BT)
+      prox_logp_BT=sel.prox_logp_BT, **extra)
   used = sel.valid_BT if out.kept_BT is None else sel.valid_BT & out.kept_BT
   return used, out._replace(loss_BT=jnp.where(used, out.loss_BT, 0.0))
+
+
+def with_kl(sel: Selected, out: objectives.TokenLoss | None, ref_logp_BT: jax.Array | None,
+            segment_ids_BT: jax.Array | None, cfg: ObjectiveConfig):
+  """The KL regularisation of `cfg.kl` (`rlax_pipe.kl_penalty`), in two calls around the
+  objective: before it (out=None) the "reward" penalty-to-go is subtracted from the selected
+  advantages; after it (out given) the "loss" term is added to the per-token loss at every
+  valid token (aggregated with the objective's own loss by `loss_sums`).
+
+  Args:
+    sel: the selected inputs (`select_valid`).
+    out: None before the objective, its TokenLoss after it.
+    ref_logp_BT: float[B, T] log pi_ref on the same tokens (nats), or None when cfg.kl="off".
+    segment_ids_BT: int[B, T] sample ids, or None for one sample per row.
+    cfg: ObjectiveConfig (kl, kl_estimator, kl_coef, kl_is_weight, log_ratio_clamp).
+
+  Returns:
+    (sel or out, updated; kl_BT float[B, T]: the per-token estimate k (gradient stopped, zero at
+    invalid tokens) of the mode that acted in this call, or None when it acted not).
+
+  Raises:
+    ValueError: if ref_logp_BT is None while cfg.kl != "off", or given while it is "off".
+  """
+  if (ref_logp_BT is None) != (cfg.kl == "off"):
+    given = "None" if ref_logp_BT is None else "an array"
+    raise ValueError(f"ObjectiveConfig.kl={cfg.kl!r} needs reference log-probs exactly when it "
+                     f"is not 'off'; got ref_logp_BT={given}.")
+  phase = "reward" if out is None else "loss"
+  if cfg.kl != phase:
+    return (sel if out is None else out), None
+  dtype = sel.logp_BT.dtype
+  ref = jnp.where(sel.valid_BT, ref_logp_BT.astype(dtype), jnp.zeros((), dtype))
+  if out is None:
+    adv, kl_BT = kl_penalty.reward_penalty(
+        sel.advantages_BT, ref, sel.behavior_logp_BT, sel.valid_BT, segment_ids_BT,
+        estimator=cfg.kl_estimator, coef=cfg.kl_coef, log_ratio_clamp=cfg.log_ratio_clamp)
+    return sel._replace(advantages_BT=jnp.where(sel.valid_BT, adv, jnp.zeros((), dtype))), kl_BT
+  term, kl_BT = kl_penalty.loss_penalty(
+      sel.logp_BT, ref, sel.behavior_logp_BT, estimator=cfg.kl_estimator, coef=cfg.kl_coef,
+      is_weight=cfg.kl_is_weight, log_ratio_clamp=cfg.log_ratio_clamp)
+  zero = jnp.zeros((), dtype)
+  return (out._replace(loss_BT=out.loss_BT + jnp.where(sel.valid_BT, term, zero)),
+          jnp.where(sel.valid_BT, kl_BT, zero))
 
 
 def diagnostic_sums(sel: Selected, out: objectives.TokenLoss, used_BT: jax.Array,
@@ -239,7 +289,8 @@ def diagnostic_sums(sel: Selected, out: objectives.TokenLoss, used_BT: jax.Array
 
 def objective_loss(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT,
                    cfg: ObjectiveConfig, *, prox_logp_BT=None, segment_ids_BT=None,
-                   entropy_BT=None) -> tuple[jax.Array, offpolicy.ObjectiveDiagnostics]:
+                   entropy_BT=None,
+                   ref_logp_BT=None) -> tuple[jax.Array, offpolicy.ObjectiveDiagnostics]:
   """Loss and diagnostics of `cfg.name`'s objective over one whole batch.
 
   Args:
@@ -253,6 +304,7 @@ def objective_loss(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT,
     segment_ids_BT: optional int[B, T] sample id per token; required for sequence_mean and
       constant, and used to find equal-weight samples (None = one sample per row).
     entropy_BT: optional float[B, T] per-token policy entropy (nats), for diagnostics only.
+    ref_logp_BT: float[B, T] log pi_ref (nats) when cfg.kl != "off" (`with_kl`), else None.
 
   Returns:
     (loss, ObjectiveDiagnostics): scalar loss to minimize, diagnostics (see offpolicy).
@@ -263,7 +315,9 @@ def objective_loss(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT,
   """
   sel = select_valid(logp_BT, behavior_logp_BT, advantages_BT, mask_BT, lag_BT, cfg,
                      prox_logp_BT)
-  used, out = per_token_loss(sel, lag_BT, cfg)
+  sel, _ = with_kl(sel, None, ref_logp_BT, segment_ids_BT, cfg)
+  used, out = per_token_loss(sel, lag_BT, cfg, segment_ids_BT)
+  out, _ = with_kl(sel, out, ref_logp_BT, segment_ids_BT, cfg)
   numerator, counts = loss_sums(out.loss_BT, sel.valid_BT, mask_BT, segment_ids_BT, cfg)
   sums = diagnostic_sums(sel, out, used, mask_BT, lag_BT, segment_ids_BT, cfg, entropy_BT)
   return aggregate(numerator, counts, cfg), offpolicy.finalize_diagnostics(sums)

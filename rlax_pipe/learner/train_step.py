@@ -5,12 +5,14 @@ r mod m, `LearnerConfig.num_minibatches`) and each minibatch into micro-batches 
 R = `micro_batch_rows` rows (the last one padded with empty rows). Three jitted programs, each
 compiled once for a given row length L, do the rest:
 
-  `prox(state, mb)`: log-probs of the params before the batch's first update (the proximal
+  `prox(state, mb[, frozen])`: log-probs of the params before the batch's first update (the proximal
       policy of decoupled PPO), for minibatches 2..m only;
-  `accumulate(state, acc, stats, mb, prox, use_prox)`: forward, chunked log-probs, the
-      objective's per-token loss, masking and aggregation terms, gradient; adds the gradient of
-      the loss numerator and the normaliser counts into `acc` and the diagnostics' sufficient
-      statistics into `stats`;
+  `accumulate(state, acc, stats, mb, prox, use_prox[, frozen, ref_params])`: forward, chunked
+      log-probs, the objective's per-token loss, masking and aggregation terms, gradient; adds
+      the gradient of the loss numerator and the normaliser counts into `acc` and the
+      diagnostics' sufficient statistics into `stats`. With `ObjectiveConfig.kl` != "off" it
+      also takes the reference params and computes the reference log-probs in the same program
+      (a second forward of the same micro-batch, chunked the same way, no gradient);
   `apply(state, acc, stats, final)`: divides by the minibatch's normaliser (so the result is
       exactly the minibatch's loss gradient, whatever the micro-batching: `token_loss`), clips,
       AdamW; skips the update when the minibatch has no token that contributes to the loss or
@@ -115,6 +117,8 @@ class BatchStats(NamedTuple):
       version newer than the learner's (a pipeline bug; treated as lag 0 by the objectives).
     inputs_finite: advantages and behaviour log-probs finite at every completion token;
     logp_finite: recomputed log-probs finite at every completion token.
+    kl_sum / kl_tokens: sum over valid tokens of the KL estimate towards the reference
+      (`token_loss.with_kl`; stays 0 with kl="off") and their count.
   """
 
   sums: offpolicy.DiagnosticSums
@@ -130,6 +134,8 @@ class BatchStats(NamedTuple):
   negative_lag_tokens: jax.Array
   inputs_finite: jax.Array
   logp_finite: jax.Array
+  kl_sum: jax.Array
+  kl_tokens: jax.Array
 
 
 def init_accum(params: Any) -> GradAccum:
@@ -148,7 +154,7 @@ def init_stats(hist_bins: int) -> BatchStats:
       sums=offpolicy.empty_sums(hist_bins), loss_sum=zero_f, grad_norm_sum=zero_f,
       update_norm_sum=zero_f, with_data=zero_i, updates=zero_i, nonfinite=zero_i,
       loss_finite=true, grad_finite=true, tokens_processed=zero_i, negative_lag_tokens=zero_i,
-      inputs_finite=true, logp_finite=true)
+      inputs_finite=true, logp_finite=true, kl_sum=zero_f, kl_tokens=zero_i)
 
 
 class StepFns(NamedTuple):
@@ -196,15 +202,19 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
   Returns:
     StepFns(prox, accumulate, apply):
       prox(state, mb, frozen=None) -> float32 [R, L] log-probs (gradient stopped);
-      accumulate(state, acc, stats, mb, prox_logp [R, L], use_prox bool, frozen=None) ->
-        (acc, stats);
+      accumulate(state, acc, stats, mb, prox_logp [R, L], use_prox bool, frozen=None,
+        ref_params=None) -> (acc, stats); frozen is the LoRA base (None without LoRA);
+        ref_params (the reference policy's full params, any dtype, e.g. the compute dtype) is
+        required exactly when objective_cfg.kl != "off";
       apply(state, acc, stats, final bool) -> (state, zeroed acc, stats, metrics). Metrics
       (meaningful when final): the `ObjectiveDiagnostics` fields; loss and grad_norm (mean over
       minibatches with data; NaN if none), update_norm (mean over applied updates; NaN if
       none), param_norm (of state.params: the adapters with LoRA), learning_rate (of the last
       applied update; NaN if none), tokens_processed, negative_lag_tokens, updates_applied,
       minibatches_with_data, is_finite, loss_finite, grad_finite, inputs_finite, logp_finite,
-      version and step (after the step), nonfinite_consecutive, nonfinite_total.
+      version and step (after the step), nonfinite_consecutive, nonfinite_total; with kl !=
+      "off" also kl_ref (mean KL estimate per valid token towards the reference, nats; NaN
+      without valid tokens).
   """
   model = as_model(model)
   c = constrain or (lambda x, *_, **__: x)
@@ -229,7 +239,7 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     """What the model runs on: the trainable params, or the base merged with the adapters."""
     return trainable if lora is None else lora.merge(frozen, trainable)
 
-  def micro_loss(params, mb, prox_logp, use_prox, version, frozen=None):
+  def micro_loss(params, mb, prox_logp, use_prox, version, frozen, ref_params):
     logp, ent = token_logprobs(model_params(params, frozen), mb)
     seg = mb["segment_ids"]
     mask = completion_mask(mb["loss_mask"], seg)
@@ -237,7 +247,13 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     prox_logp = jnp.where(use_prox, prox_logp, jax.lax.stop_gradient(logp))
     sel = token_loss.select_valid(logp, mb["behavior_logprobs"], mb["advantages"], mask, lag,
                                   objective_cfg, prox_logp)
-    used, out = token_loss.per_token_loss(sel, lag, objective_cfg)
+    ref_logp = None
+    if objective_cfg.kl != "off":
+      ref_logp = jax.lax.stop_gradient(token_logprobs(ref_params, mb)[0])
+    sel, kl_reward = token_loss.with_kl(sel, None, ref_logp, seg, objective_cfg)
+    used, out = token_loss.per_token_loss(sel, lag, objective_cfg, seg)
+    out, kl_loss = token_loss.with_kl(sel, out, ref_logp, seg, objective_cfg)
+    kl_BT = kl_reward if kl_loss is None else kl_loss
     numerator, counts = token_loss.loss_sums(out.loss_BT, sel.valid_BT, mask, seg, objective_cfg)
     sums = token_loss.diagnostic_sums(sel, out, used, mask, lag, seg, objective_cfg, ent)
     completion = mask > 0
@@ -247,7 +263,11 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
         tokens=jnp.sum(seg > 0, dtype=jnp.int32),
         negative_lag=jnp.sum(completion & (lag < 0), dtype=jnp.int32),
         inputs_finite=finite_at(mb["advantages"]) & finite_at(mb["behavior_logprobs"]),
-        logp_finite=finite_at(logp))
+        logp_finite=finite_at(logp),
+        kl_sum=jnp.zeros((), jnp.float32) if kl_BT is None else jnp.sum(
+            jnp.where(sel.valid_BT, kl_BT, 0.0), dtype=jnp.float32),
+        kl_tokens=jnp.sum(sel.valid_BT, dtype=jnp.int32) if kl_BT is not None else
+        jnp.zeros((), jnp.int32))
     return numerator, (counts, sums, extra)
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -256,10 +276,14 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     return jax.lax.stop_gradient(token_logprobs(model_params(state.params, frozen), mb)[0])
 
   def accumulate(state: TrainState, acc: GradAccum, stats: BatchStats, mb: Batch,
-                 prox_logp: jax.Array, use_prox: jax.Array, frozen: Any = None):
+                 prox_logp: jax.Array, use_prox: jax.Array, frozen: Any = None,
+                 ref_params: Any = None):
     check_batch(mb)
+    if (ref_params is None) != (objective_cfg.kl == "off"):
+      raise ValueError(f"accumulate: ObjectiveConfig.kl={objective_cfg.kl!r} needs ref_params "
+                       "exactly when it is not 'off'.")
     (numerator, (counts, sums, x)), grads = grad_fn(state.params, mb, prox_logp, use_prox,
-                                                    state.version, frozen)
+                                                    state.version, frozen, ref_params)
     acc = GradAccum(
         grads=jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc.grads, grads),
         numerator=acc.numerator + numerator,
@@ -269,12 +293,13 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
         tokens_processed=stats.tokens_processed + x["tokens"],
         negative_lag_tokens=stats.negative_lag_tokens + x["negative_lag"],
         inputs_finite=stats.inputs_finite & x["inputs_finite"],
-        logp_finite=stats.logp_finite & x["logp_finite"])
+        logp_finite=stats.logp_finite & x["logp_finite"],
+        kl_sum=stats.kl_sum + x["kl_sum"], kl_tokens=stats.kl_tokens + x["kl_tokens"])
     return acc, stats
 
   def apply(state: TrainState, acc: GradAccum, stats: BatchStats, final: jax.Array):
     state, stats = _update(state, acc, stats, objective_cfg, tx)
-    new_state, metrics = _close_batch(state, stats, learner_cfg)
+    new_state, metrics = _close_batch(state, stats, learner_cfg, objective_cfg.kl != "off")
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(final, x, y), a, b)
     state = state._replace(**{f: pick(getattr(new_state, f), getattr(state, f)) for f in (
         "version", "rng", "step", "nonfinite_consecutive", "nonfinite_total")})
@@ -313,8 +338,8 @@ def _update(state: TrainState, acc: GradAccum, stats: BatchStats, objective_cfg:
   return state, stats
 
 
-def _close_batch(state: TrainState, stats: BatchStats,
-                 learner_cfg: LearnerConfig) -> tuple[TrainState, dict]:
+def _close_batch(state: TrainState, stats: BatchStats, learner_cfg: LearnerConfig,
+                 with_kl: bool = False) -> tuple[TrainState, dict]:
   """Version, counters and metrics at the end of a learner batch."""
   applied = stats.updates > 0
   bad = (stats.nonfinite > 0).astype(jnp.int32)
@@ -351,6 +376,8 @@ def _close_batch(state: TrainState, stats: BatchStats,
       nonfinite_consecutive=new_state.nonfinite_consecutive,
       nonfinite_total=new_state.nonfinite_total,
   )
+  if with_kl:
+    metrics["kl_ref"] = mean(stats.kl_sum, stats.kl_tokens)
   return new_state, metrics
 
 

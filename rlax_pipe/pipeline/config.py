@@ -58,6 +58,12 @@ class PipelineConfig:
       one place it is set, read as `groups_per_step`).
     eval_every: learner steps between held-out evaluations (>= 1); also at step 0 and the end.
     eval_problems: held-out problems per evaluation (>= 1).
+    eval_samples: n >= 0 samples per held-out problem at the sampling temperature (the
+      sampler's `SamplingConfig`) at every evaluation, reported as mean@n and unbiased pass@k
+      (Chen et al. 2021) beside the greedy accuracy; 0 = off (default: greedy only). Costs n
+      times the greedy evaluation's decode work.
+    eval_pass_k: the k of the reported pass@k, a tuple of ints in [1, eval_samples], or None
+      (default) for (1, eval_samples). Only valid with eval_samples > 0.
     checkpoint_every: learner steps between checkpoints (>= 1).
     wait_timeout_s: limit of every blocking wait (seconds, > 0; the error says what was awaited
       and names samples that have not arrived), or None to scale it to measured step times:
@@ -101,6 +107,8 @@ class PipelineConfig:
                                                groups_per_step=8)
   eval_every: int = 10
   eval_problems: int = 128
+  eval_samples: int = 0
+  eval_pass_k: tuple[int, ...] | None = None
   checkpoint_every: int = 5
   wait_timeout_s: float | None = None
   wait_timeout_factor: float = 20.0
@@ -130,9 +138,31 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.wait_timeout_factor={self.wait_timeout_factor} must be "
                        f"> 1 and wait_timeout_floor_s={self.wait_timeout_floor_s} > 0.")
     self.group_filter  # pylint: disable=pointless-statement  (validates the filter fields)
+    self._validate_eval_samples()
     if self.lost_sample_policy not in LOST_SAMPLE_POLICIES:
       raise ValueError(f"PipelineConfig.lost_sample_policy={self.lost_sample_policy!r}; choose "
                        f"one of {LOST_SAMPLE_POLICIES}.")
+
+  def _validate_eval_samples(self):
+    n, ks = self.eval_samples, self.eval_pass_k
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+      raise ValueError(f"PipelineConfig.eval_samples={n!r} must be an int >= 0 (0 = off).")
+    if ks is None:
+      return
+    if n == 0:
+      raise ValueError(f"PipelineConfig.eval_pass_k={ks!r} has no effect with eval_samples=0; "
+                       "set --config.pipeline.eval_samples=n (>= max k) or leave it None.")
+    if not isinstance(ks, tuple) or not ks or not all(
+        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks):
+      raise ValueError(f"PipelineConfig.eval_pass_k={ks!r} must be a non-empty tuple of ints in "
+                       f"[1, eval_samples={n}] (pass@k needs k <= n samples).")
+
+  @property
+  def pass_ks(self) -> tuple[int, ...]:
+    """The k of the reported pass@k: eval_pass_k, or (1, eval_samples); () when off."""
+    if self.eval_samples == 0:
+      return ()
+    return tuple(sorted(set(self.eval_pass_k or (1, self.eval_samples))))
 
   @property
   def groups_per_step(self) -> int:

@@ -30,10 +30,10 @@ from rlax_pipe.run_dir import to_jsonable
 from rlax_pipe.sampler import SamplerEngine
 from rlax_pipe.types import WeightUpdate
 
-# Learner metrics copied into each train row when present.
+# Learner metrics copied into each train row when present (kl_ref: only with objective.kl on).
 ROW_METRICS = ("loss", "ess", "ratio_mean", "ratio_var", "ratio_min", "ratio_max", "kl_k3",
                "entropy", "frac_truncated", "frac_masked", "grad_norm", "learning_rate",
-               "logp_mismatch_mean", "logp_mismatch_max", "is_finite")
+               "logp_mismatch_mean", "logp_mismatch_max", "is_finite", "kl_ref")
 
 
 class StepHook(Protocol):
@@ -241,7 +241,9 @@ def progress_line(job: Job, row: dict) -> str:
 
 class Evaluation:
   """Held-out greedy accuracy with an engine on the learner mesh, every `eval_every` steps
-  (not at the last step) and once at the end; its wall time is excluded from the run time."""
+  (not at the last step) and once at the end; its wall time is excluded from the run time.
+  With `PipelineConfig.eval_samples` = n > 0 a second engine (the sampler's `SamplingConfig`,
+  e.g. its temperature) also draws n samples per problem: mean@n and pass@k join the row."""
 
   def __init__(self, job: Job, eta: Eta | None = None):
     self.eta = eta
@@ -253,11 +255,33 @@ class Evaluation:
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
     version, params = self._params(job)
+    mesh = job.eval_mesh or job.learner_mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
-                                WeightUpdate(version, params, params_owned(job)),
-                                mesh=job.eval_mesh or job.learner_mesh)
+                                WeightUpdate(version, params, params_owned(job)), mesh=mesh)
+    self.sampled_engine = None
+    if cfg.pipeline.eval_samples:
+      version, params = self._params(job)
+      self.sampled_engine = SamplerEngine(
+          job.model, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling),
+          WeightUpdate(version, params, params_owned(job)), mesh=mesh)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
+
+  def _sampled_row(self, job: Job) -> dict:
+    """mean@n and pass@k of n samples per problem ({} when eval_samples is 0)."""
+    if self.sampled_engine is None:
+      return {}
+    if job.learner.version != self.sampled_engine.version:
+      self.sampled_engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
+    pcfg = job.cfg.pipeline
+    res = evaluation.evaluate_samples(
+        self.sampled_engine, job.task, job.tok, self.problems, pcfg.eval_samples, pcfg.pass_ks,
+        verifier=job.worker.verifier, grading=pcfg.grading)
+    logging.info("eval: mean@%d %.3f, %s", res.num_samples, res.mean_at_n, ", ".join(
+        f"pass@{k} {v:.3f}" for k, v in res.pass_at_k.items()))
+    return {"eval_samples": res.num_samples, f"heldout_mean_at_{res.num_samples}": res.mean_at_n,
+            **{f"heldout_pass_at_{k}": v for k, v in res.pass_at_k.items()},
+            "eval_sampled_completion_tokens": res.mean_completion_tokens}
 
   def evaluate(self, job: Job, step: int, time_s: float) -> float:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
@@ -266,6 +290,7 @@ class Evaluation:
       self.engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
+    sampled = self._sampled_row(job)
     seconds = time.perf_counter() - t0
     job.clock.excluded += seconds
     if self.eta is not None:
@@ -276,7 +301,7 @@ class Evaluation:
                      "wall_s": job.clock.wall_s(), "eval_wall_s": seconds,
                      "mean_completion_tokens": res.mean_completion_tokens,
                      "eval_filtered_overlong": res.num_filtered,
-                     "eval_failed_rewards": res.num_failed_rewards}, step)
+                     "eval_failed_rewards": res.num_failed_rewards, **sampled}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems, measured %.1fs)", step,
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
@@ -401,6 +426,9 @@ class Report:
         "wall_s": time.perf_counter() - job.clock.wall0,
         "initial_heldout_accuracy": evals[0]["heldout_accuracy"] if evals else None,
         "final_heldout_accuracy": self._eval.final_accuracy,
+        **({"final_heldout_sampled": {k: v for k, v in evals[-1].items()
+                                      if k.startswith(("heldout_mean_at_", "heldout_pass_at_"))}}
+           if evals and "eval_samples" in evals[-1] else {}),
         "idle_fraction": summary.idle if summary else {},
         "slot_occupancy": summary.slot_occupancy if summary else None,
         "reward_outcomes": job.worker.reward_stats.snapshot(),

@@ -148,3 +148,28 @@ def test_mistyped_override_is_one_error_naming_the_field():
     _parse([f"--config={RL_FILE}:tiny,dataset_file", "--config.task_config.pth=x"])
   cfg = _parse(["--config.task_config.max_terms=6"])  # the default task's fields are there
   assert cfg.task_config["max_terms"] == 6
+
+
+def test_rl_baselines_are_selected_by_config_flags():
+  """Issue 24: KL reference, GSPO and pass@k evaluation from the command line, in the help."""
+  cfg = _parse(["--config.objective.name=gspo", "--config.objective.kl=loss",
+                "--config.objective.kl_estimator=k1", "--config.objective.kl_coef=0.01",
+                "--config.objective.kl_reference=/ckpt/ref", "--config.objective.clip_eps=3e-4",
+                "--config.objective.clip_eps_high=4e-4", "--config.pipeline.eval_samples=8",
+                "--config.pipeline.eval_pass_k=(1, 4)"])
+  assert (cfg.objective.name, cfg.objective.kl, cfg.objective.kl_estimator) == ("gspo", "loss",
+                                                                                "k1")
+  assert cfg.objective.kl_reference == "/ckpt/ref" and cfg.objective.kl_coef == 0.01
+  assert cfg.pipeline.eval_samples == 8 and cfg.pipeline.pass_ks == (1, 4)
+  hash(cfg.objective)
+  default = _parse([])
+  assert default.objective.kl == "off" and default.pipeline.eval_samples == 0
+  with pytest.raises(ValueError, match="--config.pipeline.eval_pass_k"):
+    _parse(["--config.pipeline.eval_samples=2", "--config.pipeline.eval_pass_k=(4,)"])
+  fv = flags.FlagValues()
+  config_cli.define_rl_flags(fv)
+  for path in ("config.objective.kl:", "config.objective.kl_estimator:",
+               "config.objective.kl_reference:", "config.pipeline.eval_samples:",
+               "config.pipeline.eval_pass_k:"):
+    assert path in fv["config"].help
+  assert "gspo" in fv["config"].help
