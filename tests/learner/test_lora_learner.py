@@ -77,3 +77,31 @@ def test_only_adapters_are_trained_and_checkpointed(tmp_path):
   other = jax.tree.map(lambda a: a + np.float32(1e-3), base)
   with pytest.raises(learner_lib.CheckpointMismatchError, match="another base"):
     _learner(other, checkpoint_dir=str(tmp_path), restore=True)
+
+
+def test_lora_with_kl_reference_is_the_frozen_base():
+  """LoRA + KL: the default reference is the initial policy, i.e. the frozen base (B = 0), held
+  on the full params' learner shardings; at version 0 the policy equals it, so the k3 estimate
+  (r - 1 - log r >= 0, zero iff r = 1) is 0 up to rounding, and it grows once B moves."""
+  rng = np.random.default_rng(1)
+  base = jax.tree.map(lambda a: (0.3 * rng.standard_normal(a.shape)).astype(np.float32),
+                      transformer.abstract_params(TINY))
+  cfg = learner_lib.LearnerConfig(
+      mesh_axes=(("fsdp", 2), ("tp", 2)), micro_batch_rows=B, lora=LORA,
+      compiler_options=(("xla_backend_optimization_level", 0),),
+      optimizer=learner_lib.OptimizerConfig(learning_rate=3e-2, warmup_steps=0))
+  learner = learner_lib.Learner(
+      TINY, cfg, ObjectiveConfig(name="tis_pg", max_lag=4, kl="loss", kl_estimator="k3"),
+      SamplingConfig(temperature=0.7), devices=jax.devices()[:4], params=base)
+  ref = jax.device_get(learner.reference_params)
+  assert jax.tree.structure(ref) == jax.tree.structure(base)
+  for got, want in zip(jax.tree.leaves(ref), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(got), want)  # float32 model: no cast
+  batch = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, max_lag=0)
+  learner.train_step(batch)
+  first = learner.flush()
+  assert abs(float(first["kl_ref"])) < 1e-6
+  for _ in range(3):
+    learner.train_step(batch)
+  assert float(learner.flush()["kl_ref"]) > 1e-6
+  learner.close()
