@@ -28,7 +28,9 @@ class SamplingConfig:
     temperature: softmax temperature (> 0); ignored when greedy.
     top_k: keep the k most likely tokens (0 = off). Ties at the k-th value are all kept.
     top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
-      mass reaches top_p (1.0 = off); the most likely token is always kept. In (0, 1].
+      mass reaches top_p (1.0 = off); the most likely token is always kept. In (0, 1]. Cut by
+      sorted position (`top_p_support`): tokens tied at the cut-off are ranked by lower token
+      id, so ties never widen the set.
     greedy: take the argmax; the sampling distribution is then a point mass (log-prob 0).
   """
 
@@ -67,14 +69,45 @@ def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
     x = jnp.where(x >= kth, x, OUT_OF_SUPPORT)
   if cfg.top_p < 1.0:
-    sorted_desc = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < cfg.top_p  # first entry always kept (mass_before = 0)
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x >= threshold, x, OUT_OF_SUPPORT)
+    x = jnp.where(top_p_support(jax.lax.stop_gradient(x), cfg.top_p), x, OUT_OF_SUPPORT)
   logp = jax.nn.log_softmax(x, axis=-1)
   return jnp.maximum(logp, OUT_OF_SUPPORT)
+
+
+def top_p_support(x_V: jax.Array, top_p: float) -> jax.Array:
+  """The nucleus of top-p sampling: the smallest set of most likely tokens whose mass reaches
+  `top_p`, cut by sorted position (Holtzman et al. 2020, "The Curious Case of Neural Text
+  Degeneration", Sec. 3.1; as HF's TopPLogitsWarper and vLLM cut it).
+
+  Tokens are ranked by value, ties by lower token id first (a deterministic rule, so the sampler
+  and the learner get the same set from the same logits). The token at rank i is kept iff the
+  mass of the tokens ranked before it is < top_p, so the rank-0 token is always kept and tokens
+  tied with the last kept one are kept only up to that rank, never all of them (a value
+  threshold would keep every tie, e.g. of bf16-rounded logits, and widen the set).
+
+  Cost: one sort over the last axis, a softmax, two cumulative sums; no gather back to vocab
+  order (the kept set is "value above the cut-off value, or tied with it and among the first
+  ties by id").
+
+  Args:
+    x_V: float32 [..., V] scaled logits (entries outside an earlier support may be
+      `OUT_OF_SUPPORT`; they carry no mass).
+    top_p: nucleus mass in (0, 1].
+
+  Returns:
+    bool [..., V], True on the kept tokens (at least one per row).
+  """
+  sorted_desc = -jnp.sort(-x_V, axis=-1)
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  # Kept ranks: a count (>= 1: mass_before is 0 at rank 0), so a rounding wiggle in the cumsum
+  # cannot leave a hole.
+  n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True, dtype=jnp.int32)
+  cutoff = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+  above = x_V > cutoff
+  tied = x_V == cutoff
+  tie_slots = n_keep - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+  return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= tie_slots))
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array, cfg: SamplingConfig) -> jax.Array:
