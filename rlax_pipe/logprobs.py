@@ -32,12 +32,20 @@ class SamplingConfig:
       sorted position (`top_p_support`): tokens tied at the cut-off are ranked by lower token
       id, so ties never widen the set.
     greedy: take the argmax; the sampling distribution is then a point mass (log-prob 0).
+    excluded_ids: token ids out of use (e.g. the padding id, or vocabulary-padding rows beyond
+      the tokenizer's ids), never sampled: their logits are selected out (`jnp.where`, before
+      temperature, top-k and top-p) and they get log-prob OUT_OF_SUPPORT, and the learner
+      selects their output-head columns to 0 before the logits matmul, so a NaN or inf stored in
+      such a row of a tied embedding reaches no log-prob or gradient. Must not hold an id the
+      policy has to produce (a stop id). Each id >= 0 (and < the vocabulary size, checked by the
+      sampler engine). Default () = none.
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   greedy: bool = False
+  excluded_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if not self.temperature > 0:
@@ -46,6 +54,17 @@ class SamplingConfig:
       raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 = off).")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
+    ids = tuple(int(i) for i in self.excluded_ids)
+    if any(i < 0 for i in ids):
+      raise ValueError(f"SamplingConfig.excluded_ids={self.excluded_ids}: ids must be >= 0.")
+    object.__setattr__(self, "excluded_ids", tuple(sorted(set(ids))))
+
+
+def excluded_mask(vocab: int, cfg: SamplingConfig) -> jax.Array | None:
+  """bool [V], True at `cfg.excluded_ids` (a constant), or None when none are excluded."""
+  if not cfg.excluded_ids:
+    return None
+  return jnp.isin(jnp.arange(vocab, dtype=jnp.int32), jnp.asarray(cfg.excluded_ids, jnp.int32))
 
 
 def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -60,6 +79,9 @@ def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """
   x = logits_V.astype(jnp.float32)
   vocab = x.shape[-1]
+  excluded = excluded_mask(vocab, cfg)
+  if excluded is not None:  # selected out: whatever those logits hold (NaN included)
+    x = jnp.where(excluded, jnp.float32(OUT_OF_SUPPORT), x)
   if cfg.greedy:
     best = jnp.argmax(x, axis=-1)
     return jnp.where(jax.nn.one_hot(best, vocab, dtype=bool), jnp.float32(0.0),
@@ -156,6 +178,9 @@ def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig):
 def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain):
   """Log-prob of each target under the processed distribution of one chunk's logits, and the
   distribution's entropy (gradient stopped). float32 [B, C] each."""
+  excluded = excluded_mask(head_EV.shape[1], cfg)
+  if excluded is not None:  # their columns never meet h: no 0 * NaN in the backward pass
+    head_EV = jnp.where(excluded[None, :], jnp.zeros((), head_EV.dtype), head_EV)
   logits = jnp.einsum("bce,ev->bcv", h_BCE.astype(jnp.float32), head_EV.astype(jnp.float32))
   logits = constrain(logits, ("batch", "length", "vocab"))
   logp_all = processed_logprobs(logits, cfg)

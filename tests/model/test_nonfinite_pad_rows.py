@@ -55,12 +55,15 @@ def _batch():
   return b
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_learner_scoring_path_equals_the_clean_model(tie):
+@pytest.mark.parametrize("tie,excluded", [(False, False), (True, True)])
+def test_learner_scoring_path_equals_the_clean_model(tie, excluded):
+  """With a tied head, `SamplingConfig.excluded_ids` (the out-of-use ids) makes the poisoned
+  model score exactly as the clean one with the same exclusion."""
   cfg, b = _cfg(tie), _batch()
   model = model_lib.as_model(cfg)
   real = jnp.asarray(b.segment_ids > 0)
-  sampling = logprobs.SamplingConfig(temperature=0.9, top_k=20)
+  sampling = logprobs.SamplingConfig(temperature=0.9, top_k=20,
+                                     excluded_ids=(PAD, *UNUSED) if excluded else ())
 
   def score(params):
     h = model.hidden_states(params, b.tokens, b.positions, segment_ids_BT=b.segment_ids,
@@ -75,10 +78,8 @@ def test_learner_scoring_path_equals_the_clean_model(tie):
   (l1, (h1, lp1)), g1 = loss_and_grad(bad)
   mask = np.asarray(real)
   np.testing.assert_array_equal(np.asarray(h1)[mask], np.asarray(h0)[mask])
-  if tie:
-    # The tied head is the embedding: row PAD is also the pad id's output column, so its NaN
-    # enters every position's softmax normaliser (not a padding lookup; see the notebook).
-    return
+  # (A tied head without the exclusion cannot pass: row PAD is also the pad id's output column,
+  # so its NaN enters every position's softmax.)
   np.testing.assert_array_equal(np.asarray(lp1)[mask], np.asarray(lp0)[mask])
   assert np.isfinite(float(l0)) and float(l1) == float(l0)
   keep = np.ones(VOCAB, bool)
@@ -91,15 +92,18 @@ def test_learner_scoring_path_equals_the_clean_model(tie):
     np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
 
 
-def test_sampler_behaviour_logprobs_equal_the_clean_model():
+@pytest.mark.parametrize("tie", [False, True])
+def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
   """Prefill padding (short prompts in a 16-token bucket, padding rows), idle slots (more
-  slots than requests at the end) and decode: same tokens and behaviour log-probs."""
-  cfg = _cfg(False)
-  clean, bad = _params(False)
+  slots than requests at the end) and decode: same tokens and behaviour log-probs. A tied head
+  needs the poisoned ids in `excluded_ids` (they are its output columns too)."""
+  cfg = _cfg(tie)
+  clean, bad = _params(tie)
   scfg = SamplerConfig(num_slots=4, page_size=4, num_pages=32, max_seq_len=24,
                        max_new_tokens=8, min_prefill_bucket=16, prefill_rows=2,
                        decode_steps_per_dispatch=4,
-                       sampling=logprobs.SamplingConfig(temperature=1.0, top_k=6))
+                       sampling=logprobs.SamplingConfig(
+                           temperature=1.0, top_k=6, excluded_ids=(PAD, *UNUSED) if tie else ()))
   rng = np.random.default_rng(1)
   requests = [Request(prompt_tokens=rng.integers(1, 40, n).astype(np.int32), sample_id=i,
                       max_new_tokens=int(m))
