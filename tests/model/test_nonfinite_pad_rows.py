@@ -7,6 +7,8 @@ blockwise attention, and the sampler's prefill padding and idle slots.
 Each check compares a poisoned model with the clean one it came from: equal, not just finite.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,6 @@ def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
     np.testing.assert_array_equal(p.completion_tokens, c.completion_tokens)
     np.testing.assert_array_equal(p.behavior_logprobs, c.behavior_logprobs)
     assert np.isfinite(c.behavior_logprobs).all()
+  if tie:
+    with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
+      SamplerEngine(cfg, dataclasses.replace(scfg, eos_id=UNUSED[0]), jax.device_put(clean))
