@@ -28,14 +28,24 @@ class SamplingConfig:
     temperature: softmax temperature (> 0); ignored when greedy.
     top_k: keep the k most likely tokens (0 = off). Ties at the k-th value are all kept.
     top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
-      mass reaches top_p (1.0 = off); the most likely token is always kept. In (0, 1].
+      mass reaches top_p (1.0 = off); the most likely token is always kept. In (0, 1]. Cut by
+      sorted position (`top_p_support`): tokens tied at the cut-off are ranked by lower token
+      id, so ties never widen the set.
     greedy: take the argmax; the sampling distribution is then a point mass (log-prob 0).
+    excluded_ids: token ids out of use (e.g. the padding id, or vocabulary-padding rows beyond
+      the tokenizer's ids), never sampled: their logits are selected out (`jnp.where`, before
+      temperature, top-k and top-p) and they get log-prob OUT_OF_SUPPORT, and the learner
+      selects their output-head columns to 0 before the logits matmul, so a NaN or inf stored in
+      such a row of a tied embedding reaches no log-prob or gradient. Must not hold an id the
+      policy has to produce (a stop id). Each id >= 0 (and < the vocabulary size, checked by the
+      sampler engine). Default () = none.
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   greedy: bool = False
+  excluded_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if not self.temperature > 0:
@@ -44,6 +54,17 @@ class SamplingConfig:
       raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 = off).")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
+    ids = tuple(int(i) for i in self.excluded_ids)
+    if any(i < 0 for i in ids):
+      raise ValueError(f"SamplingConfig.excluded_ids={self.excluded_ids}: ids must be >= 0.")
+    object.__setattr__(self, "excluded_ids", tuple(sorted(set(ids))))
+
+
+def excluded_mask(vocab: int, cfg: SamplingConfig) -> jax.Array | None:
+  """bool [V], True at `cfg.excluded_ids` (a constant), or None when none are excluded."""
+  if not cfg.excluded_ids:
+    return None
+  return jnp.isin(jnp.arange(vocab, dtype=jnp.int32), jnp.asarray(cfg.excluded_ids, jnp.int32))
 
 
 def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -58,6 +79,9 @@ def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
   """
   x = logits_V.astype(jnp.float32)
   vocab = x.shape[-1]
+  excluded = excluded_mask(vocab, cfg)
+  if excluded is not None:  # selected out: whatever those logits hold (NaN included)
+    x = jnp.where(excluded, jnp.float32(OUT_OF_SUPPORT), x)
   if cfg.greedy:
     best = jnp.argmax(x, axis=-1)
     return jnp.where(jax.nn.one_hot(best, vocab, dtype=bool), jnp.float32(0.0),
@@ -67,14 +91,45 @@ def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
     x = jnp.where(x >= kth, x, OUT_OF_SUPPORT)
   if cfg.top_p < 1.0:
-    sorted_desc = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < cfg.top_p  # first entry always kept (mass_before = 0)
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x >= threshold, x, OUT_OF_SUPPORT)
+    x = jnp.where(top_p_support(jax.lax.stop_gradient(x), cfg.top_p), x, OUT_OF_SUPPORT)
   logp = jax.nn.log_softmax(x, axis=-1)
   return jnp.maximum(logp, OUT_OF_SUPPORT)
+
+
+def top_p_support(x_V: jax.Array, top_p: float) -> jax.Array:
+  """The nucleus of top-p sampling: the smallest set of most likely tokens whose mass reaches
+  `top_p`, cut by sorted position (Holtzman et al. 2020, "The Curious Case of Neural Text
+  Degeneration", Sec. 3.1; as HF's TopPLogitsWarper and vLLM cut it).
+
+  Tokens are ranked by value, ties by lower token id first (a deterministic rule, so the sampler
+  and the learner get the same set from the same logits). The token at rank i is kept iff the
+  mass of the tokens ranked before it is < top_p, so the rank-0 token is always kept and tokens
+  tied with the last kept one are kept only up to that rank, never all of them (a value
+  threshold would keep every tie, e.g. of bf16-rounded logits, and widen the set).
+
+  Cost: one sort over the last axis, a softmax, two cumulative sums; no gather back to vocab
+  order (the kept set is "value above the cut-off value, or tied with it and among the first
+  ties by id").
+
+  Args:
+    x_V: float32 [..., V] scaled logits (entries outside an earlier support may be
+      `OUT_OF_SUPPORT`; they carry no mass).
+    top_p: nucleus mass in (0, 1].
+
+  Returns:
+    bool [..., V], True on the kept tokens (at least one per row).
+  """
+  sorted_desc = -jnp.sort(-x_V, axis=-1)
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  # Kept ranks: a count (>= 1: mass_before is 0 at rank 0), so a rounding wiggle in the cumsum
+  # cannot leave a hole.
+  n_keep = jnp.sum(mass_before < top_p, axis=-1, keepdims=True, dtype=jnp.int32)
+  cutoff = jnp.take_along_axis(sorted_desc, n_keep - 1, axis=-1)
+  above = x_V > cutoff
+  tied = x_V == cutoff
+  tie_slots = n_keep - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+  return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= tie_slots))
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -123,6 +178,9 @@ def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig):
 def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain):
   """Log-prob of each target under the processed distribution of one chunk's logits, and the
   distribution's entropy (gradient stopped). float32 [B, C] each."""
+  excluded = excluded_mask(head_EV.shape[1], cfg)
+  if excluded is not None:  # their columns never meet h: no 0 * NaN in the backward pass
+    head_EV = jnp.where(excluded[None, :], jnp.zeros((), head_EV.dtype), head_EV)
   logits = jnp.einsum("bce,ev->bcv", h_BCE.astype(jnp.float32), head_EV.astype(jnp.float32))
   logits = constrain(logits, ("batch", "length", "vocab"))
   logp_all = processed_logprobs(logits, cfg)

@@ -206,7 +206,9 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
   Without a cache: full sequences, causal attention within equal `segment_ids_BT` (packing;
   segment 0 = padding, which attends only to padding). With a cache: the new tokens' K/V are
   written at `positions_BT` (only where `valid_BT`), and each token attends to every cached entry
-  at a position <= its own (prefill when T > 1, decode when T == 1).
+  at a position <= its own (prefill when T > 1, decode when T == 1). Invalid tokens (padding)
+  get a zero embedding selected with `jnp.where`, as padding does on the training path: whatever
+  the padding id's embedding row holds, NaN or inf included, never enters the layers.
 
   Args:
     params: tree from `init_params` (or an HF import).
@@ -239,6 +241,8 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     return (logits, None, h) if return_hidden else (logits, None)
   cdt = jnp.dtype(cfg.compute_dtype)
   h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
+  if valid_BT is not None:  # padding (prefill padding, idle decode slots): selected, not scaled
+    h = jnp.where(valid_BT[:, :, None], h, jnp.zeros((), cdt))
   h, new_cache = _cached_layers(params, h, positions_BT, cfg, cache, valid_BT)
 
   h = rms_norm(h, params["final_norm"], cfg.rms_eps)

@@ -87,6 +87,18 @@ def packing_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
   return rows
 
 
+def packed_order(lengths: Sequence[int], seq_len: int) -> list[int]:
+  """Item indices in the order `pack_rollouts` lays them out: row by row, and within a row by
+  segment id (1, 2, ...); the order `unpack_batch` reads segments back. A permutation of
+  range(len(lengths)); first-fit decreasing puts longer items first, so it differs from the input
+  order whenever lengths differ.
+
+  Raises:
+    ValueError: as `packing_plan`.
+  """
+  return [i for row in packing_plan(lengths, seq_len) for i in row]
+
+
 def bucket_rows(needed: int) -> int:
   """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
   return 1 << max(0, int(needed - 1).bit_length())
@@ -137,7 +149,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
       packing needs (see `pad_rows_to_multiple` to round that up).
 
   Returns:
-    A numpy `TrainBatch` of shape [rows, L].
+    A numpy `TrainBatch` of shape [rows, L]. Row r, segment s holds the rollout at position
+    (sum of segments in rows < r) + s - 1 of `packed_order(lengths, seq_len)`, not of `rollouts`.
 
   Raises:
     ValueError: if `advantages` is not [N]; if a prompt is empty; if a sample (prompt +

@@ -64,7 +64,10 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   the loss or its normaliser.
 
   Returns:
-    (TrainBatch, flat list of the rollouts packed, in batch order).
+    (TrainBatch, the rollouts packed, in the batch's segment order): the k-th rollout is the
+    k-th segment in row-major, segment-id order, i.e. `batching.unpack_batch(batch)[k]`, so the
+    two can be paired by position. First-fit-decreasing packing puts longer samples first, so
+    this is in general not the order of `groups`.
   """
   rollouts = [r for g in groups for r in g]
   rewards = np.asarray([r.reward for r in rollouts], np.float32)
@@ -74,7 +77,8 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
   rows = batching.batch_rows(lengths, cfg.seq_len)
-  return batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows), rollouts
+  batch = batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows)
+  return batch, [rollouts[i] for i in batching.packed_order(lengths, cfg.seq_len)]
 
 
 class Trainer:

@@ -50,7 +50,11 @@ class SlotState:
     active: bool [B] slot is generating.
     end: int32 [B] sequence length (prompt + completion) at which the slot is done.
     cap: int32 [B] KV positions its granted pages hold; the slot may feed positions < cap.
-    rng: PRNG key of the sampler (split once per decode step).
+    rng_data: uint32 key data (`jax.random.key_data`) of the sampler's PRNG key (split once per
+      decode step). Raw data, not a typed key: a typed key placed by `jax.device_put` (initial
+      state, `load_rng_state`, a restore) has another abstract type than one returned by the
+      dispatch's loop, so a dispatch fed one after the other compiled a second variant after
+      `warmup` (#27 item 10); plain uint32 arrays have one type however they were made.
   """
 
   token: jax.Array
@@ -58,13 +62,15 @@ class SlotState:
   active: jax.Array
   end: jax.Array
   cap: jax.Array
-  rng: jax.Array
+  rng_data: jax.Array
 
   @classmethod
   def zeros(cls, num_slots: int, rng: jax.Array) -> SlotState:
-    """All slots idle. (Not donated anywhere: XLA may hand back one buffer for equal constants.)"""
+    """All slots idle, sampling from typed key `rng`. (Not donated anywhere: XLA may hand back
+    one buffer for equal constants.)"""
     z = jnp.zeros(num_slots, jnp.int32)
-    return cls(token=z, pos=z, active=jnp.zeros(num_slots, bool), end=z, cap=z, rng=rng)
+    return cls(token=z, pos=z, active=jnp.zeros(num_slots, bool), end=z, cap=z,
+               rng_data=jax.random.key_data(rng))
 
 
 def _constrain(tree, sharding):
@@ -145,7 +151,7 @@ def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, lay
   cache = _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret)
   logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
                                 valid_BT=state.active[:, None])
-  rng, draw = jax.random.split(state.rng)
+  rng, draw = jax.random.split(jax.random.wrap_key_data(state.rng_data))
   tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
   live = state.active
   stop = jnp.zeros_like(live)
@@ -154,7 +160,7 @@ def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, lay
   done = live & (stop | (state.pos + 2 >= state.end))
   state = state.replace(token=jnp.where(live, tokens, state.token),
                         pos=jnp.where(live, state.pos + 1, state.pos),
-                        active=live & ~done, rng=rng)
+                        active=live & ~done, rng_data=jax.random.key_data(rng))
   return cache.pools, state, tokens, logps, done
 
 

@@ -162,6 +162,11 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     if bad:
       raise ValueError(f"SamplerConfig.eos_id: stop ids {bad} are outside the vocabulary "
                        f"[0, {model.vocab_size}).")
+    excluded = cfg.sampling.excluded_ids
+    if any(i >= model.vocab_size for i in excluded) or set(excluded) & set(cfg.stop_ids):
+      raise ValueError(f"SamplerConfig.sampling.excluded_ids={excluded} must be ids in [0, "
+                       f"{model.vocab_size}) and hold no stop id (stop ids: {cfg.stop_ids}); "
+                       "an excluded id is never sampled.")
     self.model, self.cfg = model, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter

@@ -57,7 +57,7 @@ def _replica_state(r) -> dict:
           "sharing": r.sharing.state_dict(), "counts": dict(r.counts), "version": r.version,
           "steps_total": r.steps_total,
           "pools": [np.asarray(jax.device_get(p)) for p in r.pools],
-          "rng": np.asarray(jax.random.key_data(r.state.rng))}
+          "rng": np.asarray(jax.device_get(r.state.rng_data))}
 
 
 def state_dict(engine) -> dict:
@@ -104,7 +104,7 @@ class SamplingKeys:
 
 def rng_state(engine) -> list[np.ndarray]:
   """Key data of every data replica's sampling PRNG key (the engine holds its step lock)."""
-  return [np.asarray(jax.random.key_data(r.state.rng)) for r in engine.replicas]
+  return [np.asarray(jax.device_get(r.state.rng_data)) for r in engine.replicas]
 
 
 def load_rng_state(engine, keys: list[np.ndarray]) -> None:
@@ -112,8 +112,16 @@ def load_rng_state(engine, keys: list[np.ndarray]) -> None:
   for r, data in zip(engine.replicas, keys):
     if r.inflight is not None:
       raise RuntimeError("load_rng_state: a dispatch is in flight; call it between steps.")
-    rng = jax.device_put(jax.random.wrap_key_data(np.asarray(data, np.uint32)), r.replicated)
-    r.state = r.state.replace(rng=rng)
+    r.state = r.state.replace(rng_data=_rng_data(data, r))
+
+
+def _rng_data(data, r) -> jax.Array:
+  """Key data (as `rng_state` returns it) placed as replica `r`'s slot state holds it."""
+  data = np.asarray(data, np.uint32)
+  if data.shape != r.state.rng_data.shape:
+    raise ValueError(f"sampler PRNG key data has shape {data.shape}; this engine's keys have "
+                     f"{r.state.rng_data.shape} (another PRNG implementation?).")
+  return jax.device_put(data, r.replicated)
 
 
 def _check_fits(engine, state: dict) -> None:
@@ -131,8 +139,7 @@ def _check_fits(engine, state: dict) -> None:
 
 def _load_replica(r, rs: dict) -> None:
   r.pools = tuple(jax.device_put(np.asarray(a), p.sharding) for a, p in zip(rs["pools"], r.pools))
-  rng = jax.device_put(jax.random.wrap_key_data(np.asarray(rs["rng"])), r.replicated)
-  r.state = r.state.replace(rng=rng)
+  r.state = r.state.replace(rng_data=_rng_data(rs["rng"], r))
   r.sched.load_state_dict(rs["scheduler"])
   r.alloc.load_state_dict(rs["allocator"])
   r.alloc.take_fresh()

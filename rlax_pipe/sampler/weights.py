@@ -12,6 +12,7 @@ Threading: `offer` may be called from any thread (it never waits for the device)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Iterable
 
@@ -34,7 +35,8 @@ def release(update: WeightUpdate | None, keep: Any = None) -> None:
 
 def check_same_layout(old, new) -> None:
   """Raises ValueError (naming the leaf) if `new` differs from `old` in tree, shape, dtype or
-  sharding (a different layout would recompile the decode dispatch) or is not a jax.Array."""
+  sharding (a different layout would recompile the decode dispatch) or is not a jax.Array.
+  (Committedness and weak types, which would recompile too, are evened out by `canonical`.)"""
   old_leaves, old_def = jax.tree_util.tree_flatten_with_path(old)
   new_leaves, new_def = jax.tree_util.tree_flatten_with_path(new)
   if old_def != new_def:
@@ -51,6 +53,29 @@ def check_same_layout(old, new) -> None:
                        "recompile the decode step.")
 
 
+def _canonical_leaf(x):
+  if not isinstance(x, jax.Array):
+    return x
+  if x.weak_type:  # a copy (only weak scalars of an eager init have one)
+    x = jax.lax.convert_element_type(x, x.dtype)
+  return x if x.committed else jax.device_put(x, x.sharding)  # zero-copy
+
+
+def canonical(update: WeightUpdate | None) -> WeightUpdate | None:
+  """`update` with every array committed to its own sharding and strongly typed.
+
+  jit compiles separately for an uncommitted and a committed argument of the same shape and
+  sharding, and for a weak and a strong dtype; engines get committed, strong arrays from the
+  weight channel and from `load_state_dict`, so initial weights made by `jnp` or an eager init
+  (uncommitted) would leave the decode program `warmup` compiled unused after the first swap
+  (#27 item 10). Arrays already canonical are kept as they are (same objects).
+  """
+  if update is None or all(not isinstance(x, jax.Array) or (x.committed and not x.weak_type)
+                           for x in jax.tree.leaves(update.params)):
+    return update
+  return dataclasses.replace(update, params=jax.tree.map(_canonical_leaf, update.params))
+
+
 class EngineWeights:
   """Running and pending versions of one engine, and their per-replica views.
 
@@ -60,6 +85,7 @@ class EngineWeights:
   """
 
   def __init__(self, initial: WeightUpdate, meshes: list[Mesh]):
+    initial = canonical(initial)
     check_same_layout(initial.params, initial.params)
     self.meshes = meshes
     self.lock = threading.Lock()  # guards running / pending
@@ -92,6 +118,7 @@ class EngineWeights:
       ValueError: if its version is not newer than the running one or older than the pending
         one, or its layout differs from the running weights.
     """
+    update = canonical(update)
     check_same_layout(self.running.params, update.params)
     with self.lock:
       pending = None if self.pending is None else self.pending.version
@@ -126,6 +153,7 @@ class EngineWeights:
 
   def replace_all(self, running: WeightUpdate, pending: WeightUpdate | None) -> None:
     """Installs restored versions (load_state_dict); the previous ones are released."""
+    running, pending = canonical(running), canonical(pending)
     with self.lock:
       old, old_pending = self.running, self.pending
       self.running, self.pending = running, pending

@@ -1,5 +1,7 @@
 """Tests for sequence packing into TrainBatch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,56 @@ def test_errors_and_padding_helpers():
 ])
 def test_micro_batch_plan(rows, mbr, m, want):
   assert batching.micro_batch_plan(rows, mbr, m) == want
+
+
+def _grpo_reference(rollouts):
+  """sample_id -> GRPO advantage (r - mean) / (std + 1e-6) over each group's scored samples
+  (float64, written from the formula, independent of `rlax_pipe.advantages`)."""
+  out = {}
+  for g in {r.group_id for r in rollouts}:
+    scored = [r for r in rollouts if r.group_id == g and not np.isnan(r.reward)]
+    rw = np.asarray([r.reward for r in scored], np.float64)
+    for r in scored:
+      out[r.sample_id] = 0.0 if len(rw) < 2 else (r.reward - rw.mean()) / (rw.std() + 1e-6)
+  return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_build_batch_returns_rollouts_in_packed_segment_order(seed):
+  """#27 item 13: `build_batch`'s rollouts pair by position with the batch's segments
+  (`unpack_batch` order), whatever order first-fit decreasing packs samples of different lengths
+  in; NaN-reward samples are left out of both."""
+  from rlax_pipe.pipeline import config as pconfig
+  from rlax_pipe.pipeline import trainer
+
+  rng = np.random.default_rng(seed)
+  group_size, num_groups, seq_len = 4, 3, 24
+  lengths = [(int(rng.integers(1, 6)), int(rng.integers(1, 14)))
+             for _ in range(group_size * num_groups)]
+  rollouts = _rollouts(lengths, seed)
+  rewards = rng.integers(0, 3, len(rollouts)).astype(np.float64)
+  rewards[rng.random(len(rollouts)) < 0.15] = np.nan
+  rollouts = [dataclasses.replace(r, group_id=i // group_size, reward=float(w))
+              for i, (r, w) in enumerate(zip(rollouts, rewards))]
+  groups = [tuple(rollouts[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
+  cfg = pconfig.PipelineConfig(group_size=group_size, seq_len=seq_len)
+  batch, trained = trainer.build_batch(groups, cfg)
+  unpacked = batching.unpack_batch(batch)
+  scored = [r for r in rollouts if not np.isnan(r.reward)]
+  assert sorted(r.sample_id for r in trained) == [r.sample_id for r in scored]
+  assert len(unpacked) == len(trained)
+  expected_adv = _grpo_reference(rollouts)
+  for u, r in zip(unpacked, trained):
+    np.testing.assert_array_equal(u.prompt_tokens, r.prompt_tokens)
+    np.testing.assert_array_equal(u.completion_tokens, r.completion_tokens)
+    np.testing.assert_array_equal(u.behavior_logprobs, r.behavior_logprobs)
+    np.testing.assert_array_equal(u.policy_versions, r.policy_versions)
+    np.testing.assert_allclose(u.advantage, expected_adv[r.sample_id], rtol=1e-5, atol=1e-6)
+  # The case the issue is about: packing reordered the samples (longest first).
+  assert [r.sample_id for r in trained] != [r.sample_id for r in scored]
+
+
+def test_packed_order_is_the_layout_of_pack_rollouts():
+  lengths = [3, 7, 5, 2, 4]
+  assert batching.packed_order(lengths, 8) == [1, 2, 0, 4, 3]
+  assert batching.packed_order([], 8) == []

@@ -202,6 +202,44 @@ def test_no_recompilation_after_warmup(params):
   assert compiles.count == 0
 
 
+def test_no_recompilation_across_generations_swaps_refills_and_restores(params):
+  """#27 item 10: after `warmup`, nothing compiles over several generations (more requests
+  than slots: refills), a weight push of committed arrays (as the weight channel places them)
+  into an engine started from uncommitted `jnp` weights, `load_rng_state` and a whole-state
+  restore; nor in a second engine started from committed weights. Before the fix the push
+  compiled the decode and prefill programs again (committed vs uncommitted weights) and the
+  sampling key placed by `device_put` compiled a decode variant (typed-key avals)."""
+  def committed(p, scale=1.0):
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x) * scale, x.sharding), p)
+
+  engine = SamplerEngine(MODEL, CFG, params[0])  # jnp arrays: uncommitted
+  engine.warmup()
+  other = SamplerEngine(MODEL, CFG, committed(params[1]))
+  other.warmup()
+  rng = np.random.default_rng(11)
+  with CompileCounter() as compiles:
+    finished = 0
+    for gen in range(4):
+      for i in range(6):
+        engine.submit(Request(prompt_tokens=rng.integers(0, MODEL.vocab_size, 2 + 3 * i),
+                              sample_id=10 * gen + i, group_id=10 * gen + i // 2,
+                              max_new_tokens=int(rng.integers(4, 12))))
+      steps = 0
+      while engine.has_work:
+        finished += len(engine.step())
+        steps += 1
+        if gen == 1 and steps == 2:  # mid-generation swap
+          engine.update_weights(WeightUpdate(1, committed(params[2]), donated=True))
+      if gen == 1:
+        engine.load_rng_state(engine.rng_state())
+      if gen == 2:
+        engine.load_state_dict(engine.state_dict())
+    other.submit(Request(prompt_tokens=np.arange(5, dtype=np.int32), sample_id=0))
+    other.run_to_completion()
+  assert finished == 24 and engine.stats().weight_updates == 1 and engine.version == 1
+  assert compiles.count == 0
+
+
 def test_eos_first_token_is_passed_on_as_an_eos_completion(params):
   request = _requests(1, seed=4)[0]
   probe = SamplerEngine(MODEL, CFG, params[0])
