@@ -126,6 +126,7 @@ def attend(impl: str, q_BTHD, pools, layout: PoolLayout, layer, tables_BW, posit
   b, t, h, d = q_BTHD.shape
   if impl in DECODE_ONLY and t != 1:
     raise ValueError(f"{impl} is decode-only (T == 1), got T = {t}.")
+  pools = layout.values(pools)
   tables = (tables_BW + layer * layout.num_pages).astype(jnp.int32)
   scale = 1.0 / math.sqrt(d)
   pool_spec = layout.sharding(mesh).spec if mesh is not None else P()
