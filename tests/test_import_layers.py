@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "tokenizer", "logprobs", "advantages", "offpolicy", "plots", "param_checksum", "cluster"),
     ("model", "objectives", "tasks", "costs"),
     ("sampler", "learner", "grading", "model_dir"),
-    ("evaluation",),
+    ("evaluation", "aot"),
     ("pipeline",),
     ("sft", "sim"),
 )

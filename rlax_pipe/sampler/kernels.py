@@ -85,8 +85,15 @@ def tpu_ragged(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs, *, sm_
   from jax.experimental.pallas import tpu as pltpu
 
   fn = rpa.ragged_paged_attention if kernel is None else kernel
+  blocks = {}
+  if kernel is None and not interpret and jax.devices()[0].platform != "tpu":
+    # A deviceless compile (rlax_pipe.aot): JAX's tuned-size lookup reads the TPU generation
+    # from jax.devices()[0] (a CPU here) and raises; pass its own defaults for an untuned
+    # shape explicitly (kv pages per block <= 128, queries per block <= 32).
+    blocks = dict(num_kv_pages_per_block=min(tables_BW.shape[1], 128),
+                  num_queries_per_block=min(q_NHD.shape[0], 32))
   call = lambda: fn(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs,
-                    sm_scale=sm_scale)
+                    sm_scale=sm_scale, **blocks)
   if interpret and kernel is None:
     with pltpu.force_tpu_interpret_mode():
       return call()
