@@ -89,8 +89,12 @@ def tpu_ragged(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs, *, sm_
   if kernel is None and not interpret and jax.devices()[0].platform != "tpu":
     # A deviceless compile (rlax_pipe.aot): JAX's tuned-size lookup reads the TPU generation
     # from jax.devices()[0] (a CPU here) and raises; pass its own defaults for an untuned
-    # shape explicitly (kv pages per block <= 128, queries per block <= 32).
-    blocks = dict(num_kv_pages_per_block=min(tables_BW.shape[1], 128),
+    # shape explicitly (queries per block <= 32 as JAX's default).
+    # 128 pages per block (JAX's default) overflowed VMEM at 8 kv heads x 128 x 16-token pages
+    # (v5e compile: CompileTimeScopedVmemOom); blocks of <= 512 tokens compile.
+    page_size = kv_pool.shape[1]
+    blocks = dict(num_kv_pages_per_block=_largest_divisor_at_most(
+        tables_BW.shape[1], max(1, 512 // page_size)),
                   num_queries_per_block=min(q_NHD.shape[0], 32))
   call = lambda: fn(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs,
                     sm_scale=sm_scale, **blocks)

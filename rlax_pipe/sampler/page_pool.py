@@ -165,11 +165,17 @@ class PoolLayout:
       b, t, k, d = k_BTKD.shape
       kv = jnp.stack([k_BTKD, v_BTKD], axis=3).reshape(b, t, 2 * k, d)
       return (pools[0].at[index, offsets_BT].set(self._to_storage(kv), mode="drop"),)
+    # Every axis but D is a scatter index (kv head too, not a window): with K as a window the
+    # TPU compiler kept the carried pool page-major and copied it to the kernels' K-major layout
+    # in every layer (two whole-pool copies per layer per step, issue #28); indexed this way it
+    # keeps [K, L*P, S, D] row-major, the layout of the Pallas kernels (0 copies, checked on
+    # the TPU-compiled decode in tests/test_aot.py).
     k_pool, v_pool = pools
-    k_new = self._to_storage(jnp.moveaxis(k_BTKD, 2, 0))
+    heads = jnp.arange(self.num_kv_heads, dtype=jnp.int32)[:, None, None]  # [K, 1, 1]
+    at = (heads, index[None], offsets_BT[None])
+    k_new = self._to_storage(jnp.moveaxis(k_BTKD, 2, 0))  # [K, B, T, D]
     v_new = self._to_storage(jnp.moveaxis(v_BTKD, 2, 0))
-    return (k_pool.at[:, index, offsets_BT].set(k_new, mode="drop"),
-            v_pool.at[:, index, offsets_BT].set(v_new, mode="drop"))
+    return (k_pool.at[at].set(k_new, mode="drop"), v_pool.at[at].set(v_new, mode="drop"))
 
   def read_chunk(self, pools, layer, pages_BC):
     """Keys and values of C pages per row of `layer`: ([K, B, C*S, D], [K, B, C*S, D]) in
