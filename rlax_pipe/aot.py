@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from rlax_pipe import hlo_costs
 from rlax_pipe import objectives
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.config import ModelConfig
@@ -182,16 +183,22 @@ def program_report(compiled: Any, mesh: Mesh) -> dict[str, Any]:
   """What the TPU compiler says about one program, per device.
 
   Returns:
-    memory (`memory_fit`), cost (`cost_analysis()` flops and bytes accessed: a loop body is
-    counted ONCE, see `hlo_flops` for totals with trip counts), custom_calls (Mosaic kernels),
+    memory (`memory_fit`), kernels and matmul_flops per device with loop trip counts
+    (`hlo_costs.costs`; a loop of unknown trip count, e.g. the reference's chunk loop, counted
+    once: loops_unknown_trip_count says how many), cost (`cost_analysis()` flops and bytes
+    accessed: a loop body counted ONCE), custom_calls, mosaic_kernels (Pallas kernels),
     collectives (`hlo_analysis.summarize`: op -> count / bytes / mesh axes).
   """
   hlo = compiled.as_text()
   cost = compiled.cost_analysis() or {}
   if isinstance(cost, list):
     cost = cost[0] if cost else {}
+  counted = hlo_costs.costs(hlo)
   return {
       "memory": memory_fit(compiled, chip_hbm_bytes(mesh.devices.flat[0])),
+      "kernels": counted["kernels"],
+      "matmul_flops": counted["matmul_flops"],
+      "loops_unknown_trip_count": counted["loops_unknown"],
       "cost_flops_loop_bodies_once": float(cost.get("flops", 0.0)),
       "cost_bytes_accessed_loop_bodies_once": float(cost.get("bytes accessed", 0.0)),
       "custom_calls": len(re.findall(r"custom-call\(", hlo)),
@@ -226,6 +233,11 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
                     for a in jax.tree.leaves(model.abstract_params()))
       live_kv = cfg.num_slots * cfg.max_seq_len * layout.bytes_per_token
       rep["min_bytes_per_step"] = int((weights + live_kv) / mesh.size)
+      # The dispatch loop's trip count is `steps` (its bound): per decode step = / steps.
+      rep["kernels_per_step"] = rep["kernels"] / steps
+      rep["matmul_flops_per_step"] = rep["matmul_flops"] / steps
+      rep["model_flops_per_step"] = 2.0 * flops.matmul_params(model_cfg) * cfg.num_slots / (
+          mesh.size)
     out[name] = rep
   return out
 
@@ -251,5 +263,7 @@ def learner_report(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, seq_l
   tokens = cfg.micro_batch_rows * seq_len
   rep["model_flops"] = float(flops.model_flops_per_token(model_cfg, seq_len) * tokens
                              / mesh.size)
+  # > 1: recompute (remat), fp32 heads, padding; per device on both sides.
+  rep["compiled_over_model_flops"] = rep["matmul_flops"] / max(rep["model_flops"], 1.0)
   rep.update(benchmark.collective_findings(compiled.as_text(), model_cfg, mesh))
   return rep

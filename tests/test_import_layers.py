@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rlax_pipe"
 # layers only (and itself). Layer 0 is the foundation: messages, configs, sharding rules, I/O.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("types", "config", "config_dict", "sharding", "platform_setup", "run_dir", "timeline",
-     "tokenizer", "logprobs", "advantages", "offpolicy", "plots", "param_checksum", "cluster"),
+     "tokenizer", "logprobs", "advantages", "offpolicy", "plots", "param_checksum", "cluster",
+     "hlo_costs"),
     ("model", "objectives", "tasks", "costs"),
     ("sampler", "learner", "grading", "model_dir"),
     ("evaluation", "aot"),
