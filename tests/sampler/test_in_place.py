@@ -4,6 +4,7 @@ with the pool, for every cache dtype (issue #28: a bf16 pool was converted to f3
 around every write on CPU)."""
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -84,13 +85,18 @@ def test_bits_storage_reads_and_writes_the_same_values(combined):
   pages = jnp.asarray([[1, 1], [5, 6], [7, 7]], jnp.int32)
   offsets = jnp.asarray([[0, 1], [3, 0], [2, 3]], jnp.int32)
   valid = jnp.asarray([[True, True], [True, False], [False, True]])
-  outs = []
-  for layout in (plain, bits):
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(layout):
     pools = tuple(jnp.zeros(s, layout.storage_dtype) for s in layout.shapes)
     pools = layout.write(pools, 1, k, v, pages, offsets, valid)
     pools = layout.copy_pages(pools, jnp.asarray([5]), jnp.asarray([2]))
+    return pools, layout.read_chunk(pools, 1, jnp.asarray([[1, 2, 6, 7]] * 3))
+
+  outs = []
+  for layout in (plain, bits):
+    pools, read = run(layout)
     assert all(p.dtype == layout.storage_dtype for p in pools)
-    outs.append(layout.read_chunk(pools, 1, jnp.asarray([[1, 2, 6, 7]] * 3)))
+    outs.append(read)
   for a, b in zip(*outs):
     assert a.dtype == b.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
