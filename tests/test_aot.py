@@ -3,6 +3,8 @@ kernel and its sharded train step compile for a 4-chip TPU v5e topology, fit the
 the FSDP learner all-gathers weights / reduce-scatters gradients over "fsdp". Needs libtpu (the
 `test` extra installs it); the runtime stays on CPU."""
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("libtpu", reason="deviceless TPU compiles need libtpu (pip install "
@@ -72,3 +74,18 @@ def test_fsdp_train_step_compiles_for_tpu_and_shards_weights_and_grads(devices):
   assert rep["weight_all_gathers_over_fsdp"] > 0, rep
   assert rep["gradient_reduce_scatters_over_fsdp"] > 0, rep
   assert rep["model_flops"] > 0 and rep["cost_flops_loop_bodies_once"] > 0
+
+
+def test_auto_avoids_the_tpu_kernels_where_they_cannot_lower(devices):
+  """head_dim 64 (Llama-3.2-1B): the paged kernel does not lower for TPU, so `auto` picks the
+  reference there, which compiles; head_dim 128 keeps pallas_tpu."""
+  from rlax_pipe.sampler.paged_cache import resolve_impl  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh(devices[:1], {"tp": 1})
+  assert resolve_impl("auto", mesh, 128) == "pallas_tpu"
+  assert resolve_impl("auto", mesh, 64) == "reference"
+  narrow = dataclasses.replace(MODEL, head_dim=64)
+  small = dataclasses.replace(SAMPLER, num_pages=64)
+  with pytest.raises(ValueError, match="divisible by 8 and 128"):
+    aot.lower_sampler(narrow, small, mesh, "pallas_tpu", steps=1)["decode"].compile()
+  aot.lower_sampler(narrow, small, mesh, resolve_impl("auto", mesh, 64), steps=1)[
+      "decode"].compile()
