@@ -8,11 +8,13 @@ of the caller's multiplicity times the call's repeat count (a while body's
 `known_trip_count`, 1 otherwise). A while loop without a known trip count (the decode dispatch's
 step loop) counts its body once: totals are then per iteration of that loop (per decode step).
 
-Known limit (measured): TPU HLO carries no `known_trip_count`; the count is the condition's
-constant bound, which over-counts a loop XLA unrolled (counter stepping by more than 1). The
-TPU-compiled decode matched the model's matmul FLOPs exactly; the TPU-compiled tiny learner
-step read 1.72 (remat none) / 2.07 (full) against 1.086 / 1.39 from its CPU-compiled HLO (exact
-trip counts): prefer CPU-compiled HLO for learner FLOP ratios.
+Known limit (measured): the TPU writes batched matmuls as convolutions whose windows use
+strides, lhs dilation and padding to stand for batch dims; only the plain "padded by size-1"
+form is recognised, so other windows' taps are over-counted. The TPU-compiled decode matched
+the model's matmul FLOPs exactly; the TPU-compiled tiny learner step (single chip, remat none)
+read 48.6 GFLOP against 7.65 GFLOP from its CPU-compiled HLO (dots only, exact trip counts):
+take learner FLOP ratios from CPU-compiled HLO. (Loop bounds read from TPU conditions were
+checked correct there: 4 attention blocks of 64 in 256 tokens.)
 
 - Kernels: instructions of a non-fused computation (entry, while bodies and conditions, called
   computations) that XLA emits as a device kernel: everything but parameters, constants,
