@@ -39,6 +39,13 @@ LLAMA_3_2_1B = ModelConfig(vocab_size=128256, d_model=2048, n_layers=16, n_heads
                            rms_eps=1e-5, tie_embeddings=True, param_dtype="bfloat16",
                            compute_dtype="bfloat16", max_seq_len=4096)
 PRESETS: dict[str, ModelConfig] = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B}
+# meta-llama/Llama-3.1-8B config.json: hidden_size 4096, intermediate_size 14336, 32 layers,
+# 32 heads, 8 kv heads, head_dim 128, vocab 128256, untied embeddings, rope_theta 500000.
+# Compiled for TPU only (experiments/aot_compile.py); not in PRESETS (too large to run here).
+LLAMA_3_1_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                           n_kv_heads=8, head_dim=128, d_ff=14336, rope_theta=500000.0,
+                           rms_eps=1e-5, tie_embeddings=False, param_dtype="bfloat16",
+                           compute_dtype="bfloat16", max_seq_len=8192)
 
 def chip_bandwidth_gbps(device: jax.Device | None = None) -> tuple[str, float | None]:
   """(device kind, HBM GB/s from the one chip table `rlax_pipe.costs.chips` (vendors' data

@@ -59,8 +59,10 @@ class _DecodeProgram:
                        f"P={num_pages}.")
     mesh = page_pool.default_mesh()
     rep = page_pool.replicated(mesh)
-    self.layout = page_pool.PoolLayout(model_cfg.n_layers, model_cfg.n_kv_heads, num_pages,
-                                       page_size, model_cfg.head_dim, model_cfg.param_dtype)
+    self.layout = page_pool.PoolLayout(
+        model_cfg.n_layers, model_cfg.n_kv_heads, num_pages, page_size, model_cfg.head_dim,
+        model_cfg.param_dtype, bits=page_pool.needs_bits(model_cfg.param_dtype,
+                                                         mesh.devices.flat[0].platform))
     self.steps = steps
     self.params = jax.jit(model.init_params, static_argnums=0)(model_cfg, jax.random.key(seed))
     self.pools = page_pool.init_pool(self.layout, mesh)

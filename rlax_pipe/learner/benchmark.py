@@ -260,6 +260,12 @@ def collective_report(model: ModelLike, learner_cfg: LearnerConfig,
   """
   hlo = lower_accumulate(model, learner_cfg, objective_cfg, sampling_cfg, mesh,
                          seq_len).compile().as_text()
+  return collective_findings(hlo, model, mesh)
+
+
+def collective_findings(hlo: str, model: ModelLike, mesh: Mesh) -> dict[str, Any]:
+  """`collective_report`'s findings from the optimized HLO text of a micro-batch program
+  already compiled on `mesh` (a CPU or a TPU topology mesh)."""
   found = hlo_analysis.collectives(hlo, mesh)
   sizes = dict(mesh.shape)
   weights = hlo_analysis.weight_shapes(

@@ -171,7 +171,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter
     self.impl = cfg.attention_impl if interpret_kernels and cfg.attention_impl != "auto" else (
-        resolve_impl(cfg.attention_impl, self.mesh))
+        resolve_impl(cfg.attention_impl, self.mesh, model.head_dim))
     self.meshes = sharding_lib.replica_meshes(self.mesh)
     keys = jax.random.split(jax.random.key(cfg.seed), len(self.meshes))
     self.replicas = [EngineReplica(model, cfg, m, self.impl, interpret_kernels, keys[i])

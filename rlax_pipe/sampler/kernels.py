@@ -85,8 +85,19 @@ def tpu_ragged(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs, *, sm_
   from jax.experimental.pallas import tpu as pltpu
 
   fn = rpa.ragged_paged_attention if kernel is None else kernel
+  blocks = {}
+  if kernel is None and not interpret and jax.devices()[0].platform != "tpu":
+    # A deviceless compile (rlax_pipe.aot): JAX's tuned-size lookup reads the TPU generation
+    # from jax.devices()[0] (a CPU here) and raises; pass its own defaults for an untuned
+    # shape explicitly (queries per block <= 32 as JAX's default).
+    # 128 pages per block (JAX's default) overflowed VMEM at 8 kv heads x 128 x 16-token pages
+    # (v5e compile: CompileTimeScopedVmemOom); blocks of <= 512 tokens compile.
+    page_size = kv_pool.shape[1]
+    blocks = dict(num_kv_pages_per_block=_largest_divisor_at_most(
+        tables_BW.shape[1], max(1, 512 // page_size)),
+                  num_queries_per_block=min(q_NHD.shape[0], 32))
   call = lambda: fn(q_NHD, kv_pool, kv_lens_B, tables_BW, cu_q_lens, num_seqs,
-                    sm_scale=sm_scale)
+                    sm_scale=sm_scale, **blocks)
   if interpret and kernel is None:
     with pltpu.force_tpu_interpret_mode():
       return call()
@@ -126,6 +137,7 @@ def attend(impl: str, q_BTHD, pools, layout: PoolLayout, layer, tables_BW, posit
   b, t, h, d = q_BTHD.shape
   if impl in DECODE_ONLY and t != 1:
     raise ValueError(f"{impl} is decode-only (T == 1), got T = {t}.")
+  pools = layout.values(pools)
   tables = (tables_BW + layer * layout.num_pages).astype(jnp.int32)
   scale = 1.0 / math.sqrt(d)
   pool_spec = layout.sharding(mesh).spec if mesh is not None else P()

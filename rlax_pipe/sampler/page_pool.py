@@ -16,6 +16,13 @@ carried through the layer and decode loops, XLA updates it in place, so a step's
 temporary memory do not depend on the pool size (checked on the compiled program in tests and in
 `experiments/bench_sampler.py --suite=scaling`).
 
+Storage as bits: XLA:CPU upcasts bfloat16 gathers and scatters to float32, converting the WHOLE
+pool to f32 and back around every write and read (a bf16 decode step then cost ~9x more with a
+16x larger pool; issue #28). A bf16 pool on a CPU mesh is therefore stored as uint16 (its bits,
+`PoolLayout.bits`): writes bitcast the new tokens, reads bitcast the gathered pages, both small.
+The TPU compiler scatters and gathers bf16 natively (checked on the TPU-compiled program), so
+accelerator pools keep their float dtype, which the Pallas kernels need.
+
 Sharding: the pool names logical axes only; `rlax_pipe.sharding.CACHE_RULES` maps them to mesh
 axes: only kv heads are split (over "tp", when divisible), because a block table indexes pages
 of the whole pool. The sampler mesh's "data" axis means independent replicas, each with its own
@@ -58,9 +65,11 @@ class PoolLayout:
 
   Attributes:
     num_layers, num_kv_heads, num_pages, page_size, head_dim: L, K, P, S, D.
-    dtype: element dtype name.
+    dtype: element dtype name (the values' dtype).
     combined: True = one [L*P, S, 2K, D] array (ragged TPU kernel); False = k and v arrays
       [K, L*P, S, D].
+    bits: store the arrays as unsigned integers of the dtype's width (`storage_dtype`); set for
+      bfloat16 on CPU by `of` (see the module docstring).
   """
 
   num_layers: int
@@ -70,12 +79,36 @@ class PoolLayout:
   head_dim: int
   dtype: str = "float32"
   combined: bool = False
+  bits: bool = False
 
   @classmethod
-  def of(cls, model: Model, cfg: SamplerConfig, combined: bool = False) -> PoolLayout:
-    """The layout of `cfg`'s pool for `model` (its KV geometry: layers, kv heads, head dim)."""
+  def of(cls, model: Model, cfg: SamplerConfig, combined: bool = False,
+         platform: str | None = None) -> PoolLayout:
+    """The layout of `cfg`'s pool for `model` (its KV geometry: layers, kv heads, head dim) on
+    a mesh of `platform` ("cpu", "gpu", "tpu"; it decides `bits`)."""
     return cls(model.n_layers, model.n_kv_heads, cfg.num_pages, cfg.page_size, model.head_dim,
-               cfg.cache_dtype, combined)
+               cfg.cache_dtype, combined, bits=needs_bits(cfg.cache_dtype, platform))
+
+  @property
+  def storage_dtype(self):
+    """dtype of the pool arrays: `dtype`, or the unsigned integer of its width when `bits`."""
+    if not self.bits:
+      return jnp.dtype(self.dtype)
+    return jnp.dtype({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(self.dtype).itemsize])
+
+  def values(self, pools):
+    """The pool arrays as `dtype` values (a bitcast when `bits`; it copies the pool on CPU,
+    so only kernels, which never run natively on CPU, use it)."""
+    if not self.bits:
+      return tuple(pools)
+    return tuple(jax.lax.bitcast_convert_type(p, jnp.dtype(self.dtype)) for p in pools)
+
+  def _to_storage(self, x):
+    x = x.astype(self.dtype)
+    return jax.lax.bitcast_convert_type(x, self.storage_dtype) if self.bits else x
+
+  def _to_values(self, x):
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(self.dtype)) if self.bits else x
 
   @property
   def total_pages(self) -> int:
@@ -131,24 +164,31 @@ class PoolLayout:
     if self.combined:
       b, t, k, d = k_BTKD.shape
       kv = jnp.stack([k_BTKD, v_BTKD], axis=3).reshape(b, t, 2 * k, d)
-      return (pools[0].at[index, offsets_BT].set(kv.astype(pools[0].dtype), mode="drop"),)
+      return (pools[0].at[index, offsets_BT].set(self._to_storage(kv), mode="drop"),)
+    # Every axis but D is a scatter index (kv head too, not a window): with K as a window the
+    # TPU compiler kept the carried pool page-major and copied it to the kernels' K-major layout
+    # in every layer (two whole-pool copies per layer per step, issue #28); indexed this way it
+    # keeps [K, L*P, S, D] row-major, the layout of the Pallas kernels (0 copies, checked on
+    # the TPU-compiled decode in tests/test_aot.py).
     k_pool, v_pool = pools
-    k_new = jnp.moveaxis(k_BTKD, 2, 0).astype(k_pool.dtype)
-    v_new = jnp.moveaxis(v_BTKD, 2, 0).astype(v_pool.dtype)
-    return (k_pool.at[:, index, offsets_BT].set(k_new, mode="drop"),
-            v_pool.at[:, index, offsets_BT].set(v_new, mode="drop"))
+    heads = jnp.arange(self.num_kv_heads, dtype=jnp.int32)[:, None, None]  # [K, 1, 1]
+    at = (heads, index[None], offsets_BT[None])
+    k_new = self._to_storage(jnp.moveaxis(k_BTKD, 2, 0))  # [K, B, T, D]
+    v_new = self._to_storage(jnp.moveaxis(v_BTKD, 2, 0))
+    return (k_pool.at[at].set(k_new, mode="drop"), v_pool.at[at].set(v_new, mode="drop"))
 
   def read_chunk(self, pools, layer, pages_BC):
-    """Keys and values of C pages per row of `layer`: ([K, B, C*S, D], [K, B, C*S, D])."""
+    """Keys and values of C pages per row of `layer`: ([K, B, C*S, D], [K, B, C*S, D]) in
+    `dtype`."""
     index = layer * self.num_pages + pages_BC
     b, c = pages_BC.shape
     k, s, d = self.num_kv_heads, self.page_size, self.head_dim
     if self.combined:
-      kv = pools[0][index]  # [B, C, S, 2K, D]
+      kv = self._to_values(pools[0][index])  # [B, C, S, 2K, D]
       kv = kv.reshape(b, c * s, k, 2, d)
       return (jnp.transpose(kv[..., 0, :], (2, 0, 1, 3)),
               jnp.transpose(kv[..., 1, :], (2, 0, 1, 3)))
-    return tuple(p[:, index].reshape(k, b, c * s, d) for p in pools)
+    return tuple(self._to_values(p[:, index]).reshape(k, b, c * s, d) for p in pools)
 
   def copy_pages(self, pools, src_N, dst_N):
     """Copies pages src -> dst in every layer (dst = P or more: skipped). Returns the pools."""
@@ -165,9 +205,14 @@ class PoolLayout:
     return tuple(out)
 
 
+def needs_bits(dtype: str, platform: str | None) -> bool:
+  """Whether a pool of `dtype` on `platform` is stored as bits (bfloat16 on CPU, see above)."""
+  return platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "sharding"))
 def _zero_pools(layout: PoolLayout, sharding):
-  return tuple(jax.lax.with_sharding_constraint(jnp.zeros(s, layout.dtype), sharding)
+  return tuple(jax.lax.with_sharding_constraint(jnp.zeros(s, layout.storage_dtype), sharding)
                for s in layout.shapes)
 
 
@@ -175,7 +220,7 @@ def init_pool(layout: PoolLayout, mesh: Mesh):
   """Allocates the zeroed pool arrays directly in their sharding (no reshard).
 
   Returns:
-    Tuple of pool arrays (see `PoolLayout.shapes`), sharded by `layout.sharding(mesh)`.
+    Tuple of pool arrays (see `PoolLayout.shapes`) of `layout.storage_dtype`, sharded by `layout.sharding(mesh)`.
   """
   return _zero_pools(layout, layout.sharding(mesh))
 

@@ -69,8 +69,13 @@ class PagedKVCache:
     return out, self.replace(pools=pools)
 
 
-def resolve_impl(attention_impl: str, mesh: Mesh) -> str:
-  """Picks the attention implementation for `mesh` ("auto": by the mesh's platform).
+def resolve_impl(attention_impl: str, mesh: Mesh, head_dim: int | None = None) -> str:
+  """Picks the attention implementation for `mesh` ("auto": by the mesh's platform; on TPU the
+  Pallas kernels need head_dim % 128 == 0, so other head dims get the reference).
+
+  Compiled for TPU (issue #28, v5e, `rlax_pipe.aot`): with head_dim 64 (Llama-3.2-1B) the
+  paged-attention kernel fails to lower (a block's last dim must divide by 128) and the ragged
+  kernel asserts; at head_dim 128 both lower, and `pallas_tpu` has the fewer kernels per step.
 
   Raises:
     ValueError: for a kernel requested on a platform that cannot run it natively (use
@@ -78,6 +83,8 @@ def resolve_impl(attention_impl: str, mesh: Mesh) -> str:
   """
   platform = mesh.devices.flat[0].platform
   if attention_impl == "auto":
+    if platform == "tpu" and head_dim is not None and head_dim % 128:
+      return "reference"
     return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform, "reference")
   needs = {"pallas_gpu": "gpu", "pallas_tpu": "tpu", "pallas_tpu_ragged": "tpu"}.get(
       attention_impl)

@@ -77,7 +77,8 @@ class EngineReplica:
                interpret: bool, rng: jax.Array):
     self.model, self.cfg, self.mesh, self.impl, self.interpret = (
         model, cfg, mesh, impl, interpret)
-    self.layout = page_pool.PoolLayout.of(model, cfg, combined=uses_combined_layout(impl))
+    self.layout = page_pool.PoolLayout.of(model, cfg, combined=uses_combined_layout(impl),
+                                          platform=mesh.devices.flat[0].platform)
     self.pool_sharding = self.layout.sharding(mesh)
     self.replicated = page_pool.replicated(mesh)
     self.pools = page_pool.init_pool(self.layout, mesh)

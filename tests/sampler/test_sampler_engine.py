@@ -337,3 +337,19 @@ def test_pool_is_sharded_over_tp_by_kv_heads(params):
   assert engine.replicas[0].pools[0].sharding == layout.sharding(mesh)
   for r, ref in zip(rollouts, _reference(params[0], rollouts)):
     np.testing.assert_allclose(r.behavior_logprobs, ref, atol=1e-5, rtol=0)
+
+
+def test_bf16_cache_on_cpu_is_stored_as_bits_and_matches_the_full_forward(params):
+  """Issue #28: a bf16 pool on CPU is kept as uint16 bits (in-place writes, see
+  test_in_place); the engine's log-probs still follow the fp32 full forward up to bf16 KV
+  rounding."""
+  cfg = dataclasses.replace(CFG, cache_dtype="bfloat16", num_pages=24)
+  engine = SamplerEngine(MODEL, cfg, params[0])
+  r = engine.replicas[0]
+  assert r.layout.bits and all(p.dtype == jnp.uint16 for p in r.pools)
+  for req in _requests(4, budgets=(6, 6)):
+    engine.submit(req)
+  rollouts = engine.run_to_completion()
+  errs = [np.abs(r.behavior_logprobs - ref).max()
+          for r, ref in zip(rollouts, _reference(params[0], rollouts))]
+  assert 0 < max(errs) < 0.1, errs  # bf16 K/V rounding is visible, and small

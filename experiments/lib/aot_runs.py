@@ -1,0 +1,105 @@
+"""Runs of `experiments/aot_compile.py`: every device program of a preset compiled for a TPU
+topology (deviceless, `rlax_pipe.aot`), one JSON record per program. Labelled "compiled for
+TPU, not run": no number here is a timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterator
+
+from lib import sampler_presets as presets
+from rlax_pipe import aot
+from rlax_pipe import sharding as sharding_lib
+from rlax_pipe.config import ModelConfig
+from rlax_pipe.learner.config import LearnerConfig
+from rlax_pipe.model import as_model
+from rlax_pipe.sampler import page_pool
+from rlax_pipe.sampler.config import SamplerConfig
+from rlax_pipe.sampler.paged_cache import uses_combined_layout
+
+# The tiny CI model (tests/test_aot.py) and the real shapes.
+TINY = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=128, d_ff=256, max_seq_len=256, param_dtype="bfloat16",
+                   compute_dtype="bfloat16")
+MODELS: dict[str, ModelConfig] = {"tiny": TINY, **presets.PRESETS,
+                                  "llama-3.1-8b": presets.LLAMA_3_1_8B}
+
+
+def parse_mesh(spec: list[str]) -> dict[str, int]:
+  """["fsdp:4", "tp:2"] -> {"fsdp": 4, "tp": 2}."""
+  out = {}
+  for item in spec:
+    name, _, size = item.partition(":")
+    if not size.isdigit():
+      raise ValueError(f"mesh axis {item!r}: write name:size, e.g. fsdp:4.")
+    out[name] = int(size)
+  return out
+
+
+def pages_that_fit(rep: dict[str, Any], layout: page_pool.PoolLayout, mesh_size: int,
+                   copies: bool) -> int | None:
+  """Largest num_pages whose decode program would fit, from one compile: the need without the
+  pool is taken as fixed and the pool counted once (twice when the program copies it)."""
+  hbm = rep["memory"]["hbm_bytes"]
+  if hbm is None:
+    return None
+  per_page = layout.nbytes / layout.num_pages / mesh_size * (2 if copies else 1)
+  fixed = rep["memory"]["need_bytes"] - per_page * layout.num_pages
+  return max(0, int((hbm - fixed) // per_page))
+
+
+def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topology: str,
+                    tp: int, impls: tuple[str, ...], steps: int) -> Iterator[dict[str, Any]]:
+  """One record per (kernel, program) of the sampler replica on `tp` topology devices."""
+  devices = aot.topology_devices(topology)
+  mesh = sharding_lib.make_mesh(devices[:tp], {sharding_lib.TP: tp})
+  for impl in impls:
+    t0 = time.time()
+    base = dict(model=name, topology=topology, role="sampler", mesh={"tp": tp}, impl=impl,
+                device_kind=devices[0].device_kind, num_slots=cfg.num_slots,
+                num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, steps=steps,
+                label="compiled for TPU, not run")
+    try:
+      reports = aot.sampler_report(model_cfg, cfg, mesh, impl, steps=steps)
+    except Exception as e:  # pylint: disable=broad-except  (the compiler's error is the finding)
+      yield dict(base, program="decode", compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
+      continue
+    layout = page_pool.PoolLayout.of(as_model(model_cfg), cfg,
+                                     combined=uses_combined_layout(impl), platform="tpu")
+    for program, rep in reports.items():
+      rec = dict(base, program=program, compiled=True, compile_s=round(time.time() - t0, 1),
+                 **rep)
+      if program == "decode":
+        rec["num_pages_fit"] = pages_that_fit(rep, layout, tp, rep["pool_copies"] > 0)
+      yield rec
+
+
+def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: list[dict],
+                    seq_len: int, micro_batch_rows: int, remat: str,
+                    block_len: int) -> Iterator[dict[str, Any]]:
+  """One record per learner mesh: the micro-batch step (fp32 master params, bf16 compute)."""
+  devices = aot.topology_devices(topology)
+  learner_model = dataclasses.replace(model_cfg, param_dtype="float32",
+                                      compute_dtype="bfloat16", max_seq_len=max(
+                                          model_cfg.max_seq_len, seq_len))
+  for axes in meshes:
+    n = 1
+    for size in axes.values():
+      n *= size
+    mesh = sharding_lib.make_mesh(devices[:n], axes)
+    cfg = LearnerConfig(mesh_axes=tuple(axes.items()), micro_batch_rows=micro_batch_rows,
+                        remat=remat, logits_chunk_len=min(256, seq_len),
+                        attention_block_len=min(block_len, seq_len))
+    t0 = time.time()
+    base = dict(model=name, topology=topology, role="learner", mesh=axes,
+                device_kind=devices[0].device_kind, seq_len=seq_len,
+                micro_batch_rows=micro_batch_rows, remat=remat, program="train_step",
+                label="compiled for TPU, not run")
+    try:
+      rep = aot.learner_report(learner_model, cfg, mesh, seq_len)
+    except Exception as e:  # pylint: disable=broad-except
+      yield dict(base, compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
+      continue
+    rep.pop("activation_collectives_over_fsdp_detail", None)
+    yield dict(base, compiled=True, compile_s=round(time.time() - t0, 1), **rep)
