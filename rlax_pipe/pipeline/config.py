@@ -57,9 +57,11 @@ class PipelineConfig:
       includes compiles).
     wait_timeout_factor: multiple of the measured batch interval (> 1) when wait_timeout_s is None.
     wait_timeout_floor_s: smallest scaled timeout (seconds, > 0).
-    lost_sample_policy: what to do with a sample the engine no longer holds that never came back
-      (issue #14 item 9): "redispatch" (sample it again, same id and prompt) or "discard" (give
-      up its group; counted as waste reason "lost"). Both are counted in the metrics.
+    lost_sample_policy: what to do with a lost sample, under every staleness policy: one the
+      engine no longer holds that never came back (issue #14 item 9), or one it handed back that
+      is not in the queue half a wait limit later (`driver.delivery_limit`; issue #27 item 2):
+      "redispatch" (sample it again, same id and prompt) or "discard" (give up its group;
+      counted as waste reason "lost"). Both are named in the log and counted in the metrics.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
       probe sequence (slow; catches a push that silently did not apply). Always on, and cheap:
       the engine checks the checksums of the weights it decodes with after every swap.

@@ -1,8 +1,12 @@
 """Issue #14 item 9, lost and duplicated samples, with a scripted engine (no model): a sample
 that never comes back is named and re-dispatched or its group discarded and counted; groups
-too stale in flight are aborted under `drop`; the wait limit scales to measured intervals."""
+too stale in flight are aborted under `drop`; the wait limit scales to measured intervals.
+Issue #27 item 2: a sample lost between the engine and the queue is handled the same way under
+every staleness policy, by the worker and by the reproducible driver."""
 
 import dataclasses
+import logging
+import types
 
 import numpy as np
 import pytest
@@ -10,6 +14,7 @@ import pytest
 from rlax_pipe import tasks
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.pipeline import config as pconfig
+from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import driver, staleness
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
@@ -45,6 +50,16 @@ class LossyEngine:
 
   num_waiting = 0
 
+  def stats(self):  # the counters the reproducible driver's cost model reads
+    return types.SimpleNamespace(decode_steps=self.decode_steps, prefill_calls=0,
+                                 prefill_tokens=0, generated_tokens=self.decode_steps,
+                                 live_token_steps=self.decode_steps)
+
+  decode_steps = 0
+
+  def update_weights(self, version):
+    self.version = self.latest_version = version
+
   def submit(self, request):
     self.running[request.sample_id] = [request, 0, []]
 
@@ -60,6 +75,7 @@ class LossyEngine:
                    prompt_index=req.prompt_index)
 
   def step(self):
+    self.decode_steps += 1
     out = []
     for sid, entry in list(self.running.items()):
       entry[1] += 1
@@ -78,13 +94,15 @@ class LossyEngine:
     return None if entry is None else self._rollout(entry[0], entry[2], "aborted")
 
 
-def _worker(engine_kw, policy="block", max_lag=1, lost="redispatch"):
+def _worker(engine_kw, policy="block", max_lag=1, lost="redispatch", queue_cls=RolloutQueue):
   sampler = SamplerConfig(num_slots=4, page_size=8, num_pages=32, max_seq_len=48,
                           max_new_tokens=32)
   pipe = pconfig.PipelineConfig(
       group_size=2, seq_len=48, lost_sample_policy=lost,
-      staleness=staleness.StalenessConfig(policy=policy, max_lag=max_lag, groups_per_step=1))
-  queue = RolloutQueue(pipe.staleness, 2)
+      staleness=staleness.StalenessConfig(
+          policy=policy, max_lag=max_lag, groups_per_step=1,
+          queue_capacity_groups=8 if policy == "queue-drop" else None))
+  queue = queue_cls(pipe.staleness, 2)
   task = tasks.make_task("arithmetic", tasks.ArithmeticConfig(max_terms=3))
   return RolloutWorker(LossyEngine(sampler, **engine_kw), task, TOK, queue, pipe)
 
@@ -164,3 +182,116 @@ def test_wait_limit_scales_to_measured_intervals():
   assert driver.wait_timeout(fixed, [100.0]) == 5.0
   with pytest.raises(ValueError, match="lost_sample_policy"):
     pconfig.PipelineConfig(lost_sample_policy="retry")
+
+
+@pytest.mark.parametrize("lost", ["redispatch", "discard"])
+@pytest.mark.parametrize("policy", staleness.POLICIES)
+def test_sample_lost_between_engine_and_queue_is_named_under_every_policy(policy, lost, caplog):
+  worker = _worker({}, policy=policy, lost=lost)
+  q = worker.queue
+  try:
+    started = worker.top_up()
+    out = worker.step(now=0.0)
+    assert len(out) == 2 * started
+    for r in out:
+      if r.sample_id != 1:  # sample 1 left the engine and never reached the queue
+        q.put(r)
+    assert q.missing_samples(0) == [1]
+    assert worker.check_lost(now=9.9, delivery_limit_s=10.0) == []  # not yet overdue
+    assert worker.next_delivery_deadline(10.0) == 10.0
+    with caplog.at_level(logging.WARNING):
+      assert worker.check_lost(now=10.0, delivery_limit_s=10.0) == [1]
+    assert "group 0: samples [1]" in caplog.text and "not in the queue" in caplog.text
+    m = worker.pop_metrics()
+    if lost == "redispatch":
+      assert 1 in worker.engine.running  # same id and prompt, sampled again
+      assert (m["samples_lost"], m["samples_redispatched"], m["groups_lost"]) == (1, 1, 0)
+      for r in worker.step(now=11.0):
+        q.put(r)
+      assert q.missing_samples(0) is None and q.stats().ready_groups == started
+    else:
+      assert (m["samples_lost"], m["samples_redispatched"], m["groups_lost"]) == (1, 0, 1)
+      w = q.stats().waste
+      assert (w.lost_groups, w.lost_samples) == (1, 1)  # sample 0 arrived: lost work
+      assert q.stats().ready_groups == started - 1 and q.stats().partial_groups == 0
+    # delivered samples are never named, however late the check
+    assert worker.check_lost(now=1e6, delivery_limit_s=10.0) == []
+    assert worker.next_delivery_deadline(10.0) is None
+    with pytest.raises(ValueError, match="delivery_limit_s"):
+      worker.check_lost(now=0.0, delivery_limit_s=0.0)
+  finally:
+    worker.close()
+
+
+def test_late_delivery_within_the_limit_and_given_up_groups_are_not_lost():
+  worker = _worker({}, policy="drop")
+  q = worker.queue
+  try:
+    worker.top_up()
+    out = worker.step(now=0.0)
+    late = [r for r in out if r.group_id == 0]
+    for r in out:
+      if r.group_id != 0:
+        q.put(r)
+    q.discard_group(1, "stale")  # a complete group given up later is not waited for either
+    for r in late:  # group 0 arrives late, but before the limit
+      q.put(r)
+    assert worker.next_delivery_deadline(5.0) is None
+    assert worker.check_lost(now=100.0, delivery_limit_s=5.0) == []
+    assert worker.pop_metrics()["samples_lost"] == 0
+  finally:
+    worker.close()
+
+
+class _DropsOnce(RolloutQueue):
+  """A queue whose transport loses the first copy of sample 1 (a lost message)."""
+
+  lost = False
+
+  def put(self, rollout, learner_version=None):
+    if rollout.sample_id == 1 and not self.lost:
+      self.lost = True
+      return True
+    return super().put(rollout, learner_version)
+
+
+class _Trainer:
+  """The learner side of `run_reproducible` without a model: counts versions and groups."""
+
+  def __init__(self, queue, cfg):
+    self.queue, self.cfg = queue, cfg
+    self.learner = types.SimpleNamespace(version=0)
+    self.trained = []
+
+  def train_on(self, groups):
+    self.learner.version += 1
+    self.trained += [g[0].group_id for g in groups]
+    return types.SimpleNamespace(processed_rows=1, micro_batches=1, push_bytes=1,
+                                 version=self.learner.version)
+
+
+@pytest.mark.parametrize("policy", staleness.POLICIES)
+def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
+  """Before issue #27 item 2: under drop / queue-drop the run ended normally with group 0
+  never trained nor counted; under block / learner-wait it stopped with a DeadlockError."""
+  worker = _worker({"steps": 2}, policy=policy, max_lag=1, queue_cls=_DropsOnce)
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=0.2)  # delivery limit 0.1 virtual s
+  trainer = _Trainer(worker.queue, cfg)
+  channel = types.SimpleNamespace(take=lambda timeout: trainer.learner.version)
+  try:
+    end = driver.run_reproducible(worker, trainer, channel, cfg, timeline_lib.Timeline(), 6,
+                            on_step=lambda result, now: None)
+    m = worker.pop_metrics()
+    assert worker.queue.lost and end > 0.1  # (the run outlived the delivery limit)
+    assert (m["samples_lost"], m["samples_redispatched"]) == (1, 1)
+    q = worker.queue.stats()
+    assert q.rejected_samples == 0  # nothing else was taken for lost
+    # group 0 was trained or counted as waste: no longer waited for, and every group admitted
+    # is trained, counted as waste, ready or in flight
+    assert worker.queue.missing_samples(0) is None and 0 not in worker.queue.in_flight_group_ids()
+    assert q.admitted_groups == (q.trained_groups + q.waste.dropped_groups + q.ready_groups
+                                 + q.in_flight_groups)
+    if policy in ("block", "learner-wait"):
+      assert 0 in trainer.trained
+  finally:
+    worker.close()
