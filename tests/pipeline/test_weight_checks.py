@@ -82,7 +82,8 @@ def test_a_channel_that_lands_old_arrays_under_a_new_version_is_caught(monkeypat
   channel.push(jax.device_put(v1, lsh), 1)
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError,
-                     match=r"version 1 on the sampler engine are not the learner's version 1"):
+                     match=r"version 1 on the sampler engine's decode dispatch \(replica 0\) "
+                           r"are not the learner's version 1"):
     for _ in range(3):
       engine.step()
 
@@ -107,6 +108,56 @@ def test_an_engine_that_keeps_decoding_with_old_weights_is_caught(monkeypatch):
   with pytest.raises(param_checksum.WeightMismatchError, match="version 1"):
     for _ in range(3):
       engine.step()
+
+
+def _stale_views_swap(self):
+  """A broken swap (issue #27 item 3): the engine stores the new version (running weights,
+  version number, checksums) but its dispatches keep being given the old per-replica views."""
+  with self.lock:
+    pending, self.pending = self.pending, None
+    if pending is None:
+      return False
+    self.running = pending  # self.views not refreshed: decode reads the old copy
+  return True
+
+
+def test_an_engine_whose_dispatch_reads_a_stale_copy_is_caught(monkeypatch):
+  """The stored weights are right, so a check of them passes; the arrays the decode dispatch
+  is given are not, and that is what the check reads now."""
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.step()
+  monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
+  channel.push(jax.device_put(_params(1), lsh), 1)
+  engine.update_weights(channel.take(timeout=30))
+  with pytest.raises(param_checksum.WeightMismatchError,
+                     match=r"version 1 on the sampler engine's decode dispatch \(replica 0\)"):
+    for _ in range(3):
+      engine.step()
+  # What the engine stores is the learner's version 1 (a check of it passes, as before #27):
+  # only the dispatch read old arrays.
+  running = engine.weights.running
+  assert running.version == 1
+  np.testing.assert_array_equal(param_checksum.host(param_checksum.checksum(running.params)),
+                                param_checksum.host(running.checksum))
+
+
+def test_a_version_that_never_ran_a_dispatch_is_checked_on_what_the_next_would_read(
+    monkeypatch):
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.step()
+  channel.push(jax.device_put(_params(1), lsh), 1)
+  engine.update_weights(channel.take(timeout=30))
+  engine.check_weights()  # an engine about to stop: version 1 never decoded
+  assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
+  monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
+  channel.push(jax.device_put(_params(2), lsh), 2)
+  engine.update_weights(channel.take(timeout=30))
+  with pytest.raises(param_checksum.WeightMismatchError, match="version 2"):
+    engine.check_weights()
 
 
 def test_a_correct_in_flight_update_passes_the_check():
