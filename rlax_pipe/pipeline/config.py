@@ -70,7 +70,9 @@ class PipelineConfig:
       which a sampler decoding with other weights than its tags say drives up (0.37 in the
       case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
       sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
-      in its metrics row. None = off.
+      in its metrics row; `lag0_tokens` there counts the tokens compared, and a step with none
+      (every token lags, common under the pipeline driver) has `lag0_tokens`=0 and no alarm
+      value: nothing was compared (the engine's weight check covers every step). None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards

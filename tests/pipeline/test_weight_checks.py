@@ -1,6 +1,10 @@
 """Is the sampler really using the weights of the version it tags tokens with? (issue #14 item
 10): exact layout-independent checksums, the engine's check after every swap, catching a channel
-that lands old arrays and an engine that keeps old weights; a failed push can be retried."""
+that lands old arrays and an engine that keeps old weights; a failed push can be retried.
+Issue #27 item 3: the check reads what each decode dispatch was given (an engine whose dispatch
+reads a stale copy is caught), and a step without lag-0 tokens says it compared nothing."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -205,3 +209,21 @@ def test_lag0_logprob_mismatch_alarm():
   # Measured on healthy runs: 0.0018 (stale-KV keep), 0.0022 (bf16 sampler).
   assert trainer.lag0_alarm({"logp_mismatch_mean": 0.0022}, 0.05, 6) == {"lag0_logp_alarm": 0}
   assert trainer.lag0_alarm({"logp_mismatch_mean": 0.37}, None, 6) == {}
+
+
+@pytest.mark.parametrize("metrics", [
+    {"logp_mismatch_mean": np.float32(np.nan), "mismatch_tokens": np.int32(0)},  # NaN mean
+    {"mismatch_tokens": np.int32(0)},  # the learner drops statistics of nothing
+    {"logp_mismatch_mean": np.float32(np.nan)},
+    {},
+])
+def test_a_step_without_lag0_tokens_says_nothing_was_compared(metrics, caplog):
+  """Issue #27 item 3: such a step reported alarm 0 (or a NaN mismatch) as if it had passed."""
+  from rlax_pipe.pipeline import trainer  # pylint: disable=import-outside-toplevel
+  with caplog.at_level(logging.INFO):
+    assert trainer.lag0_alarm(metrics, 0.05, 6) == {"lag0_tokens": 0}
+  assert "no lag-0 token" in caplog.text
+  counted = {"logp_mismatch_mean": np.float32(0.01), "mismatch_tokens": np.int32(40)}
+  assert trainer.lag0_alarm(counted, 0.05, 6) == {"lag0_tokens": 40, "lag0_logp_alarm": 0}
+  counted["logp_mismatch_mean"] = np.float32(0.37)
+  assert trainer.lag0_alarm(counted, 0.05, 6) == {"lag0_tokens": 40, "lag0_logp_alarm": 1}
