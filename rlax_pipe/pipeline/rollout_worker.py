@@ -15,10 +15,12 @@ ever waits for it, so its group stayed partial forever, unnamed. The worker ther
 samples it got back (with the time it got them) until the queue has them: one still missing
 from the queue `delivery_limit_s` after it left the engine is lost, named and handled by the
 same policy, under every staleness policy (amortised O(1): each sample is looked at once, when
-it reaches that age). Under policy `drop` the worker aborts groups in flight whose oldest token is already too
-stale for the learner's next batch (checked when the learner's version changes): with the
-engine's per-request `abort` when it has one, else by discarding the group in the queue so its
-samples are counted and ignored when they finish.
+it reaches that age).
+
+Under policy `drop` the worker aborts groups in flight whose oldest token is already too stale
+for the learner's next batch (checked when the learner's version changes): with the engine's
+per-request `abort` when it has one, else by discarding the group in the queue so its samples
+are counted and ignored when they finish.
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
 completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, completions cut
@@ -394,7 +396,7 @@ class RolloutWorker:
     for r in finished:
       entry = self._outstanding.pop(r.sample_id, None)
       self._detached.discard(r.sample_id)
-      if entry is not None and r.finish_reason != "aborted":
+      if entry is not None:
         self._in_transit.pop(r.sample_id, None)
         self._in_transit[r.sample_id] = (*entry, now)
     return finished
@@ -411,10 +413,10 @@ class RolloutWorker:
     return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open,
             "truncated": truncated,
             "outstanding": [[sid, g, p, [int(t) for t in ids]]
-                            for sid, (g, p, ids) in self._outstanding.items()],
+                            for sid, (g, p, ids) in list(self._outstanding.items())],
             "detached": sorted(self._detached),
             "in_transit": [[sid, g, p, [int(x) for x in ids], t]
-                           for sid, (g, p, ids, t) in self._in_transit.items()]}
+                           for sid, (g, p, ids, t) in list(self._in_transit.items())]}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`."""

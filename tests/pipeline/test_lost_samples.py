@@ -5,6 +5,7 @@ Issue #27 item 2: a sample lost between the engine and the queue is handled the 
 every staleness policy, by the worker and by the reproducible driver."""
 
 import dataclasses
+import json
 import logging
 import types
 
@@ -197,6 +198,8 @@ def test_sample_lost_between_engine_and_queue_is_named_under_every_policy(policy
       if r.sample_id != 1:  # sample 1 left the engine and never reached the queue
         q.put(r)
     assert q.missing_samples(0) == [1]
+    # what is in transit survives a checkpoint (JSON) and restore
+    worker.load_state_dict(json.loads(json.dumps(worker.state_dict())))
     assert worker.check_lost(now=9.9, delivery_limit_s=10.0) == []  # not yet overdue
     assert worker.next_delivery_deadline(10.0) == 10.0
     with caplog.at_level(logging.WARNING):
