@@ -7,6 +7,7 @@ every staleness policy, by the worker and by the reproducible driver."""
 import dataclasses
 import json
 import logging
+import time
 import types
 
 import numpy as np
@@ -295,6 +296,53 @@ def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy
     assert q.admitted_groups == (q.trained_groups + q.waste.dropped_groups + q.ready_groups
                                  + q.in_flight_groups)
     if policy in ("block", "learner-wait"):
+      assert 0 in trainer.trained
+  finally:
+    worker.close()
+
+
+class _SlowTrainer(_Trainer):
+  """`_Trainer` whose steps take real time, so a threaded run outlives the delivery limit."""
+
+  def train_on(self, groups):
+    time.sleep(0.05)
+    return super().train_on(groups)
+
+
+class _PacedEngine(LossyEngine):
+  """`LossyEngine` at a few ms per step, so the grader keeps up under unlimited admission."""
+
+  def step(self):
+    time.sleep(0.005)
+    return super().step()
+
+
+@pytest.mark.parametrize("policy", ["drop", "learner-wait"])
+def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
+  """The threaded driver on the real clock: the sample dropped between the engine and the queue
+  (here by the queue's transport, after the grader) is named within half the wait limit and
+  sampled again; under learner-wait the learner, waiting for its group, does not time out."""
+  worker = _worker({"steps": 2}, policy=policy, max_lag=1, queue_cls=_DropsOnce)
+  worker.engine = _PacedEngine(worker.engine.cfg, steps=2)
+  probe = worker.engine._rollout(  # pylint: disable=protected-access
+      types.SimpleNamespace(sample_id=-1, group_id=-1, prompt_tokens=np.ones(3, np.int32),
+                            prompt_index=0), [0], "length")
+  worker.grade_batch([probe])  # the verifier processes start before the clock matters
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=2.0)  # delivery limit 1 s
+  trainer = _SlowTrainer(worker.queue, cfg)
+  engine = worker.engine
+  channel = types.SimpleNamespace(
+      try_take=lambda: (trainer.learner.version
+                        if trainer.learner.version > engine.latest_version else None))
+  try:
+    t0 = time.monotonic()
+    driver.run_threaded(worker, trainer, channel, cfg, timeline_lib.Timeline(), 25,
+                        on_step=lambda result, now: None)
+    assert time.monotonic() - t0 > 1.0
+    m = worker.pop_metrics()
+    assert worker.queue.lost and (m["samples_lost"], m["samples_redispatched"]) == (1, 1)
+    assert worker.queue.missing_samples(0) is None
+    if policy == "learner-wait":
       assert 0 in trainer.trained
   finally:
     worker.close()
