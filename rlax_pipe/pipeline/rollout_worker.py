@@ -392,14 +392,21 @@ class RolloutWorker:
         `time.monotonic()`), from which their delivery to the queue is timed.
     """
     finished = self.engine.step()
+    self.returned(finished, now)
+    return finished
+
+  def returned(self, rollouts: Sequence[Rollout], now: float | None = None) -> None:
+    """Books rollouts the engine handed back (`engine_step` does; a multi-process lead, whose
+    engine is the remote replicas, calls it on their messages): no longer outstanding, and in
+    transit to the queue from `now` (seconds, the clock `check_lost` is given; None =
+    `time.monotonic()`)."""
     now = time.monotonic() if now is None else now
-    for r in finished:
+    for r in rollouts:
       entry = self._outstanding.pop(r.sample_id, None)
       self._detached.discard(r.sample_id)
       if entry is not None:
         self._in_transit.pop(r.sample_id, None)
         self._in_transit[r.sample_id] = (*entry, now)
-    return finished
 
   def step(self, now: float | None = None) -> list[Rollout]:
     """`engine_step`, then `grade_batch` of what finished."""
