@@ -346,3 +346,53 @@ def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
       assert 0 in trainer.trained
   finally:
     worker.close()
+
+
+class _Hub:
+  """Records what the lead sends (no processes)."""
+
+  def __init__(self):
+    self.sent = []
+
+  def send(self, process_id, kind, payload):
+    self.sent.append((process_id, kind, payload))
+
+
+def test_multiprocess_lead_redispatches_a_lost_sample_to_the_replica_that_had_it():
+  """The learner lead's worker drives `RemoteEngines` (the replicas of other processes): a
+  rollout a replica returned that never reached the queue is named and re-sent to that
+  replica, and returned samples stop being outstanding (they used to pile up forever)."""
+  from rlax_pipe.cluster import Topology  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.pipeline.multihost.remote import RemoteEngines  # pylint: disable=import-outside-toplevel
+  hub = _Hub()
+  sampler = SamplerConfig(num_slots=2, page_size=8, num_pages=32, max_seq_len=48,
+                          max_new_tokens=32)
+  proxy = RemoteEngines(hub, Topology(0, 3, 1, 4), sampler, {0: 2, 1: 2})
+  worker = _worker({}, policy="drop")
+  worker.engine = proxy
+  try:
+    for r in (0, 1):
+      proxy.replicas[r].version = 0
+      with proxy.target(r):
+        worker.top_up()
+      proxy.flush(r)
+    sent = {(p, req.sample_id) for p, kind, reqs in hub.sent if kind == "submit" for req in reqs}
+    assert sent == {(1, 0), (1, 1), (2, 2), (2, 3)}  # group 0 on replica 0 (process 1), ...
+    fake = LossyEngine(sampler)
+    back = [fake._rollout(req, [0], "length")  # pylint: disable=protected-access
+            for _, kind, reqs in hub.sent if kind == "submit" for req in reqs]
+    proxy.returned(0, back[:2], {"version": 0})
+    proxy.returned(1, back[2:], {"version": 0})
+    worker.returned(back, now=0.0)
+    for r in back:
+      if r.sample_id != 1:  # the lead lost sample 1 between the link and the queue
+        worker.queue.put(r)
+    assert worker.check_lost(now=1.0, delivery_limit_s=5.0) == []
+    assert worker.check_lost(now=5.0, delivery_limit_s=5.0) == [1]
+    assert proxy.replicas[0].outstanding == {1: 0}  # re-sent to replica 0, where it was
+    hub.sent.clear()
+    proxy.flush(0)
+    assert [(p, [q.sample_id for q in reqs]) for p, _, reqs in hub.sent] == [(1, [1])]
+    assert [e[0] for e in worker.state_dict()["outstanding"]] == [1]  # only the re-sent one
+  finally:
+    worker.close()
