@@ -538,6 +538,8 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
   def _apply_pending_weights(self) -> None:
     """Swaps in the pending update (caller holds the step lock); its dispatches are checked."""
     self._weight_check.finish()  # started at an earlier step: its result is there by now
+    if self.weights.pending is not None:  # the outgoing version, where no dispatch ran it
+      self._check_undispatched()
     if self.weights.swap():
       self._counts["weight_updates"] += 1
       self._weight_check.expect(self.weights.running)

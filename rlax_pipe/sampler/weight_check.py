@@ -118,8 +118,15 @@ class CheckedWeights:
     """
     with self._step_lock:  # pylint: disable=no-member
       self._apply_pending_weights()  # pylint: disable=no-member
-      check = self._weight_check
-      views = self.weights.views  # pylint: disable=no-member
-      for i in check.unchecked(range(len(views))):
-        check.observe(i, self.weights.version, views[i])  # pylint: disable=no-member
-      check.finish()
+      self._check_undispatched()
+
+  def _check_undispatched(self) -> None:
+    """Checks the running version on replicas that never ran a dispatch with it, on the views
+    their next dispatch would be given, and completes every pending check (blocking). Called
+    before such a version is swapped out (an idle replica) and when the engine stops, so every
+    version the engine installed is checked on every replica."""
+    check = self._weight_check
+    views = self.weights.views  # pylint: disable=no-member
+    for i in check.unchecked(range(len(views))):
+      check.observe(i, self.weights.version, views[i])  # pylint: disable=no-member
+    check.finish()

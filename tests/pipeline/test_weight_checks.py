@@ -164,6 +164,23 @@ def test_a_version_that_never_ran_a_dispatch_is_checked_on_what_the_next_would_r
     engine.check_weights()
 
 
+def test_a_version_swapped_out_before_any_dispatch_is_checked():
+  """An idle engine installs versions 1 and 2 without decoding: each is still checked (on what
+  the next dispatch would have read) before it is swapped out, or when the engine stops."""
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.run_to_completion()
+  assert engine.weight_checks == 1
+  for v in (1, 2):
+    channel.push(jax.device_put(_params(v), lsh), v)
+    engine.update_weights(channel.take(timeout=30))
+    engine.step()  # nothing to decode: the swap only
+  assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
+  engine.check_weights()
+  assert engine.weight_checks == 3 and engine.last_weight_check[0] == 2
+
+
 def test_a_correct_in_flight_update_passes_the_check():
   lsh, smesh, target = _meshes()
   channel = wc.WeightChannel(target)
