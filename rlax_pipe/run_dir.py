@@ -34,6 +34,7 @@ import math
 import numbers
 import pathlib
 import shutil
+import uuid
 from typing import Any
 
 import numpy as np
@@ -240,7 +241,12 @@ class RunDir:
   def _writer(self):
     if self._tb is None:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(str(self.path / "tb"))
+      # tensorboardX names the file events.out.tfevents.<unix seconds>.<host>: a second writer
+      # opened in the same second on this directory (a resume, a rebuild, a test) would reopen
+      # the first one's file and truncate its events (issue #27 item 7). A random suffix makes
+      # every writer's file its own.
+      self._tb = SummaryWriter(str(self.path / "tb"),
+                               filename_suffix=f".{uuid.uuid4().hex}")
     return self._tb
 
   def log(self, row: dict, step: int) -> None:

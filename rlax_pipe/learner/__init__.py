@@ -5,6 +5,7 @@ checkpoints, `Learner`. Mesh building and the generic sharding helpers live in
 from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import (
     CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+    CheckpointTargetError, CheckpointTopologyError,
     Checkpointer, Restored)
 from rlax_pipe.learner.config import (
     BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
@@ -21,7 +22,8 @@ from rlax_pipe.learner.train_step import (
 
 __all__ = [
     "BATCH_FIELDS", "BATCH_MESH_AXES", "BatchStats", "CheckpointConfig", "CheckpointCorruptError",
-    "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "Checkpointer",
+    "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
+    "CheckpointTargetError", "CheckpointTopologyError", "Checkpointer",
     "GradAccum", "Learner", "LearnerConfig", "NonFiniteError", "OptimizerConfig", "REMAT_POLICIES",
     "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_reference", "abstract_state",
     "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",

@@ -19,7 +19,12 @@ What can go wrong with a restore is told apart (issue #14 item 11), each its own
     its files cannot be read;
   * `CheckpointMismatchError`: the step is readable but holds another tree than the target (a
     leaf missing, extra, or of another shape or dtype: another model or optimizer); raised at
-    once, never a reason to fall back (an older step of the same run would not fit either).
+    once, never a reason to fall back (an older step of the same run would not fit either);
+  * `CheckpointTargetError` (issue #27 item 4): no restore target was given (None, an empty
+    tree) or a leaf of it is not an array description (`jax.ShapeDtypeStruct`); raised at once;
+  * `CheckpointTopologyError` (issue #27 item 4): target leaves without a sharding whose saved
+    sharding names devices this job does not have (the device count or topology changed: orbax
+    would put such a leaf back on the saved devices); raised at once, never a fallback.
 Restoring the newest checkpoint falls back to older ones only past corrupt steps, loudly: an
 absl error line per skipped step, and `Restored.skipped` / `Restored.skip_reasons` for the
 caller's metrics. Bad step directories are left in place (the next `save` of the same step
@@ -57,6 +62,14 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
   """A readable step holds another tree (leaves, shapes, dtypes) than the restore target."""
+
+
+class CheckpointTargetError(CheckpointError):
+  """The restore target is missing (None, an empty tree) or not a tree of array descriptions."""
+
+
+class CheckpointTopologyError(CheckpointError):
+  """Target leaves without a sharding cannot go back onto the saved devices (another topology)."""
 
 
 class Restored(NamedTuple):
@@ -177,7 +190,12 @@ class Checkpointer:
         unreadable; the message lists each failure.
       CheckpointMismatchError: the step holds another tree than `abstract_state` (names the
         differing leaves).
+      CheckpointTargetError: `abstract_state` is None, empty, or has leaves that are not array
+        descriptions.
+      CheckpointTopologyError: leaves of `abstract_state` without a sharding were saved on
+        devices this job does not have (the message names them and the device counts).
     """
+    check_target(abstract_state, f"Checkpointer.restore from {self._dir}")
     self.wait()
     self._manager.reload()  # see steps written by others since this manager was opened
     available = sorted(self._manager.all_steps(), reverse=True)
@@ -240,11 +258,15 @@ class Checkpointer:
           f"state metadata unreadable ({type(e).__name__}: {str(e)[:200]})") from None
     if saved is None:
       raise CheckpointCorruptError("no state metadata")
-    check_tree_matches(saved, abstract_state, f"checkpoint step {step} in {self._dir}")
+    what = f"checkpoint step {step} in {self._dir}"
+    check_tree_matches(saved, abstract_state, what)
+    check_topology(saved, abstract_state, what)
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except  (any read failure = corrupt step)
+      if "Topology mismatch" in str(e):  # orbax's words when a saved sharding cannot be rebuilt
+        raise CheckpointTopologyError(f"{what}: {str(e)[:300]} {_TOPOLOGY_FIX}") from None
       raise CheckpointCorruptError(
           f"unreadable ({type(e).__name__}: {str(e)[:300]})") from None
     return out.state, dict(out.extra or {})
@@ -266,6 +288,83 @@ def _leaves_by_path(tree: Any) -> dict[tuple[str, ...], Any]:
   leaves = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
   return {_path_names(p): leaf for p, leaf in leaves}
+
+
+_TARGET_FIX = ("Pass the abstract state of the model and optimizer being trained, every leaf a "
+               "jax.ShapeDtypeStruct(shape, dtype, sharding=...) on the mesh to restore onto "
+               "(`learner.train_state.sharded_abstract_state(model, tx, mesh)`; "
+               "`Learner.restore` builds it).")
+_TOPOLOGY_FIX = ("To restore onto this job's devices, give every target leaf a sharding on its "
+                 "mesh (`learner.train_state.sharded_abstract_state(model, tx, mesh)`, as "
+                 "`Learner.restore` does); orbax then reshards on load.")
+
+
+def _is_array_description(x: Any) -> bool:
+  return isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray))
+
+
+def check_target(abstract_state: Any, what: str) -> None:
+  """Checks that a restore target is given and describes arrays.
+
+  Raises:
+    CheckpointTargetError: if `abstract_state` is None or has no leaf (naming the fix), or has
+      leaves that are not `jax.ShapeDtypeStruct`, `jax.Array` or `np.ndarray` (naming up to 5;
+      e.g. numpy or Python scalars, which orbax cannot restore into).
+  """
+  leaves = _leaves_by_path(abstract_state)
+  if not leaves:
+    raise CheckpointTargetError(
+        f"{what}: no restore target ({type(abstract_state).__name__} with no array leaf); "
+        f"the target gives each restored array its shape, dtype and devices. {_TARGET_FIX}")
+  bad = [f"{'/'.join(p)}: {type(x).__name__}" for p, x in sorted(leaves.items())
+         if not _is_array_description(x)]
+  if bad:
+    raise CheckpointTargetError(
+        f"{what}: target leaves that are not array descriptions: {bad[:5]}"
+        f"{' ...' if len(bad) > 5 else ''}. {_TARGET_FIX}")
+
+
+def _saved_devices(sharding_metadata: Any) -> str:
+  """'N devices (mesh fsdp=2 x tp=2)' from orbax sharding metadata, as far as it tells."""
+  mesh = getattr(getattr(sharding_metadata, "device_mesh", None), "mesh", None)
+  count = None if mesh is None else len(jax.tree.leaves(
+      mesh, is_leaf=lambda d: hasattr(d, "id")))
+  names, shape = (getattr(sharding_metadata, "axis_names", None),
+                  getattr(sharding_metadata, "shape", None))
+  axes = (" (mesh " + " x ".join(f"{n}={int(k)}" for n, k in zip(names, shape)) + ")"
+          if names is not None and shape is not None else "")
+  if count is None and shape is not None:
+    count = int(np.prod(shape))
+  return f"{'an unknown number of' if count is None else count} devices{axes}"
+
+
+def check_topology(saved_metadata: Any, abstract_state: Any, what: str) -> None:
+  """Target leaves without a sharding are restored onto their saved sharding (orbax); this
+  checks that the saved devices exist here.
+
+  Raises:
+    CheckpointTopologyError: naming up to 5 such leaves, the devices they were saved on and the
+      devices this job has, and the fix (target shardings on the current mesh).
+  """
+  saved = _leaves_by_path(getattr(saved_metadata, "tree", saved_metadata))
+  unplaceable, where = [], None
+  for p, leaf in sorted(_leaves_by_path(abstract_state).items()):
+    if getattr(leaf, "sharding", None) is not None or p not in saved:
+      continue
+    meta = getattr(saved[p], "sharding", None)
+    if meta is None or not hasattr(meta, "to_jax_sharding"):
+      continue
+    try:
+      meta.to_jax_sharding()
+    except ValueError:
+      unplaceable.append("/".join(p))
+      where = where or _saved_devices(meta)
+  if unplaceable:
+    raise CheckpointTopologyError(
+        f"{what} was saved on {where}, which this job does not have ({jax.device_count()} "
+        f"devices in {jax.process_count()} process(es)): the device count or topology changed, "
+        f"and target leaves {unplaceable[:5]}{' ...' if len(unplaceable) > 5 else ''} have no "
+        f"sharding to restore onto instead. {_TOPOLOGY_FIX}")
 
 
 def check_tree_matches(saved_metadata: Any, abstract_state: Any, what: str) -> None:

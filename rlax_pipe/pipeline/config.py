@@ -72,9 +72,11 @@ class PipelineConfig:
       includes compiles).
     wait_timeout_factor: multiple of the measured batch interval (> 1) when wait_timeout_s is None.
     wait_timeout_floor_s: smallest scaled timeout (seconds, > 0).
-    lost_sample_policy: what to do with a sample the engine no longer holds that never came back
-      (issue #14 item 9): "redispatch" (sample it again, same id and prompt) or "discard" (give
-      up its group; counted as waste reason "lost"). Both are counted in the metrics.
+    lost_sample_policy: what to do with a lost sample, under every staleness policy: one the
+      engine no longer holds that never came back (issue #14 item 9), or one it handed back that
+      is not in the queue half a wait limit later (`driver.delivery_limit`; issue #27 item 2):
+      "redispatch" (sample it again, same id and prompt) or "discard" (give up its group;
+      counted as waste reason "lost"). Both are named in the log and counted in the metrics.
     debug_verify_push: after each push, check that sampler and learner log-probs agree on a
       probe sequence (slow; catches a push that silently did not apply). Always on, and cheap:
       the engine checks the checksums of the weights it decodes with after every swap.
@@ -83,7 +85,9 @@ class PipelineConfig:
       which a sampler decoding with other weights than its tags say drives up (0.37 in the
       case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
       sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
-      in its metrics row. None = off.
+      in its metrics row; `lag0_tokens` there counts the tokens compared, and a step with none
+      (every token lags, common under the pipeline driver) has `lag0_tokens`=0 and no alarm
+      value: nothing was compared (the engine's weight check covers every step). None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards

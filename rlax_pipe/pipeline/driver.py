@@ -22,7 +22,9 @@ Two modes, same components (`RolloutWorker`, `Trainer`, `WeightChannel`, `Rollou
 Both record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push) and call `on_step(result, now)` after every learner step
 (logging, evaluation, checkpoints). Both check every sampler step for samples lost in flight
-and, under policy `drop`, abort groups that became too stale (`RolloutWorker`).
+(in the engine, or between the engine and the queue: `delivery_limit`, half the learner's wait
+limit, under every staleness policy) and, under policy `drop`, abort groups that became too
+stale (`RolloutWorker`).
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
       live_token_steps=after.live_token_steps - before.live_token_steps)
 
 
-def _sampler_housekeeping(worker: RolloutWorker) -> None:
-  worker.check_lost()
+def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: float) -> None:
+  worker.check_lost(now, delivery_limit_s)
   worker.abort_too_stale()
 
 
@@ -184,6 +186,10 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
   engine = worker.engine
   st = state if state is not None else VirtualState(t_s=start_time, t_l=start_time)
   steps_done = 0
+  # Virtual intervals between learner batches, for the delivery limit only (a run that loses
+  # nothing never reads it, so a resume that starts it empty stays exact).
+  intervals: collections.deque[float] = collections.deque(maxlen=20)
+  last_batch = None
 
   def deliver(now: float):
     if rules.weights_deliverable(st.pending_arrival, now, worker.may_install_weights()):
@@ -196,11 +202,11 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
       if sampler_clock is not None:
         sampler_clock.set(st.t_s)
       deliver(st.t_s)
-      _sampler_housekeeping(worker)
+      _sampler_housekeeping(worker, st.t_s, delivery_limit(cfg, intervals))
       worker.top_up()
       if engine.has_work:
         before = engine.stats()
-        finished = worker.step()
+        finished = worker.step(st.t_s)
         feats = engine_features(before, engine.stats(), st.installs)
         prefill_s, rest_s = cost.engine_step(feats)
         st.installs = 0
@@ -233,14 +239,27 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
       deliver(st.t_s)
       groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.learner.version)
       if groups is None:
-        # t_l == t_s, every finished sample is queued, the sampler is stuck
+        # t_l == t_s, every finished sample is queued, the sampler is stuck (and no group the
+        # filter dropped released an admission) ...
         if rules.deadlocked(st.learner_must_act, filtered, trainer.queue.filtered_groups()):
-          raise DeadlockError(_deadlock_message(worker, trainer))
+          # ... unless a sample handed back by the engine never reached the queue: time moves on
+          # to when the sampler names it lost (and re-dispatches it or gives up its group).
+          due = worker.next_delivery_deadline(delivery_limit(cfg, intervals))
+          if due is None:
+            raise DeadlockError(_deadlock_message(worker, trainer))
+          if due > st.t_s:
+            timeline.record("sampler", timeline_lib.WAIT_ADMISSION, st.t_s, due)
+            st.t_s = due
+          st.learner_must_act = False
+          continue
         st.learner_must_act = False  # (a filtered group released an admission: sampler moves)
         timeline.record("learner", timeline_lib.WAIT_BATCH, st.t_l, st.t_s)
         st.t_l = st.t_s  # nothing to train before the sampler's clock: wait for it
         continue
       st.learner_must_act = False
+      if last_batch is not None:
+        intervals.append(st.t_l - last_batch)
+      last_batch = st.t_l
       result = trainer.train_on(groups)
       dt = cost.train(result.processed_rows * cfg.seq_len, result.micro_batches)
       push = cost.push(result.push_bytes)
@@ -262,6 +281,15 @@ def wait_timeout(cfg: PipelineConfig, intervals) -> float:
   if not intervals:
     return STARTUP_WAIT_S
   return max(cfg.wait_timeout_floor_s, cfg.wait_timeout_factor * max(intervals))
+
+
+def delivery_limit(cfg: PipelineConfig, intervals) -> float:
+  """Seconds a sample handed back by the engine may take to reach the queue (grading included)
+  before the worker names it lost (`RolloutWorker.check_lost`): half of `wait_timeout`, so that
+  under every staleness policy a lost sample is named within the learner's wait limit and a
+  re-dispatched one has the other half to be sampled again before a learner waiting for its
+  group (learner-wait, block) gives up."""
+  return 0.5 * wait_timeout(cfg, intervals)
 
 
 class _Grader:
@@ -313,6 +341,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
   errors: list[BaseException] = []
   clock = timeline.now
   grader = _Grader(worker, trainer, errors)
+  limit_s = [delivery_limit(cfg, [])]  # updated by the learner loop, read by the sampler's
 
   def sampler_loop():
     try:
@@ -324,11 +353,11 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
           if w is not None:
             worker.install(w)
             installs = 1
-        _sampler_housekeeping(worker)
+        _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
         worker.top_up()
         if engine.has_work:
           before = engine.stats()
-          finished = worker.engine_step()
+          finished = worker.engine_step(time.monotonic())
           after = engine.stats()
           grader.submit(finished)
           if recorder is not None:
@@ -361,6 +390,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
       t1 = clock()
       if last_batch is not None:
         intervals.append(t1 - last_batch)
+        limit_s[0] = delivery_limit(cfg, intervals)
       last_batch = t1
       timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
       result = trainer.train_on(groups)

@@ -444,6 +444,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       worker_state["truncated"] = []
       worker_state["outstanding"] = []
       worker_state["detached"] = []
+      worker_state["in_transit"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,

@@ -9,10 +9,18 @@ Samples that go missing or stale in flight (issue #14 item 9): the worker keeps 
 handed to the engine and not yet got back; when the engine holds fewer than that (an O(1) check
 per step), the missing ones are named and, by `PipelineConfig.lost_sample_policy`, re-dispatched
 (same sample id, same prompt) or their group is discarded (waste reason "lost"); both are
-counted. Under policy `drop` the worker aborts groups in flight whose oldest token is already too
-stale for the learner's next batch (checked when the learner's version changes): with the
-engine's per-request `abort` when it has one, else by discarding the group in the queue so its
-samples are counted and ignored when they finish.
+counted. A sample the engine did hand back can still be lost on its way to the queue (grading,
+a transport between processes); issue #27 item 2: under `drop` and `queue-drop` nothing else
+ever waits for it, so its group stayed partial forever, unnamed. The worker therefore keeps the
+samples it got back (with the time it got them) until the queue has them: one still missing
+from the queue `delivery_limit_s` after it left the engine is lost, named and handled by the
+same policy, under every staleness policy (amortised O(1): each sample is looked at once, when
+it reaches that age).
+
+Under policy `drop` the worker aborts groups in flight whose oldest token is already too stale
+for the learner's next batch (checked when the learner's version changes): with the engine's
+per-request `abort` when it has one, else by discarding the group in the queue so its samples
+are counted and ignored when they finish.
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
 completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, reasoning
@@ -23,8 +31,10 @@ verifiers run in worker processes with a hard time limit (`tasks.VerifierPool`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
+import time
 from typing import Any, Sequence
 
 from absl import logging
@@ -89,6 +99,10 @@ class RolloutWorker:
     # prompt ids); checked against the engine for lost samples.
     self._outstanding: dict[int, tuple[int, int, Any]] = {}
     self._detached: set[int] = set()  # given-up samples the engine may still be running
+    # Samples the engine handed back, not yet seen in the queue: sample id -> (group id, prompt
+    # index, prompt ids, time handed back), oldest first (checked once, at delivery_limit_s).
+    self._in_transit: collections.OrderedDict[int, tuple[int, int, Any, float]] = (
+        collections.OrderedDict())
     self._stale_checked_version = -1
 
   @property
@@ -207,27 +221,47 @@ class RolloutWorker:
     self._outstanding[sample_id] = (group_id, prompt_index, ids)
 
   # ---- lost and too-stale samples -----------------------------------------------------------
-  def check_lost(self) -> list[int]:
-    """Finds requests the engine no longer holds that never came back (O(1) unless some are
-    missing) and handles them by `PipelineConfig.lost_sample_policy`.
+  def check_lost(self, now: float | None = None,
+                 delivery_limit_s: float | None = None) -> list[int]:
+    """Finds lost samples and handles them by `PipelineConfig.lost_sample_policy`
+    (re-dispatch: same sample id and prompt; discard: the group is waste of reason "lost").
+
+    Two kinds, under every staleness policy: requests the engine no longer holds that it never
+    handed back (O(1) unless some are missing), and samples it handed back that are still not
+    in the queue `delivery_limit_s` after (lost between the engine and the queue; each sample
+    is looked at once, when it reaches that age).
+
+    Args:
+      now: the current time on the clock `engine_step` was given (seconds; None =
+        `time.monotonic()`).
+      delivery_limit_s: seconds a handed-back sample may take to reach the queue (grading
+        included) before it counts as lost (> 0); None = no delivery check.
 
     Returns:
       The lost sample ids (sorted), re-dispatched or discarded with their group.
+
+    Raises:
+      ValueError: if `delivery_limit_s` is not > 0.
     """
-    e = self.engine
-    if e.num_active + e.num_waiting - len(self._detached) >= len(self._outstanding):
-      return []
-    held = e.unfinished()
-    self._detached &= held.keys()
-    lost = sorted(sid for sid in self._outstanding if sid not in held)
+    lost = self._lost_in_engine()
+    if delivery_limit_s is not None:
+      if not delivery_limit_s > 0:
+        raise ValueError(f"RolloutWorker.check_lost: delivery_limit_s={delivery_limit_s} must "
+                         "be > 0.")
+      lost.update(self._lost_in_transit(time.monotonic() if now is None else now,
+                                        delivery_limit_s))
     if not lost:
       return []
     self._count("samples_lost", len(lost))
     groups = {}
-    for sid in lost:
-      groups.setdefault(self._outstanding[sid][0], []).append(sid)
-    logging.warning("rollout worker: samples %s never came back from the engine (%s).", lost,
+    for sid in sorted(lost):
+      groups.setdefault(lost[sid][0], []).append(sid)
+    named = "; ".join(f"group {gid}: samples {sids} ({lost[sids[0]][3]})"
+                      for gid, sids in groups.items())
+    logging.warning("rollout worker: lost samples, %s (%s).", named,
                     self.cfg.lost_sample_policy)
+    for sid, entry in lost.items():
+      self._outstanding[sid] = entry[:3]
     for gid, sids in groups.items():
       if self.cfg.lost_sample_policy == "redispatch":
         for sid in sids:
@@ -239,6 +273,44 @@ class RolloutWorker:
           self._outstanding.pop(sid)
         self._abandon_group(gid, "lost")
         self._count("groups_lost")
+    return sorted(lost)
+
+  def _lost_in_engine(self) -> dict[int, tuple]:
+    """Requests the engine no longer holds and never handed back: sample id -> (group id,
+    prompt index, prompt ids, where lost)."""
+    e = self.engine
+    if e.num_active + e.num_waiting - len(self._detached) >= len(self._outstanding):
+      return {}
+    held = e.unfinished()
+    self._detached &= held.keys()
+    return {sid: (*self._outstanding.pop(sid), "never came back from the engine")
+            for sid in [s for s in self._outstanding if s not in held]}
+
+  def next_delivery_deadline(self, delivery_limit_s: float) -> float | None:
+    """When `check_lost` will name the oldest handed-back sample the queue still waits for
+    (time it left the engine + `delivery_limit_s`), or None when the queue waits for none of
+    them. O(samples in transit); for a driver that would otherwise stop (reproducible mode,
+    where time only moves when something is due)."""
+    for sid, (gid, _, _, t) in list(self._in_transit.items()):
+      if sid in (self.queue.missing_samples(gid) or ()):
+        return t + delivery_limit_s
+      del self._in_transit[sid]  # delivered (or its group is no longer waited for)
+    return None
+
+  def _lost_in_transit(self, now: float, limit_s: float) -> dict[int, tuple]:
+    """Samples handed back by the engine at least `limit_s` before `now` that the queue still
+    waits for (one whose group completed or was given up is not waited for): sample id ->
+    (group id, prompt index, prompt ids, where lost)."""
+    lost = {}
+    while self._in_transit:
+      sid, (gid, prompt_index, ids, t) = next(iter(self._in_transit.items()))
+      if now < t + limit_s:  # (the same sum as next_delivery_deadline: no rounding gap)
+        break
+      del self._in_transit[sid]
+      if sid in (self.queue.missing_samples(gid) or ()):
+        lost[sid] = (gid, prompt_index, ids,
+                     f"left the engine {now - t:.3g} s ago, not in the queue after "
+                     f"{limit_s:.3g} s")
     return lost
 
   def abort_too_stale(self) -> int:
@@ -319,18 +391,34 @@ class RolloutWorker:
     """`grade_batch` of one rollout."""
     return self.grade_batch([rollout])[0]
 
-  def engine_step(self) -> list[Rollout]:
+  def engine_step(self, now: float | None = None) -> list[Rollout]:
     """One engine step (admit / prefill as needed + decoding); returns the ungraded rollouts
-    that finished (the threaded driver grades them off the sampler's serial path)."""
+    that finished (the threaded driver grades them off the sampler's serial path).
+
+    Args:
+      now: the time they left the engine (seconds, the clock `check_lost` is given; None =
+        `time.monotonic()`), from which their delivery to the queue is timed.
+    """
     finished = self.engine.step()
-    for r in finished:
-      self._outstanding.pop(r.sample_id, None)
-      self._detached.discard(r.sample_id)
+    self.returned(finished, now)
     return finished
 
-  def step(self) -> list[Rollout]:
+  def returned(self, rollouts: Sequence[Rollout], now: float | None = None) -> None:
+    """Books rollouts the engine handed back (`engine_step` does; a multi-process lead, whose
+    engine is the remote replicas, calls it on their messages): no longer outstanding, and in
+    transit to the queue from `now` (seconds, the clock `check_lost` is given; None =
+    `time.monotonic()`)."""
+    now = time.monotonic() if now is None else now
+    for r in rollouts:
+      entry = self._outstanding.pop(r.sample_id, None)
+      self._detached.discard(r.sample_id)
+      if entry is not None:
+        self._in_transit.pop(r.sample_id, None)
+        self._in_transit[r.sample_id] = (*entry, now)
+
+  def step(self, now: float | None = None) -> list[Rollout]:
     """`engine_step`, then `grade_batch` of what finished."""
-    return self.grade_batch(self.engine_step())
+    return self.grade_batch(self.engine_step(now))
 
   def state_dict(self) -> dict:
     """Task-iterator counters, the open round, the in-flight samples whose prompt was truncated
@@ -340,8 +428,10 @@ class RolloutWorker:
     return {"counters": dataclasses.asdict(self.counters), "round_open": self._round_open,
             "truncated": truncated,
             "outstanding": [[sid, g, p, [int(t) for t in ids]]
-                            for sid, (g, p, ids) in self._outstanding.items()],
-            "detached": sorted(self._detached)}
+                            for sid, (g, p, ids) in list(self._outstanding.items())],
+            "detached": sorted(self._detached),
+            "in_transit": [[sid, g, p, [int(x) for x in ids], t]
+                           for sid, (g, p, ids, t) in list(self._in_transit.items())]}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`."""
@@ -351,3 +441,6 @@ class RolloutWorker:
     self._outstanding = {int(sid): (int(g), int(p), np.asarray(ids, np.int32))
                          for sid, g, p, ids in state.get("outstanding", ())}
     self._detached = {int(s) for s in state.get("detached", ())}
+    self._in_transit = collections.OrderedDict(
+        (int(sid), (int(g), int(p), np.asarray(ids, np.int32), float(t)))
+        for sid, g, p, ids, t in state.get("in_transit", ()))

@@ -132,16 +132,29 @@ class Trainer:
 
 
 def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str, int]:
-  """{"lag0_logp_alarm": 0 or 1}: 1 (and a warning) when the mean log-prob mismatch of lag-0
-  tokens exceeds `threshold` nats (see `PipelineConfig.lag0_logp_alarm`); {} when off or when
-  the step had no lag-0 token."""
-  if threshold is None or "logp_mismatch_mean" not in metrics:
+  """The lag-0 log-prob check of one step (see `PipelineConfig.lag0_logp_alarm`).
+
+  Returns {} when the alarm is off; else "lag0_tokens" (the lag-0 tokens compared: tokens
+  sampled with exactly the weights being trained, `mismatch_tokens` of the diagnostics) and,
+  when there was at least one, "lag0_logp_alarm": 1 (and a warning) when their mean
+  |log pi - log mu| exceeds `threshold` nats, else 0. A step without lag-0 tokens (common under
+  the pipeline driver, where every token may lag) has nothing to compare: it says so with
+  "lag0_tokens": 0 and no alarm value (issue #27 item 3: it used to report the alarm as 0, or a
+  NaN mismatch, as if the check had passed); the engine's weight check still covers it.
+  """
+  if threshold is None:
     return {}
-  mismatch = float(np.asarray(metrics["logp_mismatch_mean"]))
+  mismatch = float(np.asarray(metrics.get("logp_mismatch_mean", np.nan)))
+  n = int(np.asarray(metrics["mismatch_tokens"])) if "mismatch_tokens" in metrics else None
+  if n == 0 or not np.isfinite(mismatch):
+    logging.info("step to version %d: no lag-0 token, so the lag-0 log-prob check compared "
+                 "nothing this step (the engine's weight check still ran).", version)
+    return {"lag0_tokens": 0}
+  out = {} if n is None else {"lag0_tokens": n}
   if mismatch > threshold:
     logging.warning(
         "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
         "sampler may not decode with the weights its tokens are tagged with (or decodes at "
         "another precision).", version, mismatch, threshold)
-    return {"lag0_logp_alarm": 1}
-  return {"lag0_logp_alarm": 0}
+    return {**out, "lag0_logp_alarm": 1}
+  return {**out, "lag0_logp_alarm": 0}

@@ -192,7 +192,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
                         live_token_steps=0, finished=0, aborted=0, weight_updates=0)
     self._host_s = 0.0
     self._weight_check = weight_check.WeightCheck()  # running weights vs the learner's
-    self._weight_check.start(self.weights.running)
+    self._weight_check.expect(self.weights.running)
 
   # --- public state -------------------------------------------------------------------------
   @property
@@ -410,6 +410,9 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
       r.inflight = r.launch(params, self.cfg.sampling, queued=len(self._queue))
       if r.inflight is not None:
         r.inflight.order, self._launches = self._launches, self._launches + 1
+        # the weight check reads what this dispatch was given, not what the engine stores
+        self._weight_check.observe(self.replicas.index(r), r.inflight.version,
+                                   r.inflight.params)
     finished, self._buffer = self._buffer, []
     flying = [r for r in self.replicas if r.inflight is not None]
     if flying:
@@ -538,11 +541,13 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     return seq.started or self.admit_filter is None or bool(self.admit_filter(seq.request))
 
   def _apply_pending_weights(self) -> None:
-    """Swaps in the pending update (caller holds the step lock); starts its weight check."""
+    """Swaps in the pending update (caller holds the step lock); its dispatches are checked."""
     self._weight_check.finish()  # started at an earlier step: its result is there by now
+    if self.weights.pending is not None:  # the outgoing version, where no dispatch ran it
+      self._check_undispatched()
     if self.weights.swap():
       self._counts["weight_updates"] += 1
-      self._weight_check.start(self.weights.running)
+      self._weight_check.expect(self.weights.running)
     self._release_retired()
 
   def _release_retired(self) -> None:

@@ -60,6 +60,7 @@ class Launched:
   lengths: np.ndarray  # sequence length of each slot at launch (0 = empty)
   used_tokens: int  # capacity of the pages in use at launch
   order: int = 0  # launch counter of the engine (the oldest dispatch is read back first)
+  params: Any = None  # the weights passed to the compiled dispatch (the engine's weight check)
 
 
 class EngineReplica:
@@ -238,7 +239,7 @@ class EngineReplica:
         replicated=self.replicated, **self.static))
     lengths = np.array([0 if s is None else len(s.tokens) for s in slots], np.int64)
     used = max(self.alloc.num_used, 1) * self.cfg.page_size
-    return Launched(ints, logps, slots, self.version, lengths, used)
+    return Launched(ints, logps, slots, self.version, lengths, used, params=params)
 
   def collect(self, launched: Launched, ints: np.ndarray, logps: np.ndarray, now: float
               ) -> tuple[list[tuple[SequenceState, str]], dict]:

@@ -1,7 +1,11 @@
 """Checkpointer on a toy sharded state: keep-last-N, commit marker, fallback, errors."""
 
+import json
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -103,3 +107,67 @@ def test_missing_corrupt_and_mismatched_are_told_apart(tmp_path, mesh, caplog):
   assert any("falling back" in r.getMessage() for r in caplog.records)
   assert ckpt.restore_extra(step=2) == {"step": 2, "nested": {"ids": [2, 3]}}
   assert isinstance(checkpoint.CheckpointMismatchError("x"), checkpoint.CheckpointError)
+
+
+@pytest.mark.parametrize("bad_target,named", [
+    (None, r"no restore target \(NoneType"),
+    ({}, r"no restore target \(dict"),
+    ({"w": np.zeros((4, 4), np.float32), "version": np.int32(0)},
+     r"not array descriptions: \['version: int32'\]"),
+    ({"w": 0.0, "version": 0}, r"\['version: int', 'w: float'\]"),
+])
+def test_a_missing_target_is_named_not_called_another_tree(tmp_path, mesh, bad_target, named):
+  """Issue #27 item 4: without a target the error said "another tree" with no missing leaf (or,
+  for scalar leaves, "corrupt" and fell back to older steps)."""
+  ckpt = saved_checkpointer(tmp_path / "c", mesh, [1, 2])
+  with pytest.raises(checkpoint.CheckpointTargetError, match=named) as e:
+    ckpt.restore(bad_target)
+  assert "sharded_abstract_state" in str(e.value) and "another tree" not in str(e.value)
+  assert not isinstance(e.value, (checkpoint.CheckpointMismatchError,
+                                  checkpoint.CheckpointCorruptError))
+
+
+_RESTORE_ON_4 = textwrap.dedent("""
+    import importlib.util, json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    # the module alone (it imports no other rlax_pipe module): half the start-up of the package
+    spec = importlib.util.spec_from_file_location("checkpoint", sys.argv[2])
+    checkpoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checkpoint)
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    ckpt = checkpoint.Checkpointer(sys.argv[1])
+    out = {}
+    try:
+      ckpt.restore({"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)})
+    except checkpoint.CheckpointError as e:
+      out["unsharded"] = [type(e).__name__, str(e)]
+    r = ckpt.restore({"w": jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                                sharding=NamedSharding(mesh, P("tp")))})
+    out["sharded"] = [r.step, np.asarray(r.state["w"]).tolist()]
+    print(json.dumps(out))
+""")
+
+
+def test_another_device_count_is_named_with_its_fix(tmp_path):
+  """Issue #27 item 4: saved on 8 devices, restored in a 4-device process. A target without
+  shardings used to read as a corrupt step (and fall back to older ones); it is now a topology
+  error naming both device counts and the fix; with target shardings the restore works."""
+  mesh8 = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=jax.devices()[:8],
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  w = np.arange(32, dtype=np.float32).reshape(8, 4)
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"))
+  ckpt.save(1, {"w": jax.device_put(w, NamedSharding(mesh8, P("fsdp", "tp")))})
+  ckpt.close()
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _RESTORE_ON_4, str(tmp_path / "c"),
+                         checkpoint.__file__],
+                        capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  kind, message = out["unsharded"]
+  assert kind == "CheckpointTopologyError", message
+  assert "saved on 8 devices (mesh fsdp=4 x tp=2)" in message and "(4 devices" in message
+  assert "['w']" in message and "sharded_abstract_state" in message
+  assert out["sharded"] == [1, w.tolist()]

@@ -1,8 +1,14 @@
 """Issue #14 item 9, lost and duplicated samples, with a scripted engine (no model): a sample
 that never comes back is named and re-dispatched or its group discarded and counted; groups
-too stale in flight are aborted under `drop`; the wait limit scales to measured intervals."""
+too stale in flight are aborted under `drop`; the wait limit scales to measured intervals.
+Issue #27 item 2: a sample lost between the engine and the queue is handled the same way under
+every staleness policy, by the worker and by the reproducible driver."""
 
 import dataclasses
+import json
+import logging
+import time
+import types
 
 import numpy as np
 import pytest
@@ -10,6 +16,7 @@ import pytest
 from rlax_pipe import tasks
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.pipeline import config as pconfig
+from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import driver, staleness
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
@@ -45,6 +52,16 @@ class LossyEngine:
 
   num_waiting = 0
 
+  def stats(self):  # the counters the reproducible driver's cost model reads
+    return types.SimpleNamespace(decode_steps=self.decode_steps, prefill_calls=0,
+                                 prefill_tokens=0, generated_tokens=self.decode_steps,
+                                 live_token_steps=self.decode_steps)
+
+  decode_steps = 0
+
+  def update_weights(self, version):
+    self.version = self.latest_version = version
+
   def submit(self, request):
     self.running[request.sample_id] = [request, 0, []]
 
@@ -60,6 +77,7 @@ class LossyEngine:
                    prompt_index=req.prompt_index)
 
   def step(self):
+    self.decode_steps += 1
     out = []
     for sid, entry in list(self.running.items()):
       entry[1] += 1
@@ -78,13 +96,15 @@ class LossyEngine:
     return None if entry is None else self._rollout(entry[0], entry[2], "aborted")
 
 
-def _worker(engine_kw, policy="block", max_lag=1, lost="redispatch"):
+def _worker(engine_kw, policy="block", max_lag=1, lost="redispatch", queue_cls=RolloutQueue):
   sampler = SamplerConfig(num_slots=4, page_size=8, num_pages=32, max_seq_len=48,
                           max_new_tokens=32)
   pipe = pconfig.PipelineConfig(
       group_size=2, seq_len=48, lost_sample_policy=lost,
-      staleness=staleness.StalenessConfig(policy=policy, max_lag=max_lag, groups_per_step=1))
-  queue = RolloutQueue(pipe.staleness, 2)
+      staleness=staleness.StalenessConfig(
+          policy=policy, max_lag=max_lag, groups_per_step=1,
+          queue_capacity_groups=8 if policy == "queue-drop" else None))
+  queue = queue_cls(pipe.staleness, 2)
   task = tasks.make_task("arithmetic", tasks.ArithmeticConfig(max_terms=3))
   return RolloutWorker(LossyEngine(sampler, **engine_kw), task, TOK, queue, pipe)
 
@@ -164,3 +184,215 @@ def test_wait_limit_scales_to_measured_intervals():
   assert driver.wait_timeout(fixed, [100.0]) == 5.0
   with pytest.raises(ValueError, match="lost_sample_policy"):
     pconfig.PipelineConfig(lost_sample_policy="retry")
+
+
+@pytest.mark.parametrize("lost", ["redispatch", "discard"])
+@pytest.mark.parametrize("policy", staleness.POLICIES)
+def test_sample_lost_between_engine_and_queue_is_named_under_every_policy(policy, lost, caplog):
+  worker = _worker({}, policy=policy, lost=lost)
+  q = worker.queue
+  try:
+    started = worker.top_up()
+    out = worker.step(now=0.0)
+    assert len(out) == 2 * started
+    for r in out:
+      if r.sample_id != 1:  # sample 1 left the engine and never reached the queue
+        q.put(r)
+    assert q.missing_samples(0) == [1]
+    # what is in transit survives a checkpoint (JSON) and restore
+    worker.load_state_dict(json.loads(json.dumps(worker.state_dict())))
+    assert worker.check_lost(now=9.9, delivery_limit_s=10.0) == []  # not yet overdue
+    assert worker.next_delivery_deadline(10.0) == 10.0
+    with caplog.at_level(logging.WARNING):
+      assert worker.check_lost(now=10.0, delivery_limit_s=10.0) == [1]
+    assert "group 0: samples [1]" in caplog.text and "not in the queue" in caplog.text
+    m = worker.pop_metrics()
+    if lost == "redispatch":
+      assert 1 in worker.engine.running  # same id and prompt, sampled again
+      assert (m["samples_lost"], m["samples_redispatched"], m["groups_lost"]) == (1, 1, 0)
+      for r in worker.step(now=11.0):
+        q.put(r)
+      assert q.missing_samples(0) is None and q.stats().ready_groups == started
+    else:
+      assert (m["samples_lost"], m["samples_redispatched"], m["groups_lost"]) == (1, 0, 1)
+      w = q.stats().waste
+      assert (w.lost_groups, w.lost_samples) == (1, 1)  # sample 0 arrived: lost work
+      assert q.stats().ready_groups == started - 1 and q.stats().partial_groups == 0
+    # delivered samples are never named, however late the check
+    assert worker.check_lost(now=1e6, delivery_limit_s=10.0) == []
+    assert worker.next_delivery_deadline(10.0) is None
+    with pytest.raises(ValueError, match="delivery_limit_s"):
+      worker.check_lost(now=0.0, delivery_limit_s=0.0)
+  finally:
+    worker.close()
+
+
+def test_late_delivery_within_the_limit_and_given_up_groups_are_not_lost():
+  worker = _worker({}, policy="drop")
+  q = worker.queue
+  try:
+    worker.top_up()
+    out = worker.step(now=0.0)
+    late = [r for r in out if r.group_id == 0]
+    for r in out:
+      if r.group_id != 0:
+        q.put(r)
+    q.discard_group(1, "stale")  # a complete group given up later is not waited for either
+    for r in late:  # group 0 arrives late, but before the limit
+      q.put(r)
+    assert worker.next_delivery_deadline(5.0) is None
+    assert worker.check_lost(now=100.0, delivery_limit_s=5.0) == []
+    assert worker.pop_metrics()["samples_lost"] == 0
+  finally:
+    worker.close()
+
+
+class _DropsOnce(RolloutQueue):
+  """A queue whose transport loses the first copy of sample 1 (a lost message)."""
+
+  lost = False
+
+  def put(self, rollout, learner_version=None):
+    if rollout.sample_id == 1 and not self.lost:
+      self.lost = True
+      return True
+    return super().put(rollout, learner_version)
+
+
+class _Trainer:
+  """The learner side of `run_reproducible` without a model: counts versions and groups."""
+
+  def __init__(self, queue, cfg):
+    self.queue, self.cfg = queue, cfg
+    self.learner = types.SimpleNamespace(version=0)
+    self.trained = []
+
+  def train_on(self, groups):
+    self.learner.version += 1
+    self.trained += [g[0].group_id for g in groups]
+    return types.SimpleNamespace(processed_rows=1, micro_batches=1, push_bytes=1,
+                                 version=self.learner.version)
+
+
+@pytest.mark.parametrize("policy", staleness.POLICIES)
+def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
+  """Before issue #27 item 2: under drop / queue-drop the run ended normally with group 0
+  never trained nor counted; under block / learner-wait it stopped with a DeadlockError."""
+  worker = _worker({"steps": 2}, policy=policy, max_lag=1, queue_cls=_DropsOnce)
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=0.2)  # delivery limit 0.1 virtual s
+  trainer = _Trainer(worker.queue, cfg)
+  channel = types.SimpleNamespace(take=lambda timeout: trainer.learner.version)
+  try:
+    end = driver.run_reproducible(worker, trainer, channel, cfg, timeline_lib.Timeline(), 6,
+                            on_step=lambda result, now: None)
+    m = worker.pop_metrics()
+    assert worker.queue.lost and end > 0.1  # (the run outlived the delivery limit)
+    assert (m["samples_lost"], m["samples_redispatched"]) == (1, 1)
+    q = worker.queue.stats()
+    assert q.rejected_samples == 0  # nothing else was taken for lost
+    # group 0 was trained or counted as waste: no longer waited for, and every group admitted
+    # is trained, counted as waste, ready or in flight
+    assert worker.queue.missing_samples(0) is None and 0 not in worker.queue.in_flight_group_ids()
+    assert q.admitted_groups == (q.trained_groups + q.waste.dropped_groups + q.ready_groups
+                                 + q.in_flight_groups)
+    if policy in ("block", "learner-wait"):
+      assert 0 in trainer.trained
+  finally:
+    worker.close()
+
+
+class _SlowTrainer(_Trainer):
+  """`_Trainer` whose steps take real time, so a threaded run outlives the delivery limit."""
+
+  def train_on(self, groups):
+    time.sleep(0.05)
+    return super().train_on(groups)
+
+
+class _PacedEngine(LossyEngine):
+  """`LossyEngine` at a few ms per step, so the grader keeps up under unlimited admission."""
+
+  def step(self):
+    time.sleep(0.005)
+    return super().step()
+
+
+@pytest.mark.parametrize("policy", ["drop", "learner-wait"])
+def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
+  """The threaded driver on the real clock: the sample dropped between the engine and the queue
+  (here by the queue's transport, after the grader) is named within half the wait limit and
+  sampled again; under learner-wait the learner, waiting for its group, does not time out."""
+  worker = _worker({"steps": 2}, policy=policy, max_lag=1, queue_cls=_DropsOnce)
+  worker.engine = _PacedEngine(worker.engine.cfg, steps=2)
+  probe = worker.engine._rollout(  # pylint: disable=protected-access
+      types.SimpleNamespace(sample_id=-1, group_id=-1, prompt_tokens=np.ones(3, np.int32),
+                            prompt_index=0), [0], "length")
+  worker.grade_batch([probe])  # the verifier processes start before the clock matters
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=2.0)  # delivery limit 1 s
+  trainer = _SlowTrainer(worker.queue, cfg)
+  engine = worker.engine
+  channel = types.SimpleNamespace(
+      try_take=lambda: (trainer.learner.version
+                        if trainer.learner.version > engine.latest_version else None))
+  try:
+    t0 = time.monotonic()
+    driver.run_threaded(worker, trainer, channel, cfg, timeline_lib.Timeline(), 25,
+                        on_step=lambda result, now: None)
+    assert time.monotonic() - t0 > 1.0
+    m = worker.pop_metrics()
+    assert worker.queue.lost and (m["samples_lost"], m["samples_redispatched"]) == (1, 1)
+    assert worker.queue.missing_samples(0) is None
+    if policy == "learner-wait":
+      assert 0 in trainer.trained
+  finally:
+    worker.close()
+
+
+class _Hub:
+  """Records what the lead sends (no processes)."""
+
+  def __init__(self):
+    self.sent = []
+
+  def send(self, process_id, kind, payload):
+    self.sent.append((process_id, kind, payload))
+
+
+def test_multiprocess_lead_redispatches_a_lost_sample_to_the_replica_that_had_it():
+  """The learner lead's worker drives `RemoteEngines` (the replicas of other processes): a
+  rollout a replica returned that never reached the queue is named and re-sent to that
+  replica, and returned samples stop being outstanding (they used to pile up forever)."""
+  from rlax_pipe.cluster import Topology  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.pipeline.multihost.remote import RemoteEngines  # pylint: disable=import-outside-toplevel
+  hub = _Hub()
+  sampler = SamplerConfig(num_slots=2, page_size=8, num_pages=32, max_seq_len=48,
+                          max_new_tokens=32)
+  proxy = RemoteEngines(hub, Topology(0, 3, 1, 4), sampler, {0: 2, 1: 2})
+  worker = _worker({}, policy="drop")
+  worker.engine = proxy
+  try:
+    for r in (0, 1):
+      proxy.replicas[r].version = 0
+      with proxy.target(r):
+        worker.top_up()
+      proxy.flush(r)
+    sent = {(p, req.sample_id) for p, kind, reqs in hub.sent if kind == "submit" for req in reqs}
+    assert sent == {(1, 0), (1, 1), (2, 2), (2, 3)}  # group 0 on replica 0 (process 1), ...
+    fake = LossyEngine(sampler)
+    back = [fake._rollout(req, [0], "length")  # pylint: disable=protected-access
+            for _, kind, reqs in hub.sent if kind == "submit" for req in reqs]
+    proxy.returned(0, back[:2], {"version": 0})
+    proxy.returned(1, back[2:], {"version": 0})
+    worker.returned(back, now=0.0)
+    for r in back:
+      if r.sample_id != 1:  # the lead lost sample 1 between the link and the queue
+        worker.queue.put(r)
+    assert worker.check_lost(now=1.0, delivery_limit_s=5.0) == []
+    assert worker.check_lost(now=5.0, delivery_limit_s=5.0) == [1]
+    assert proxy.replicas[0].outstanding == {1: 0}  # re-sent to replica 0, where it was
+    hub.sent.clear()
+    proxy.flush(0)
+    assert [(p, [q.sample_id for q in reqs]) for p, _, reqs in hub.sent] == [(1, [1])]
+    assert [e[0] for e in worker.state_dict()["outstanding"]] == [1]  # only the re-sent one
+  finally:
+    worker.close()

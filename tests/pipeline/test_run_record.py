@@ -6,8 +6,10 @@ import dataclasses
 import json
 import pathlib
 import struct
+import types
 
 import pytest
+from tensorboardX import event_file_writer
 from tensorboardX.proto import event_pb2
 
 from rlax_pipe.config_dict import ConfigError
@@ -106,3 +108,24 @@ def test_no_record_holds_two_attempts(tmp_path, tiny_init, tiny_config, train_ro
   run_lib.run(other)
   assert [r["step"] for r in train_rows(other.run_dir)] == [1]
   assert tb_steps(other.run_dir) == [1]
+
+
+@pytest.mark.parametrize("same_second", [True, False])
+def test_writers_opened_in_the_same_second_keep_their_own_events(tmp_path, monkeypatch,
+                                                                same_second):
+  """Issue #27 item 7: tensorboardX names event files by the second they were opened; two
+  writers on one run directory in the same second (a resume, a rebuild, a test) shared a file
+  and the second truncated the first's events. Every writer now has a file of its own."""
+  if same_second:  # pin tensorboardX's clock: both files get the same timestamp
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1.7e9))
+  first, second = RunDir(tmp_path), RunDir(tmp_path)
+  for step in (1, 2):
+    first.log({"kind": "train", "step": step, "reward_mean": 0.5}, step)
+  second.log({"kind": "train", "step": 3, "reward_mean": 0.5}, 3)  # while the first is open
+  first.close()
+  second.close()
+  third = RunDir(tmp_path)  # and one more after both closed
+  third.log({"kind": "train", "step": 4, "reward_mean": 0.5}, 4)
+  third.close()
+  assert tb_steps(tmp_path) == [1, 2, 3, 4]
+  assert len(list((tmp_path / "tb").glob("events.*"))) == 3

@@ -1,6 +1,10 @@
 """Is the sampler really using the weights of the version it tags tokens with? (issue #14 item
 10): exact layout-independent checksums, the engine's check after every swap, catching a channel
-that lands old arrays and an engine that keeps old weights; a failed push can be retried."""
+that lands old arrays and an engine that keeps old weights; a failed push can be retried.
+Issue #27 item 3: the check reads what each decode dispatch was given (an engine whose dispatch
+reads a stale copy is caught), and a step without lag-0 tokens says it compared nothing."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +86,8 @@ def test_a_channel_that_lands_old_arrays_under_a_new_version_is_caught(monkeypat
   channel.push(jax.device_put(v1, lsh), 1)
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError,
-                     match=r"version 1 on the sampler engine are not the learner's version 1"):
+                     match=r"version 1 on the sampler engine's decode dispatch \(replica 0\) "
+                           r"are not the learner's version 1"):
     for _ in range(3):
       engine.step()
 
@@ -107,6 +112,73 @@ def test_an_engine_that_keeps_decoding_with_old_weights_is_caught(monkeypatch):
   with pytest.raises(param_checksum.WeightMismatchError, match="version 1"):
     for _ in range(3):
       engine.step()
+
+
+def _stale_views_swap(self):
+  """A broken swap (issue #27 item 3): the engine stores the new version (running weights,
+  version number, checksums) but its dispatches keep being given the old per-replica views."""
+  with self.lock:
+    pending, self.pending = self.pending, None
+    if pending is None:
+      return False
+    self.running = pending  # self.views not refreshed: decode reads the old copy
+  return True
+
+
+def test_an_engine_whose_dispatch_reads_a_stale_copy_is_caught(monkeypatch):
+  """The stored weights are right, so a check of them passes; the arrays the decode dispatch
+  is given are not, and that is what the check reads now."""
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.step()
+  monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
+  channel.push(jax.device_put(_params(1), lsh), 1)
+  engine.update_weights(channel.take(timeout=30))
+  with pytest.raises(param_checksum.WeightMismatchError,
+                     match=r"version 1 on the sampler engine's decode dispatch \(replica 0\)"):
+    for _ in range(3):
+      engine.step()
+  # What the engine stores is the learner's version 1 (a check of it passes, as before #27):
+  # only the dispatch read old arrays.
+  running = engine.weights.running
+  assert running.version == 1
+  np.testing.assert_array_equal(param_checksum.host(param_checksum.checksum(running.params)),
+                                param_checksum.host(running.checksum))
+
+
+def test_a_version_that_never_ran_a_dispatch_is_checked_on_what_the_next_would_read(
+    monkeypatch):
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.step()
+  channel.push(jax.device_put(_params(1), lsh), 1)
+  engine.update_weights(channel.take(timeout=30))
+  engine.check_weights()  # an engine about to stop: version 1 never decoded
+  assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
+  monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
+  channel.push(jax.device_put(_params(2), lsh), 2)
+  engine.update_weights(channel.take(timeout=30))
+  with pytest.raises(param_checksum.WeightMismatchError, match="version 2"):
+    engine.check_weights()
+
+
+def test_a_version_swapped_out_before_any_dispatch_is_checked():
+  """An idle engine installs versions 1 and 2 without decoding: each is still checked (on what
+  the next dispatch would have read) before it is swapped out, or when the engine stops."""
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.run_to_completion()
+  assert engine.weight_checks == 1
+  for v in (1, 2):
+    channel.push(jax.device_put(_params(v), lsh), v)
+    engine.update_weights(channel.take(timeout=30))
+    engine.step()  # nothing to decode: the swap only
+  assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
+  engine.check_weights()
+  assert engine.weight_checks == 3 and engine.last_weight_check[0] == 2
 
 
 def test_a_correct_in_flight_update_passes_the_check():
@@ -154,3 +226,21 @@ def test_lag0_logprob_mismatch_alarm():
   # Measured on healthy runs: 0.0018 (stale-KV keep), 0.0022 (bf16 sampler).
   assert trainer.lag0_alarm({"logp_mismatch_mean": 0.0022}, 0.05, 6) == {"lag0_logp_alarm": 0}
   assert trainer.lag0_alarm({"logp_mismatch_mean": 0.37}, None, 6) == {}
+
+
+@pytest.mark.parametrize("metrics", [
+    {"logp_mismatch_mean": np.float32(np.nan), "mismatch_tokens": np.int32(0)},  # NaN mean
+    {"mismatch_tokens": np.int32(0)},  # the learner drops statistics of nothing
+    {"logp_mismatch_mean": np.float32(np.nan)},
+    {},
+])
+def test_a_step_without_lag0_tokens_says_nothing_was_compared(metrics, caplog):
+  """Issue #27 item 3: such a step reported alarm 0 (or a NaN mismatch) as if it had passed."""
+  from rlax_pipe.pipeline import trainer  # pylint: disable=import-outside-toplevel
+  with caplog.at_level(logging.INFO):
+    assert trainer.lag0_alarm(metrics, 0.05, 6) == {"lag0_tokens": 0}
+  assert "no lag-0 token" in caplog.text
+  counted = {"logp_mismatch_mean": np.float32(0.01), "mismatch_tokens": np.int32(40)}
+  assert trainer.lag0_alarm(counted, 0.05, 6) == {"lag0_tokens": 40, "lag0_logp_alarm": 0}
+  counted["logp_mismatch_mean"] = np.float32(0.37)
+  assert trainer.lag0_alarm(counted, 0.05, 6) == {"lag0_tokens": 40, "lag0_logp_alarm": 1}

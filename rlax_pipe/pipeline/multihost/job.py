@@ -195,6 +195,9 @@ def _restore_pipeline(extra: dict, queue: RolloutQueue, worker: RolloutWorker,
   worker_state = dict(extra["worker"])
   worker_state["round_open"] = 0
   worker_state["truncated"] = []
+  # the requests and rollouts in flight went with the replicas (their groups were discarded
+  # above): nothing of them is outstanding or in transit in this session
+  worker_state["outstanding"], worker_state["detached"], worker_state["in_transit"] = [], [], []
   worker.load_state_dict(worker_state)
   if extra.get("sampler_rng") is not None:
     proxy.load_rng_state(extra["sampler_rng"])

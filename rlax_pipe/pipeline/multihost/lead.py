@@ -24,6 +24,7 @@ import numpy as np
 
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
+from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.hooks import StepHook
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
@@ -50,6 +51,7 @@ class LeadSamplerSide:
     self._stopping = threading.Event()
     self._exit = threading.Event()
     self._checked: dict[int, int] = {}
+    self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
     self._thread = threading.Thread(target=self._loop, name="rlax_pipe-lead-sampler",
                                     daemon=True)
 
@@ -65,6 +67,7 @@ class LeadSamplerSide:
       r = self._replica(p)
       rollouts = list(payload["rollouts"])
       proxy.returned(r, rollouts, payload["status"])
+      job.worker.returned(rollouts)  # no longer outstanding; in transit until queued
       checked = payload["status"].get("checked")
       if checked is not None and self._checked.get(r) != checked[0]:
         self._checked[r] = checked[0]
@@ -104,6 +107,9 @@ class LeadSamplerSide:
           except queue_lib.Empty:
             item = None
         if not self._stopping.is_set():
+          # samples lost on a replica or on their way to the queue: named, and re-dispatched
+          # to the replica that had them or their group given up (issue #27 item 2)
+          self.job.worker.check_lost(time.monotonic(), self._delivery_limit_s)
           self._top_up()
     except BaseException as e:  # pylint: disable=broad-except
       logging.exception("the learner lead's sampler thread failed")

@@ -113,13 +113,18 @@ class RemoteEngines:
     return self.latest_version
 
   def submit(self, request: Request) -> None:
-    """Queues `request` for the targeted replica (sent by `flush`)."""
-    if self._target is None:
+    """Queues `request` for the targeted replica (sent by `flush`); outside a `target` block,
+    a sample that was sent before (a re-dispatch of a lost sample) goes to the replica that
+    had it, where its group's prompt pages are."""
+    replica = self._target
+    if replica is None:
+      replica = self.holder.get(int(request.sample_id))
+    if replica is None:
       raise RuntimeError("RemoteEngines.submit outside a target(replica) block.")
-    state = self.replicas[self._target]
+    state = self.replicas[replica]
     state.to_send.append(request)
     state.outstanding[int(request.sample_id)] = int(request.group_id)
-    self.holder[int(request.sample_id)] = self._target
+    self.holder[int(request.sample_id)] = replica
 
   def abort(self, sample_id: int) -> Rollout | None:
     """Asks the replica holding `sample_id` to abort it; its aborted Rollout comes back with the
