@@ -147,8 +147,9 @@ def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str
   mismatch = float(np.asarray(metrics.get("logp_mismatch_mean", np.nan)))
   n = int(np.asarray(metrics["mismatch_tokens"])) if "mismatch_tokens" in metrics else None
   if n == 0 or not np.isfinite(mismatch):
-    logging.info("step to version %d: no lag-0 token, so the lag-0 log-prob check compared "
-                 "nothing this step (the engine's weight check still ran).", version)
+    logging.debug("Lag-0 log-prob check: no lag-0 token in the step to version %d, so it "
+                  "compared nothing (the engine's weight check still ran; the metrics row says "
+                  "lag0_tokens = 0).", version)
     return {"lag0_tokens": 0}
   out = {} if n is None else {"lag0_tokens": n}
   if mismatch > threshold:

@@ -237,7 +237,7 @@ def test_lag0_logprob_mismatch_alarm():
 def test_a_step_without_lag0_tokens_says_nothing_was_compared(metrics, caplog):
   """Issue #27 item 3: such a step reported alarm 0 (or a NaN mismatch) as if it had passed."""
   from rlax_pipe.pipeline import trainer  # pylint: disable=import-outside-toplevel
-  with caplog.at_level(logging.INFO):
+  with caplog.at_level(logging.DEBUG):  # debug: pipeline runs often have no lag-0 token
     assert trainer.lag0_alarm(metrics, 0.05, 6) == {"lag0_tokens": 0}
   assert "no lag-0 token" in caplog.text
   counted = {"logp_mismatch_mean": np.float32(0.01), "mismatch_tokens": np.int32(40)}
