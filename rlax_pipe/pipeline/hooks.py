@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from typing import Protocol
 
@@ -385,8 +386,14 @@ class Export:
     lora = getattr(job.learner, "lora", None)
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
       adapter_path = job.run_dir.path / "hf_lora"
-      save_peft_adapter(adapter_path, jax.device_get(job.learner.params), lora,
-                        base_model_name_or_path=str(job.cfg.init))
+      try:
+        save_peft_adapter(adapter_path, jax.device_get(job.learner.params), lora,
+                          base_model_name_or_path=str(job.cfg.init))
+      except ValueError as e:  # a target PEFT cannot express (e.g. the embedding): merged only
+        shutil.rmtree(adapter_path, ignore_errors=True)
+        logging.warning("export_hf: no PEFT adapter directory (%s); the merged policy is in %s.",
+                        e, path)
+        return
       logging.info("LoRA adapters exported as a PEFT adapter directory: %s (merged policy in "
                    "%s)", adapter_path, path)
 
