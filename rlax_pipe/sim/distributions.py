@@ -44,6 +44,27 @@ def sample_groups(dist, rng: np.random.Generator, num_groups: int, group_size: i
       num_groups, group_size)
 
 
+def replay_groups(groups, dtype, num_groups: int, group_size: int, offset: int,
+                  owner: str) -> np.ndarray:
+  """Recorded groups offset .. offset + num_groups - 1, cycling through the record.
+
+  Args:
+    groups: [G][group_size] recorded values (lengths, rewards), G >= 1.
+    dtype: numpy dtype of the result.
+    owner: the replaying class's name, for the error message.
+
+  Returns:
+    [num_groups, group_size] array of `dtype`.
+
+  Raises:
+    ValueError: if group_size differs from the recorded groups'.
+  """
+  arr = np.asarray(groups, dtype)
+  if group_size != arr.shape[1]:
+    raise ValueError(f"{owner}: recorded groups have {arr.shape[1]} samples, not {group_size}.")
+  return arr[(offset + np.arange(num_groups)) % arr.shape[0]]
+
+
 def _cap(x: np.ndarray, max_len: int | None) -> np.ndarray:
   x = np.maximum(1, np.rint(x)).astype(np.int64)
   return x if max_len is None else np.minimum(x, max_len)
@@ -170,10 +191,7 @@ class Replay:
       ValueError: if group_size differs from the recorded groups'.
     """
     del rng
-    arr = np.asarray(self.groups, np.int64)
-    if group_size != arr.shape[1]:
-      raise ValueError(f"Replay: recorded groups have {arr.shape[1]} samples, not {group_size}.")
-    return arr[(offset + np.arange(num_groups)) % arr.shape[0]]
+    return replay_groups(self.groups, np.int64, num_groups, group_size, offset, "Replay")
 
   def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
     del rng

@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from rlax_pipe.sim.distributions import replay_groups
+
 
 @dataclasses.dataclass(frozen=True)
 class SolveRate:
@@ -83,8 +85,4 @@ class RewardReplay:
       ValueError: if group_size differs from the recorded groups'.
     """
     del rng
-    arr = np.asarray(self.groups, np.float64)
-    if group_size != arr.shape[1]:
-      raise ValueError(f"RewardReplay: recorded groups have {arr.shape[1]} samples, not "
-                       f"{group_size}.")
-    return arr[(offset + np.arange(num_groups)) % arr.shape[0]]
+    return replay_groups(self.groups, np.float64, num_groups, group_size, offset, "RewardReplay")
