@@ -126,6 +126,7 @@ class Setup:
   seq_len: int
   max_new_tokens: int
   sampling: logprobs_lib.SamplingConfig
+  grad_fns: dict = dataclasses.field(default_factory=dict)
 
 
 def make_setup(run: RunConfig) -> Setup:
@@ -216,28 +217,46 @@ def sample_batch(s: Setup, ckpts: Sequence[Any], versions: Sequence[int], rng: n
 
 
 def make_grad_fn(s: Setup, cfgs: Sequence[ObjectiveConfig]):
-  """jitted (params, batch, version) -> (float32[O, P], BatchDiagnostics)."""
-  model = s.model
+  """jitted (params, batch, version) -> (float32[O, P], BatchDiagnostics); one per cfgs."""
+  key = tuple(cfgs)
+  if key not in s.grad_fns:
+    s.grad_fns[key] = _grad_fn(s.model, s.sampling, key)
+  return s.grad_fns[key]
 
+
+def _grad_fn(model, sampling, cfgs):
   def logp_fn(params, batch):
     logits, _ = model.forward(params, batch["tokens"], batch["positions"],
                               segment_ids_BT=batch["segment_ids"])
-    return logprobs_lib.next_token_logprobs_from_logits(logits, batch["tokens"], s.sampling)[0]
+    return logprobs_lib.next_token_logprobs_from_logits(logits, batch["tokens"], sampling)[0]
 
   @jax.jit
   def fn(params, batch, version):
     return fidelity.objective_gradients(functools.partial(logp_fn, batch=batch), params, batch,
-                                        version, tuple(cfgs))
+                                        version, cfgs)
   keys = ("tokens", "positions", "segment_ids", "loss_mask", "behavior_logprobs",
           "policy_versions", "advantages")
   return lambda params, batch, version: fn(params, {k: batch[k] for k in keys},
                                            jnp.int32(version))
 
 
-def train_checkpoints(s: Setup, steps: int, seed: int, log=print) -> list[Any]:
-  """theta_0 .. theta_steps of a synchronous on-policy run (the regime's optimizer, TIS)."""
+def _with(cfgs: Sequence[ObjectiveConfig], extra: ObjectiveConfig) -> tuple[list, int]:
+  """cfgs with `extra` appended unless present, and extra's index (one compiled program)."""
+  cfgs = list(cfgs)
+  if extra not in cfgs:
+    cfgs.append(extra)
+  return cfgs, cfgs.index(extra)
+
+
+def train_checkpoints(s: Setup, steps: int, seed: int, log=print,
+                      objectives: Sequence[ObjectiveConfig] = ()) -> list[Any]:
+  """theta_0 .. theta_steps of a synchronous on-policy run (the regime's optimizer and objective).
+
+  `objectives`: the set `measure` will use, so the run's objective shares its compiled program.
+  """
   tx = optimizer_lib.make_optimizer(s.run.learner.optimizer)
-  grad = make_grad_fn(s, [s.run.objective])
+  cfgs, idx = _with(_with(objectives, ObjectiveConfig(name="no_correction"))[0], s.run.objective)
+  grad = make_grad_fn(s, cfgs)
   params = jax.tree.map(jnp.asarray, s.params0)
   unravel = ravel_pytree(params)[1]
   opt = tx.init(params)
@@ -247,7 +266,7 @@ def train_checkpoints(s: Setup, steps: int, seed: int, log=print) -> list[Any]:
     t0 = time.perf_counter()
     batch = sample_batch(s, ckpts, [t], rng, 1)
     g, _ = grad(params, batch, t)
-    updates, opt = tx.update(unravel(g[0]), opt, params)
+    updates, opt = tx.update(unravel(g[idx]), opt, params)
     params = optax.apply_updates(params, updates)
     ckpts.append(jax.device_get(params))
     log(f"train step {t + 1}/{steps}: reward {float(batch['reward_mean']):.3f} "
@@ -280,15 +299,16 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
             objectives: dict[str, ObjectiveConfig] = OBJECTIVES, log=print) -> dict:
   """Runs steps 2-5 of the module docstring; returns the JSON-ready table."""
   labels = list(objectives)
-  grad = make_grad_fn(s, [objectives[n] for n in labels])
-  true_grad = make_grad_fn(s, [ObjectiveConfig(name="no_correction")])
+  cfgs, true_idx = _with([objectives[n] for n in labels], ObjectiveConfig(name="no_correction"))
+  cfgs = _with(cfgs, s.run.objective)[0]
+  grad = make_grad_fn(s, cfgs)
   rng = np.random.default_rng(cfg.seed + 1)
   per_target, truths = {}, []
   for v in cfg.targets():
     params = jax.tree.map(jnp.asarray, ckpts[v])
     t0 = time.perf_counter()
-    g_true = np.stack([np.asarray(true_grad(params, sample_batch(
-        s, ckpts, [v], rng, 1), v)[0][0]) for _ in range(cfg.true_batches)])
+    g_true = np.stack([np.asarray(grad(params, sample_batch(
+        s, ckpts, [v], rng, 1), v)[0][true_idx]) for _ in range(cfg.true_batches)])
     truth = fidelity.true_gradient(g_true)
     del g_true
     truths.append(dict(version=v, norm=truth.norm, rel_se=truth.rel_se,
@@ -340,7 +360,7 @@ def run_instrument(run: RunConfig, cfg: InstrumentConfig, checkpoints_path: str 
       raise ValueError(f"{checkpoints_path} holds {len(ckpts)} checkpoints; lags {cfg.lags} and "
                        f"{cfg.num_targets} targets need {cfg.train_steps + 1}.")
   else:
-    ckpts = train_checkpoints(s, cfg.train_steps, cfg.seed, log)
+    ckpts = train_checkpoints(s, cfg.train_steps, cfg.seed, log, list(OBJECTIVES.values()))
     if save_path:
       save_checkpoints(save_path, ckpts)
   train_s = time.perf_counter() - t0

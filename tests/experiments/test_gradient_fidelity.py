@@ -1,0 +1,72 @@
+"""The gradient-fidelity instrument (issue 26): verdict logic, report, and a tiny end-to-end run."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from configs import stress
+from lib import fidelity_report
+from lib import fidelity_run
+from rlax_pipe.objectives import ObjectiveConfig
+
+
+def _row(case, lag, obj, cosine, trace_var=(1.0, 0.9, 1.1), bias=(0.0, -0.1, 0.1)):
+  iv = [0.5, 0.4, 0.6]
+  return dict(case=case, lag=lag, objective=obj, cosine=list(cosine), trace_var=list(trace_var),
+              bias_parallel=list(bias), proj_var=iv, ess=iv, frac_truncated=iv)
+
+
+def test_claims_verdicts_and_report(tmp_path):
+  rows = [_row("lag", 0, "no_correction", (0.5, 0.45, 0.55)),
+          _row("lag", 0, "untruncated_is", (0.5, 0.45, 0.55), trace_var=(1.0, 0.9, 1.1)),
+          _row("lag", 8, "tis", (0.4, 0.35, 0.45), trace_var=(2.0, 1.8, 2.2)),
+          _row("lag", 8, "no_correction", (0.2, 0.15, 0.25)),
+          _row("lag", 8, "untruncated_is", (0.3, 0.1, 0.5), trace_var=(9.0, 5.0, 13.0)),
+          _row("lag", 8, "tis_lag_aware", (0.1, 0.05, 0.15)),
+          _row("bf16", 0, "no_correction", (0.48, 0.4, 0.56))]
+  table = dict(rows=rows)
+  v = {c["claim"][:4]: c["verdict"] for c in fidelity_report.claims(table)}
+  assert v["(a) "] == "shown"            # 0.4 [0.35, 0.45] > 0.2 [0.15, 0.25]
+  assert v["(b1)"] == "shown"            # 9 [5, 13] > 1 [0.9, 1.1]
+  assert v["(b2)"] == "shown"
+  assert v["(c) "] == "not shown"        # overlapping intervals
+  assert v["(d) "] == "contradicted"     # lag-aware below the fixed cap
+  assert "(b4)" not in v                 # no CISPO row: claim skipped, not invented
+  md = fidelity_report.markdown(table, fidelity_report.claims(table))
+  assert "| lag | 8 | tis |" in md
+  fidelity_report.plot(table, str(tmp_path / "f.png"))
+  assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_instrument_config_validation():
+  with pytest.raises(ValueError, match="batches"):
+    fidelity_run.InstrumentConfig(batches=1)
+  c = fidelity_run.InstrumentConfig(lags=(0, 4), mixed_lags=(2,), num_targets=2,
+                                    target_stride=3)
+  assert c.train_steps == 7 and c.targets() == [7, 4]
+
+
+@pytest.mark.slow
+def test_tiny_instrument_end_to_end():
+  """Own 1-step run, one target, lags 0 and 1, two objectives: finite metrics in range."""
+  run = stress.stress_config(tiny=True)
+  run = dataclasses.replace(run, pipeline=dataclasses.replace(run.pipeline, group_size=4))
+  cfg = fidelity_run.InstrumentConfig(lags=(0, 1), mixed_lags=(), num_targets=1, batches=2,
+                                      true_batches=2, bf16_case=False)
+  s = fidelity_run.make_setup(run)
+  ckpts = fidelity_run.train_checkpoints(s, cfg.train_steps, 0, log=lambda *_: None)
+  assert len(ckpts) == 2
+  batch = fidelity_run.sample_batch(s, ckpts, [0, 1], np.random.default_rng(0), 3)
+  m = batch["loss_mask"] > 0
+  assert set(np.unique(batch["policy_versions"][m])) <= {0, 1}
+  objs = {"no_correction": ObjectiveConfig(name="no_correction"),
+          "tis": ObjectiveConfig(name="tis_pg")}
+  table = fidelity_run.measure(s, ckpts, cfg, objs, log=lambda *_: None)
+  assert {(r["lag"], r["objective"]) for r in table["rows"]} == {
+      (k, o) for k in (0, 1) for o in objs}
+  for r in table["rows"]:
+    assert -1 <= r["cosine"][0] <= 1 and r["trace_var"][0] >= 0
+    assert 0 < r["ess"][0] <= 1 + 1e-6
+  json.dumps(table, default=float)
