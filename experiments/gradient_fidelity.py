@@ -8,7 +8,8 @@ Trains its own short synchronous run of the regime for checkpoints (or reads --c
 .npz this script wrote with --save_checkpoints), then compares each objective's gradient on
 batches sampled k versions behind with the on-policy gradient (experiments/lib/fidelity_run.py).
 Writes fidelity.json (rows, claims, timings), fidelity.md and fidelity.png to --out_dir and
-prints the claims as one JSON line.
+prints the claims as one JSON line; with --pareto_sweep also pareto.json / pareto.png (item 4,
+experiments/lib/fidelity_pareto.py). --from_json re-reports an earlier fidelity.json.
 """
 
 import dataclasses
@@ -19,6 +20,7 @@ from absl import app
 from absl import flags
 
 from configs import stress
+from lib import fidelity_pareto
 from lib import fidelity_report
 from lib import fidelity_run
 
@@ -36,6 +38,9 @@ _BF16 = flags.DEFINE_bool("bf16_case", None, "Measure the bf16-sampler case at l
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the run, prompts and sampling.")
 _CKPTS = flags.DEFINE_string("checkpoints", None, "Checkpoints .npz to read instead of training.")
 _SAVE = flags.DEFINE_string("save_checkpoints", None, "Write the trained checkpoints here.")
+_FROM = flags.DEFINE_string("from_json", None, "Re-report a fidelity.json (no new measurement).")
+_PARETO = flags.DEFINE_string("pareto_sweep", None, "A sweep_staleness.py table.json: also "
+                              "write pareto.json / pareto.png (throughput vs fidelity).")
 
 PRESETS = {
     "stress": fidelity_run.InstrumentConfig(),
@@ -62,12 +67,18 @@ def main(argv):
   cfg = dataclasses.replace(PRESETS[_PRESET.value], seed=_SEED.value, **over)
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
-  table = fidelity_run.run_instrument(_run_config(_PRESET.value), cfg, _CKPTS.value, _SAVE.value)
+  if _FROM.value:
+    table = json.loads(pathlib.Path(_FROM.value).read_text())
+  else:
+    table = fidelity_run.run_instrument(_run_config(_PRESET.value), cfg, _CKPTS.value,
+                                        _SAVE.value)
   verdicts = fidelity_report.claims(table)
   table["claims"] = verdicts
   (out / "fidelity.json").write_text(json.dumps(table, indent=1, default=float))
   (out / "fidelity.md").write_text(fidelity_report.markdown(table, verdicts))
   fidelity_report.plot(table, str(out / "fidelity.png"))
+  if _PARETO.value:
+    fidelity_pareto.write(table, _PARETO.value, str(out / "pareto"))
   print(json.dumps({v["claim"]: v["verdict"] for v in verdicts}))
 
 

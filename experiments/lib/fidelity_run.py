@@ -210,7 +210,10 @@ def sample_batch(s: Setup, ckpts: Sequence[Any], versions: Sequence[int], rng: n
                             prompt_index=r.prompt_index))
   group_ids = np.array([r.group_id for r in reqs])
   adv = adv_lib.grpo(np.asarray(rewards, np.float32), group_ids)
-  batch = batching.pack_rollouts(rollouts, adv, s.seq_len, num_rows=len(reqs))
+  # Packed as the learner packs them (rows bucketed to a power of two: few compiles).
+  rows = batching.batch_rows([len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts],
+                             s.seq_len)
+  batch = batching.pack_rollouts(rollouts, adv, s.seq_len, num_rows=rows)
   out = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
   out["reward_mean"] = np.float32(np.mean(rewards))
   return out
@@ -240,6 +243,11 @@ def _grad_fn(model, sampling, cfgs):
                                            jnp.int32(version))
 
 
+def _reference(s: Setup) -> list[ObjectiveConfig]:
+  """The on-policy gradient's program: no correction (and the run's objective, for training)."""
+  return _with([ObjectiveConfig(name="no_correction")], s.run.objective)[0]
+
+
 def _with(cfgs: Sequence[ObjectiveConfig], extra: ObjectiveConfig) -> tuple[list, int]:
   """cfgs with `extra` appended unless present, and extra's index (one compiled program)."""
   cfgs = list(cfgs)
@@ -252,10 +260,11 @@ def train_checkpoints(s: Setup, steps: int, seed: int, log=print,
                       objectives: Sequence[ObjectiveConfig] = ()) -> list[Any]:
   """theta_0 .. theta_steps of a synchronous on-policy run (the regime's optimizer and objective).
 
-  `objectives`: the set `measure` will use, so the run's objective shares its compiled program.
+  `objectives`: the program's objective set (the run's objective is added); default: the run's
+  objective and no correction (the program `measure` computes the on-policy gradient with).
   """
   tx = optimizer_lib.make_optimizer(s.run.learner.optimizer)
-  cfgs, idx = _with(_with(objectives, ObjectiveConfig(name="no_correction"))[0], s.run.objective)
+  cfgs, idx = _with(objectives or _reference(s), s.run.objective)
   grad = make_grad_fn(s, cfgs)
   params = jax.tree.map(jnp.asarray, s.params0)
   unravel = ravel_pytree(params)[1]
@@ -299,16 +308,15 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
             objectives: dict[str, ObjectiveConfig] = OBJECTIVES, log=print) -> dict:
   """Runs steps 2-5 of the module docstring; returns the JSON-ready table."""
   labels = list(objectives)
-  cfgs, true_idx = _with([objectives[n] for n in labels], ObjectiveConfig(name="no_correction"))
-  cfgs = _with(cfgs, s.run.objective)[0]
-  grad = make_grad_fn(s, cfgs)
+  grad = make_grad_fn(s, [objectives[n] for n in labels])
+  true_grad = make_grad_fn(s, _reference(s))  # [no correction, run objective]: training's
   rng = np.random.default_rng(cfg.seed + 1)
   per_target, truths = {}, []
   for v in cfg.targets():
     params = jax.tree.map(jnp.asarray, ckpts[v])
     t0 = time.perf_counter()
-    g_true = np.stack([np.asarray(grad(params, sample_batch(
-        s, ckpts, [v], rng, 1), v)[0][true_idx]) for _ in range(cfg.true_batches)])
+    g_true = np.stack([np.asarray(true_grad(params, sample_batch(
+        s, ckpts, [v], rng, 1), v)[0][0]) for _ in range(cfg.true_batches)])
     truth = fidelity.true_gradient(g_true)
     del g_true
     truths.append(dict(version=v, norm=truth.norm, rel_se=truth.rel_se,
@@ -360,7 +368,7 @@ def run_instrument(run: RunConfig, cfg: InstrumentConfig, checkpoints_path: str 
       raise ValueError(f"{checkpoints_path} holds {len(ckpts)} checkpoints; lags {cfg.lags} and "
                        f"{cfg.num_targets} targets need {cfg.train_steps + 1}.")
   else:
-    ckpts = train_checkpoints(s, cfg.train_steps, cfg.seed, log, list(OBJECTIVES.values()))
+    ckpts = train_checkpoints(s, cfg.train_steps, cfg.seed, log)
     if save_path:
       save_checkpoints(save_path, ckpts)
   train_s = time.perf_counter() - t0

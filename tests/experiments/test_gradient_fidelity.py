@@ -70,3 +70,22 @@ def test_tiny_instrument_end_to_end():
     assert -1 <= r["cosine"][0] <= 1 and r["trace_var"][0] >= 0
     assert 0 < r["ess"][0] <= 1 + 1e-6
   json.dumps(table, default=float)
+
+
+def test_pareto_interpolates_fidelity_at_mean_token_lag(tmp_path):
+  from lib import fidelity_pareto
+  table = dict(rows=[_row("lag", 0, "tis", (1.0, 0.9, 1.1)), _row("lag", 4, "tis", (0.6, 0.5, 0.7)),
+                     _row("lag", 4, "no_correction", (0.2, 0.1, 0.3))])
+  assert fidelity_pareto.fidelity_at(table["rows"], "tis", 1.0) == pytest.approx([0.9, 0.8, 1.0])
+  assert fidelity_pareto.fidelity_at(table["rows"], "tis", 5.0) is None  # beyond measured lags
+  sweep = [dict(max_lag="4", objective="tis_pg", samples_per_device_s=10.0,
+                samples_per_device_s_ci=0.1, token_lag_mean=3.0, heldout_end=0.4,
+                heldout_end_ci=0.1, throughput_clock="virtual (measured cost model)"),
+           dict(max_lag="0", objective="no_correction", samples_per_device_s=7.0,
+                token_lag_mean=0.0)]
+  path = tmp_path / "s.json"
+  path.write_text(json.dumps(sweep))
+  rows = fidelity_pareto.write(table, str(path), str(tmp_path / "pareto"))
+  assert rows[0]["objective"] == "tis" and rows[0]["cosine"] == pytest.approx([0.7, 0.6, 0.8])
+  assert rows[1]["cosine"] is None  # no lag-0 row for no correction: nothing invented
+  assert (tmp_path / "pareto.png").exists()
