@@ -89,3 +89,13 @@ def test_pareto_interpolates_fidelity_at_mean_token_lag(tmp_path):
   assert rows[0]["objective"] == "tis" and rows[0]["cosine"] == pytest.approx([0.7, 0.6, 0.8])
   assert rows[1]["cosine"] is None  # no lag-0 row for no correction: nothing invented
   assert (tmp_path / "pareto.png").exists()
+
+
+def test_precision_mismatch_small_shape():
+  """bf16 vs fp32 on a small Qwen3-like shape: finite, calibrated entropy, ratios near 1."""
+  from lib import precision_mismatch as pm
+  cfg = dataclasses.replace(pm.qwen3_reduced(), vocab_size=512, d_model=32, n_heads=2,
+                            n_kv_heads=1, head_dim=16, d_ff=64, max_seq_len=16)
+  out = pm.measure(cfg, rows=1, positions=8, target_entropy=2.0)
+  assert abs(out["fp32_entropy_mean"] - 2.0) < 0.3
+  assert 0 < out["abs_logp_mismatch_mean"] < 0.1 and 0.9 < out["ess"] <= 1.0
