@@ -182,6 +182,23 @@ def fidelity(g_NP: np.ndarray, true: TrueGradient) -> Fidelity:
       trace_var=tr, proj_var=pv, num_batches=n)
 
 
+def per_batch(g_NP: np.ndarray, true: TrueGradient) -> dict[str, np.ndarray]:
+  """Per-batch scalars against g*, for paired comparisons of objectives on the same batches.
+
+  Returns float64[N] arrays: "cosine" cos(g_i, g*); "parallel" <g_i, u> / |g*| (1 = the true
+  length along the true direction); "sq_error" |g_i - g*|^2 / |g*|^2 (per-batch relative mean
+  squared error: bias^2 + variance, plus the reference's own error tr C* / M / |g*|^2, which
+  is the same for every objective and cancels in a paired difference).
+  """
+  g = np.asarray(g_NP, np.float64)
+  gs = true.mean_P
+  u = gs / np.linalg.norm(gs)
+  return dict(cosine=(g @ gs) / np.maximum(np.linalg.norm(g, axis=1) * np.linalg.norm(gs),
+                                           1e-300),
+              parallel=(g @ u) / true.norm,
+              sq_error=np.sum((g - gs) ** 2, axis=1) / true.norm**2)
+
+
 def pooled(values: Sequence[Interval]) -> Interval:
   """Mean of independent estimates (e.g. one per checkpoint) with a normal 95% interval.
 

@@ -103,3 +103,15 @@ def test_objective_gradients_equal_direct_grad():
                                atol=1e-6)
   # untruncated IS and decoupled PPO (pi_prox = pi_theta) are the same estimator.
   np.testing.assert_allclose(np.asarray(g[1]), np.asarray(g[2]), rtol=1e-5, atol=1e-7)
+
+
+def test_per_batch_reference():
+  rng = np.random.default_rng(3)
+  truth = fidelity.true_gradient(np.array([1.0, 2.0, -1.0]) + 0.1 * rng.normal(size=(20, 3)))
+  g = rng.normal(size=(4, 3))
+  pb = fidelity.per_batch(g, truth)
+  gs = truth.mean_P
+  for i in range(4):
+    assert pb["cosine"][i] == pytest.approx(g[i] @ gs / np.linalg.norm(g[i]) / np.linalg.norm(gs))
+    assert pb["parallel"][i] == pytest.approx(g[i] @ gs / np.linalg.norm(gs) / truth.norm)
+    assert pb["sq_error"][i] == pytest.approx(np.sum((g[i] - gs) ** 2) / truth.norm**2)

@@ -1,17 +1,14 @@
 """Claims (a)-(d) of issue 16 decided on gradient fidelity, and the instrument's figure.
 
-A verdict compares two 95% intervals: "shown" when they separate in the claimed direction,
-"contradicted" when they separate the other way, "not shown" when they overlap (then the
-difference of the point values and the intervals are the measured bound on the effect).
-
-  (a) TIS beats no correction at the largest lag: higher cosine with g*.
-  (b1) untruncated IS's per-batch variance grows with lag: tr Cov at the largest lag > lag 0.
-  (b2) TIS trades bias for variance: lower tr Cov than untruncated IS at the largest lag.
-  (b3) ... and pays in bias: bias along g* more negative than untruncated IS's.
-  (b4) CISPO (eps_max 5) likewise lowers untruncated IS's variance at the largest lag.
-  (c) a bf16 sampler biases the lag-0 gradient: no-correction's cosine with g* (fp32 samples)
-      lower with the bf16 sampler than with the fp32 one.
-  (d) lag-aware truncation beats the fixed cap: higher cosine than TIS at the largest lag.
+A verdict is "shown" when a 95% interval separates in the claimed direction, "contradicted"
+when it separates the other way, "not shown" when it does not (then the interval is the
+measured bound on the effect). Objectives compared at the same lag are evaluated on the very
+same batches, so their comparison is *paired*: the t interval of the per-batch difference (the
+batch noise common to both cancels). Comparisons across lags or sampler precisions use different
+batches and compare the two rows' intervals. The claims (`_specs`): (a) TIS vs no correction,
+(b) untruncated IS's variance with lag and TIS / CISPO's bias-variance trade, (c) the bf16
+sampler at lag 0, (d) lag-aware vs fixed truncation; at the largest fixed lag, and for (a) and
+(d) also in the in-flight mix.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from rlax_pipe.fidelity import Interval
+from rlax_pipe.fidelity import mean_interval
 
 
 def _find(rows, case, lag, objective) -> dict | None:
@@ -38,37 +36,76 @@ def _verdict(better: Interval, worse: Interval) -> str:
   return "not shown"
 
 
+def _paired(first: dict, second: dict, metric: str) -> Interval | None:
+  """t interval of the per-batch difference first - second (same batches, same order)."""
+  a = np.asarray(first.get("per_batch", {}).get(metric, []), np.float64)
+  b = np.asarray(second.get("per_batch", {}).get(metric, []), np.float64)
+  if a.size < 2 or a.size != b.size:
+    return None
+  return mean_interval(a - b)
+
+
+# (claim, metric, mode, first (case, lag, objective), second, direction): the claim is that
+# first's metric exceeds second's (direction +1) or falls below it (-1). "paired": per-batch
+# differences on the same batches (objectives compared on identical samples); "unpaired": the
+# two rows' intervals (different batches: lags, sampler precision).
+def _specs(top: int, mixed: Sequence[int]) -> list[tuple]:
+  s = [("(a) TIS closer to g* than no correction (cosine)", "cosine", "paired",
+        ("lag", top, "tis"), ("lag", top, "no_correction"), 1),
+       ("(a) TIS lower error than no correction (|g-g*|^2)", "sq_error", "paired",
+        ("lag", top, "tis"), ("lag", top, "no_correction"), -1),
+       ("(b1) untruncated IS variance grows with lag", "trace_var", "unpaired",
+        ("lag", top, "untruncated_is"), ("lag", 0, "untruncated_is"), 1),
+       ("(b2) TIS lower error than untruncated IS", "sq_error", "paired", ("lag", top, "tis"),
+        ("lag", top, "untruncated_is"), -1),
+       ("(b2) TIS lower variance than untruncated IS", "trace_var", "unpaired",
+        ("lag", top, "tis"), ("lag", top, "untruncated_is"), -1),
+       ("(b3) TIS shrinks the gradient along g* (bias)", "parallel", "paired",
+        ("lag", top, "tis"), ("lag", top, "untruncated_is"), -1),
+       ("(b4) CISPO lower error than untruncated IS", "sq_error", "paired",
+        ("lag", top, "cispo"), ("lag", top, "untruncated_is"), -1),
+       ("(c) bf16 sampler lowers the lag-0 cosine", "cosine", "unpaired",
+        ("bf16", 0, "no_correction"), ("lag", 0, "no_correction"), -1),
+       ("(c) bf16 sampler raises the lag-0 error", "sq_error", "unpaired",
+        ("bf16", 0, "no_correction"), ("lag", 0, "no_correction"), 1),
+       ("(d) lag-aware TIS closer to g* than fixed TIS (cosine)", "cosine", "paired",
+        ("lag", top, "tis_lag_aware"), ("lag", top, "tis"), 1),
+       ("(d) lag-aware TIS lower error than fixed TIS", "sq_error", "paired",
+        ("lag", top, "tis_lag_aware"), ("lag", top, "tis"), -1)]
+  for k in mixed:
+    s += [(f"(a) in-flight mix K={k}: TIS lower error than no correction", "sq_error",
+           "paired", ("mixed", k, "tis"), ("mixed", k, "no_correction"), -1),
+          (f"(d) in-flight mix K={k}: lag-aware lower error than fixed TIS", "sq_error",
+           "paired", ("mixed", k, "tis_lag_aware"), ("mixed", k, "tis"), -1)]
+  return s
+
+
 def claims(table: dict) -> list[dict]:
-  """One dict per claim: name, metric, the two intervals, their difference, verdict."""
+  """One dict per claim: name, metric, mode, the intervals, the difference, the verdict."""
   rows = table["rows"]
   lags = sorted({r["lag"] for r in rows if r["case"] == "lag"})
-  top = lags[-1]
-  specs = [  # (claim, metric, better (case, lag, obj), worse (case, lag, obj), sign)
-      ("(a) TIS vs no correction, cosine", "cosine", ("lag", top, "tis"),
-       ("lag", top, "no_correction"), 1),
-      ("(b1) untruncated IS variance grows with lag", "trace_var",
-       ("lag", top, "untruncated_is"), ("lag", lags[0], "untruncated_is"), 1),
-      ("(b2) TIS variance below untruncated IS", "trace_var", ("lag", top, "untruncated_is"),
-       ("lag", top, "tis"), 1),
-      ("(b3) TIS bias along g* below untruncated IS's", "bias_parallel",
-       ("lag", top, "untruncated_is"), ("lag", top, "tis"), 1),
-      ("(b4) CISPO variance below untruncated IS", "trace_var", ("lag", top, "untruncated_is"),
-       ("lag", top, "cispo"), 1),
-      ("(c) bf16 sampler lowers lag-0 cosine", "cosine", ("lag", 0, "no_correction"),
-       ("bf16", 0, "no_correction"), 1),
-      ("(d) lag-aware TIS vs fixed TIS, cosine", "cosine", ("lag", top, "tis_lag_aware"),
-       ("lag", top, "tis"), 1),
-  ]
+  mixed = sorted({r["lag"] for r in rows if r["case"] == "mixed"})
   out = []
-  for name, metric, b, w, _ in specs:
-    rb, rw = _find(rows, *b), _find(rows, *w)
-    if rb is None or rw is None:
+  for name, metric, mode, a, b, sign in _specs(lags[-1], mixed):
+    ra, rb = _find(rows, *a), _find(rows, *b)
+    if ra is None or rb is None:
       continue
-    ib, iw = Interval(*rb[metric]), Interval(*rw[metric])
-    out.append(dict(claim=name, metric=metric, first=dict(zip(("case", "lag", "objective"), b)),
-                    second=dict(zip(("case", "lag", "objective"), w)), first_interval=list(ib),
-                    second_interval=list(iw), difference=ib.value - iw.value,
-                    verdict=_verdict(ib, iw)))
+    item = dict(claim=name, metric=metric, mode=mode,
+                first=dict(zip(("case", "lag", "objective"), a)),
+                second=dict(zip(("case", "lag", "objective"), b)), direction=sign)
+    if mode == "paired":
+      d = _paired(ra, rb, metric)
+      if d is None:
+        continue
+      item.update(difference=list(d), verdict=_verdict(
+          Interval(sign * d.value, *sorted((sign * d.low, sign * d.high))),
+          Interval(0.0, 0.0, 0.0)))
+    else:
+      ia, ib = Interval(*ra[metric]), Interval(*rb[metric])
+      item.update(first_interval=list(ia), second_interval=list(ib),
+                  difference=ia.value - ib.value,
+                  verdict=_verdict(ia, ib) if sign > 0 else _verdict(ib, ia))
+    out.append(item)
   return out
 
 
@@ -119,8 +156,14 @@ def markdown(table: dict, verdicts: Sequence[dict]) -> str:
     lines.append(f"| {r['case']} | {r['lag']} | {r['objective']} | {f(r['cosine'])} | "
                  f"{f(r['bias_parallel'])} | {f(r['trace_var'])} | {f(r['ess'])} | "
                  f"{f(r['frac_truncated'])} |")
-  lines += ["", "| claim | metric | first | second | verdict |", "| --- | --- | --- | --- | --- |"]
+  lines += ["", "| claim | metric | mode | first | second | first - second | verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
   for v in verdicts:
-    lines.append(f"| {v['claim']} | {v['metric']} | {f(v['first_interval'])} | "
-                 f"{f(v['second_interval'])} | {v['verdict']} |")
+    if v["mode"] == "paired":
+      a = b = "same batches"
+      diff = f(v["difference"])
+    else:
+      a, b, diff = f(v["first_interval"]), f(v["second_interval"]), f"{v['difference']:.3g}"
+    lines.append(f"| {v['claim']} | {v['metric']} | {v['mode']} | {a} | {b} | {diff} | "
+                 f"{v['verdict']} |")
   return "\n".join(lines) + "\n"

@@ -336,6 +336,7 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
       for o, name in enumerate(labels):
         fid = fidelity.fidelity(g_ONP[o], truth)
         d = {f: np.array([x[f][o] for x in diags]) for f in diags[0]}
+        d.update(fidelity.per_batch(g_ONP[o], truth))
         per_target.setdefault((case, k, name), []).append((fid, d))
       log(f"  {case} {k}: {time.perf_counter() - t0:.1f} s")
   rows = []
@@ -347,10 +348,14 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
       row[m] = list(fidelity.pooled([getattr(f, m) for f in fids]))
     for m in ("cosine_of_mean", "bias_norm", "bias_noise_floor"):
       row[m] = float(np.mean([getattr(f, m) for f in fids]))
-    for m in items[0][1]:
+    for m in [m for m in items[0][1] if m not in row]:
       vals = np.concatenate([d[m] for _, d in items])
       vals = vals[np.isfinite(vals)]
       row[m] = list(fidelity.mean_interval(vals)) if vals.size else [float("nan")] * 3
+    # Per-batch values in batch order (same order for every objective of a case): paired
+    # comparisons of objectives on the same batches (fidelity_report.claims).
+    row["per_batch"] = {m: np.concatenate([d[m] for _, d in items]).tolist()
+                        for m in ("cosine", "parallel", "sq_error", "ess", "frac_truncated")}
     rows.append(row)
   return dict(rows=rows, truth=truths, objectives={n: dataclasses.asdict(c) for n, c in
                                                    objectives.items()},

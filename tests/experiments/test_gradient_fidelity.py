@@ -12,28 +12,36 @@ from lib import fidelity_run
 from rlax_pipe.objectives import ObjectiveConfig
 
 
-def _row(case, lag, obj, cosine, trace_var=(1.0, 0.9, 1.1), bias=(0.0, -0.1, 0.1)):
+def _row(case, lag, obj, cosine, trace_var=(1.0, 0.9, 1.1), bias=(0.0, -0.1, 0.1),
+         per_batch=None):
   iv = [0.5, 0.4, 0.6]
   return dict(case=case, lag=lag, objective=obj, cosine=list(cosine), trace_var=list(trace_var),
-              bias_parallel=list(bias), proj_var=iv, ess=iv, frac_truncated=iv)
+              bias_parallel=list(bias), proj_var=iv, ess=iv, frac_truncated=iv,
+              sq_error=iv, per_batch=per_batch or {})
 
 
 def test_claims_verdicts_and_report(tmp_path):
+  pb = lambda c, e: dict(cosine=list(c), sq_error=list(e), parallel=[1.0] * len(c))
   rows = [_row("lag", 0, "no_correction", (0.5, 0.45, 0.55)),
           _row("lag", 0, "untruncated_is", (0.5, 0.45, 0.55), trace_var=(1.0, 0.9, 1.1)),
-          _row("lag", 8, "tis", (0.4, 0.35, 0.45), trace_var=(2.0, 1.8, 2.2)),
-          _row("lag", 8, "no_correction", (0.2, 0.15, 0.25)),
+          _row("lag", 8, "tis", (0.4, 0.35, 0.45), trace_var=(2.0, 1.8, 2.2),
+               per_batch=pb([0.3, 0.5, 0.4], [2.0, 3.0, 2.5])),
+          _row("lag", 8, "no_correction", (0.2, 0.15, 0.25),
+               per_batch=pb([0.1, 0.3, 0.2], [4.0, 5.0, 4.4])),
           _row("lag", 8, "untruncated_is", (0.3, 0.1, 0.5), trace_var=(9.0, 5.0, 13.0)),
-          _row("lag", 8, "tis_lag_aware", (0.1, 0.05, 0.15)),
+          _row("lag", 8, "tis_lag_aware", (0.1, 0.05, 0.15),
+               per_batch=pb([0.31, 0.52, 0.39], [2.0, 3.0, 2.5])),
           _row("bf16", 0, "no_correction", (0.48, 0.4, 0.56))]
   table = dict(rows=rows)
-  v = {c["claim"][:4]: c["verdict"] for c in fidelity_report.claims(table)}
-  assert v["(a) "] == "shown"            # 0.4 [0.35, 0.45] > 0.2 [0.15, 0.25]
-  assert v["(b1)"] == "shown"            # 9 [5, 13] > 1 [0.9, 1.1]
-  assert v["(b2)"] == "shown"
-  assert v["(c) "] == "not shown"        # overlapping intervals
-  assert v["(d) "] == "contradicted"     # lag-aware below the fixed cap
-  assert "(b4)" not in v                 # no CISPO row: claim skipped, not invented
+  v = {c["claim"]: c["verdict"] for c in fidelity_report.claims(table)}
+  assert v["(a) TIS closer to g* than no correction (cosine)"] == "shown"  # paired +0.2 each
+  assert v["(a) TIS lower error than no correction (|g-g*|^2)"] == "shown"
+  assert v["(b1) untruncated IS variance grows with lag"] == "shown"      # 9 [5, 13] > 1
+  assert v["(b2) TIS lower variance than untruncated IS"] == "shown"
+  assert v["(c) bf16 sampler lowers the lag-0 cosine"] == "not shown"      # overlapping
+  assert v["(d) lag-aware TIS closer to g* than fixed TIS (cosine)"] == "not shown"  # +-0.01
+  assert not any(k.startswith("(b4)") for k in v)  # no CISPO row: skipped, not invented
+  assert not any(k.startswith("(b2) TIS lower error") for k in v)  # IS has no per-batch data
   md = fidelity_report.markdown(table, fidelity_report.claims(table))
   assert "| lag | 8 | tis |" in md
   fidelity_report.plot(table, str(tmp_path / "f.png"))
