@@ -19,6 +19,7 @@ Prints one JSON object; writes it to <out_dir>/pinned.json. Run it on an otherwi
 pinning only separates the roles from each other, not from other jobs.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -92,6 +93,9 @@ def compare(res: dict) -> dict:
   from rlax_pipe.sim import calibration  # pylint: disable=import-outside-toplevel
   run_dir = pathlib.Path(res["run_dir"])
   spans, rows, _ = calibration.read_run(run_dir)
+  # The multi-process lead names the replica's spans "sampler/<r>"; one replica = "sampler".
+  spans = [dataclasses.replace(sp, component="sampler") if sp.component.startswith("sampler/")
+           else sp for sp in spans]
   out = dict(measured=calibration.measured(rows, spans, _WARMUP.value, span_window=False))
   seeds = tuple(range(_SEEDS.value))
   if (run_dir / calibration.COST_RECORDS).exists():
