@@ -70,8 +70,9 @@ def main(argv):
   if _FROM.value:
     table = json.loads(pathlib.Path(_FROM.value).read_text())
   else:
+    partial = lambda t: (out / "fidelity_partial.json").write_text(json.dumps(t, default=float))
     table = fidelity_run.run_instrument(_run_config(_PRESET.value), cfg, _CKPTS.value,
-                                        _SAVE.value)
+                                        _SAVE.value, partial=partial)
   verdicts = fidelity_report.claims(table)
   table["claims"] = verdicts
   (out / "fidelity.json").write_text(json.dumps(table, indent=1, default=float))

@@ -296,8 +296,12 @@ def load_checkpoints(path: str, like: Any) -> list[Any]:
 
 
 def _cases(cfg: InstrumentConfig) -> list[tuple[str, int]]:
-  return ([("lag", k) for k in cfg.lags] + [("mixed", k) for k in cfg.mixed_lags]
-          + ([("bf16", 0)] if cfg.bf16_case else []))
+  """Cases in the order the claims need them (an interrupted run keeps the decisive ones):
+  the smallest and largest lag, bf16, the in-flight mixes, then the lags between."""
+  lags = sorted(set(cfg.lags))
+  first = [("lag", lags[0])] + ([("lag", lags[-1])] if len(lags) > 1 else [])
+  return (first + ([("bf16", 0)] if cfg.bf16_case else [])
+          + [("mixed", k) for k in cfg.mixed_lags] + [("lag", k) for k in lags[1:-1]])
 
 
 def _versions(case: str, k: int, v: int) -> list[int]:
@@ -305,8 +309,12 @@ def _versions(case: str, k: int, v: int) -> list[int]:
 
 
 def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
-            objectives: dict[str, ObjectiveConfig] = OBJECTIVES, log=print) -> dict:
-  """Runs steps 2-5 of the module docstring; returns the JSON-ready table."""
+            objectives: dict[str, ObjectiveConfig] = OBJECTIVES, log=print,
+            partial=None) -> dict:
+  """Runs steps 2-5 of the module docstring; returns the JSON-ready table.
+
+  `partial`: None, or a callable given the table so far after every (target, case).
+  """
   labels = list(objectives)
   grad = make_grad_fn(s, [objectives[n] for n in labels])
   true_grad = make_grad_fn(s, _reference(s))  # [no correction, run objective]: training's
@@ -339,6 +347,13 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
         d.update(fidelity.per_batch(g_ONP[o], truth))
         per_target.setdefault((case, k, name), []).append((fid, d))
       log(f"  {case} {k}: {time.perf_counter() - t0:.1f} s")
+      if partial is not None:  # what is measured so far survives an interrupted run
+        partial(_table(per_target, truths, objectives, cfg))
+  return _table(per_target, truths, objectives, cfg)
+
+
+def _table(per_target: dict, truths: list, objectives: dict, cfg: InstrumentConfig) -> dict:
+  """Rows pooled over the targets measured so far (see `measure`)."""
   rows = []
   for (case, k, name), items in per_target.items():
     fids = [f for f, _ in items]
@@ -363,7 +378,7 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
 
 
 def run_instrument(run: RunConfig, cfg: InstrumentConfig, checkpoints_path: str | None = None,
-                   save_path: str | None = None, log=print) -> dict:
+                   save_path: str | None = None, log=print, partial=None) -> dict:
   """Checkpoints (own run, or loaded), then `measure`; returns the table."""
   s = make_setup(run)
   t0 = time.perf_counter()
@@ -378,7 +393,7 @@ def run_instrument(run: RunConfig, cfg: InstrumentConfig, checkpoints_path: str 
       save_checkpoints(save_path, ckpts)
   train_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  table = measure(s, ckpts, cfg, log=log)
+  table = measure(s, ckpts, cfg, log=log, partial=partial)
   table.update(train_s=train_s, measure_s=time.perf_counter() - t0,
                regime=dict(lr=run.learner.optimizer.learning_rate,
                            temperature=s.sampling.temperature, groups=s.groups,
