@@ -99,6 +99,7 @@ def test_pareto_interpolates_fidelity_at_mean_token_lag(tmp_path):
   assert (tmp_path / "pareto.png").exists()
 
 
+@pytest.mark.slow
 def test_precision_mismatch_small_shape():
   """bf16 vs fp32 on a small Qwen3-like shape: finite, calibrated entropy, ratios near 1."""
   from lib import precision_mismatch as pm
