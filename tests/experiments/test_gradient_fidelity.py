@@ -108,3 +108,12 @@ def test_precision_mismatch_small_shape():
   out = pm.measure(cfg, rows=1, positions=8, target_entropy=2.0)
   assert abs(out["fp32_entropy_mean"] - 2.0) < 0.3
   assert 0 < out["abs_logp_mismatch_mean"] < 0.1 and 0.9 < out["ess"] <= 1.0
+
+
+def test_sign_test_is_exact_binomial():
+  from lib import fidelity_report as fr
+  a = dict(per_batch=dict(sq_error=[1.0] * 8))
+  b = dict(per_batch=dict(sq_error=[2.0] * 7 + [0.5]))
+  wins = fr._sign_test(a, b, "sq_error", -1)  # a lower on 7 of 8
+  assert wins.value == 7 / 8
+  assert wins.low == pytest.approx(0.4734903, abs=1e-6)  # Clopper-Pearson 95%, 7/8
