@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
