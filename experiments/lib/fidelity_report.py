@@ -1,0 +1,188 @@
+"""Claims (a)-(d) of issue 16 decided on gradient fidelity, and the instrument's figure.
+
+A verdict is "shown" when a 95% interval separates in the claimed direction, "contradicted"
+when it separates the other way, "not shown" when it does not (then the interval is the
+measured bound on the effect). Objectives compared at the same lag are evaluated on the very
+same batches, so their comparison is *paired*: the t interval of the per-batch difference (the
+batch noise common to both cancels). Comparisons across lags or sampler precisions use different
+batches and compare the two rows' intervals. Paired claims also get a sign test (the fraction
+of batches in the claimed direction, exact binomial interval; "shown" when it excludes 1/2),
+because importance-weighted gradients are heavy-tailed and one batch can dominate a t interval. The claims (`_specs`): (a) TIS vs no correction,
+(b) untruncated IS's variance with lag and TIS / CISPO's bias-variance trade, (c) the bf16
+sampler at lag 0, (d) lag-aware vs fixed truncation; at the largest fixed lag, and for (a) and
+(d) also in the in-flight mix.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+from rlax_pipe.fidelity import Interval
+from rlax_pipe.fidelity import mean_interval
+
+
+def _find(rows, case, lag, objective) -> dict | None:
+  for r in rows:
+    if r["case"] == case and r["lag"] == lag and r["objective"] == objective:
+      return r
+  return None
+
+
+def _verdict(better: Interval, worse: Interval) -> str:
+  if better.low > worse.high:
+    return "shown"
+  if better.high < worse.low:
+    return "contradicted"
+  return "not shown"
+
+
+def _paired(first: dict, second: dict, metric: str) -> Interval | None:
+  """t interval of the per-batch difference first - second (same batches, same order)."""
+  a = np.asarray(first.get("per_batch", {}).get(metric, []), np.float64)
+  b = np.asarray(second.get("per_batch", {}).get(metric, []), np.float64)
+  if a.size < 2 or a.size != b.size:
+    return None
+  return mean_interval(a - b)
+
+
+def _sign_test(first: dict, second: dict, metric: str, sign: int) -> Interval:
+  """Fraction of batches where first's metric is beyond second's in the claimed direction, with
+  its exact (Clopper-Pearson) 95% interval: a paired test robust to the heavy tails of
+  importance-weighted gradients (one batch can dominate a mean; it counts once here)."""
+  a = np.asarray(first["per_batch"][metric], np.float64)
+  b = np.asarray(second["per_batch"][metric], np.float64)
+  k = int(np.sum(sign * (a - b) > 0))
+  ci = scipy_stats.binomtest(k, a.size).proportion_ci(0.95, method="exact")
+  return Interval(k / a.size, float(ci.low), float(ci.high))
+
+
+# (claim, metric, mode, first (case, lag, objective), second, direction): the claim is that
+# first's metric exceeds second's (direction +1) or falls below it (-1). "paired": per-batch
+# differences on the same batches (objectives compared on identical samples); "unpaired": the
+# two rows' intervals (different batches: lags, sampler precision).
+def _specs(top: int, mixed: Sequence[int]) -> list[tuple]:
+  s = [("(a) TIS closer to g* than no correction (cosine)", "cosine", "paired",
+        ("lag", top, "tis"), ("lag", top, "no_correction"), 1),
+       ("(a) TIS lower error than no correction (|g-g*|^2)", "sq_error", "paired",
+        ("lag", top, "tis"), ("lag", top, "no_correction"), -1),
+       ("(b1) untruncated IS variance grows with lag", "trace_var", "unpaired",
+        ("lag", top, "untruncated_is"), ("lag", 0, "untruncated_is"), 1),
+       ("(b2) TIS lower error than untruncated IS", "sq_error", "paired", ("lag", top, "tis"),
+        ("lag", top, "untruncated_is"), -1),
+       ("(b2) TIS lower variance than untruncated IS", "trace_var", "unpaired",
+        ("lag", top, "tis"), ("lag", top, "untruncated_is"), -1),
+       ("(b3) TIS shrinks the gradient along g* (bias)", "parallel", "paired",
+        ("lag", top, "tis"), ("lag", top, "untruncated_is"), -1),
+       ("(b4) CISPO lower error than untruncated IS", "sq_error", "paired",
+        ("lag", top, "cispo"), ("lag", top, "untruncated_is"), -1),
+       ("(c) bf16 sampler lowers the lag-0 cosine", "cosine", "unpaired",
+        ("bf16", 0, "no_correction"), ("lag", 0, "no_correction"), -1),
+       ("(c) bf16 sampler raises the lag-0 error", "sq_error", "unpaired",
+        ("bf16", 0, "no_correction"), ("lag", 0, "no_correction"), 1),
+       ("(d) lag-aware TIS closer to g* than fixed TIS (cosine)", "cosine", "paired",
+        ("lag", top, "tis_lag_aware"), ("lag", top, "tis"), 1),
+       ("(d) lag-aware TIS lower error than fixed TIS", "sq_error", "paired",
+        ("lag", top, "tis_lag_aware"), ("lag", top, "tis"), -1)]
+  for k in mixed:
+    s += [(f"(a) in-flight mix K={k}: TIS lower error than no correction", "sq_error",
+           "paired", ("mixed", k, "tis"), ("mixed", k, "no_correction"), -1),
+          (f"(d) in-flight mix K={k}: lag-aware lower error than fixed TIS", "sq_error",
+           "paired", ("mixed", k, "tis_lag_aware"), ("mixed", k, "tis"), -1)]
+  return s
+
+
+def claims(table: dict) -> list[dict]:
+  """One dict per claim: name, metric, mode, the intervals, the difference, the verdict."""
+  rows = table["rows"]
+  lags = sorted({r["lag"] for r in rows if r["case"] == "lag"})
+  mixed = sorted({r["lag"] for r in rows if r["case"] == "mixed"})
+  out = []
+  for name, metric, mode, a, b, sign in _specs(lags[-1], mixed):
+    ra, rb = _find(rows, *a), _find(rows, *b)
+    if ra is None or rb is None:
+      continue
+    item = dict(claim=name, metric=metric, mode=mode,
+                first=dict(zip(("case", "lag", "objective"), a)),
+                second=dict(zip(("case", "lag", "objective"), b)), direction=sign)
+    if mode == "paired":
+      d = _paired(ra, rb, metric)
+      if d is None:
+        continue
+      item.update(difference=list(d), verdict=_verdict(
+          Interval(sign * d.value, *sorted((sign * d.low, sign * d.high))),
+          Interval(0.0, 0.0, 0.0)))
+      wins = _sign_test(ra, rb, metric, sign)
+      item.update(wins=list(wins), sign_verdict=_verdict(wins, Interval(0.5, 0.5, 0.5)))
+    else:
+      ia, ib = Interval(*ra[metric]), Interval(*rb[metric])
+      item.update(first_interval=list(ia), second_interval=list(ib),
+                  difference=ia.value - ib.value,
+                  verdict=_verdict(ia, ib) if sign > 0 else _verdict(ib, ia))
+    out.append(item)
+  return out
+
+
+def plot(table: dict, path: str) -> None:
+  """cosine, bias along g* and tr Cov / |g*|^2 against lag, one line per objective (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = table["rows"]
+  objectives = list(dict.fromkeys(r["objective"] for r in rows))
+  metrics = (("cosine", "cos(g_i, g*)", False), ("bias_parallel", "bias along g* / |g*|", False),
+             ("trace_var", "tr Cov(g_i) / |g*|^2", True), ("frac_truncated", "truncated", False))
+  fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
+  for ax, (m, label, log) in zip(axes, metrics):
+    for o, name in enumerate(objectives):
+      for case, style in (("lag", "-o"), ("mixed", "--s")):
+        pts = sorted((r["lag"], r[m]) for r in rows if r["case"] == case
+                     and r["objective"] == name)
+        if not pts:
+          continue
+        x = np.array([max(p[0], 0.5) for p in pts])  # lag 0 drawn at 0.5 on the log axis
+        y = np.array([p[1] for p in pts], np.float64)
+        ax.errorbar(x * (1 + 0.03 * o), y[:, 0], yerr=[y[:, 0] - y[:, 1], y[:, 2] - y[:, 0]],
+                    fmt=style, color=f"C{o}", capsize=2, ms=3,
+                    label=name if case == "lag" else f"{name} (in-flight mix)")
+    bf = [r for r in rows if r["case"] == "bf16"]
+    for r in bf:
+      o = objectives.index(r["objective"])
+      ax.plot([0.4], [r[m][0]], marker="x", color=f"C{o}")
+    ax.set_xscale("log")
+    if log:
+      ax.set_yscale("log")
+    ax.set_xlabel("lag (steps; lag 0 at 0.5, x = bf16 sampler at lag 0)")
+    ax.set_ylabel(label)
+  axes[0].legend(fontsize=6)
+  fig.suptitle("Gradient fidelity vs lag (95% intervals over batches and target versions)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def markdown(table: dict, verdicts: Sequence[dict]) -> str:
+  """The table and verdicts as markdown (for the notebook)."""
+  f = lambda iv: f"{iv[0]:.3g} [{iv[1]:.3g}, {iv[2]:.3g}]"
+  lines = ["| case | lag | objective | cosine | bias along g* | tr Cov/|g*|^2 | ESS | truncated |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in table["rows"]:
+    lines.append(f"| {r['case']} | {r['lag']} | {r['objective']} | {f(r['cosine'])} | "
+                 f"{f(r['bias_parallel'])} | {f(r['trace_var'])} | {f(r['ess'])} | "
+                 f"{f(r['frac_truncated'])} |")
+  lines += ["", "| claim | metric | mode | first | second | first - second | verdict | "
+            "batches in the claimed direction (sign test) | sign verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for v in verdicts:
+    if v["mode"] == "paired":
+      a = b = "same batches"
+      diff = f(v["difference"])
+      wins, sv = f(v["wins"]), v["sign_verdict"]
+    else:
+      a, b, diff = f(v["first_interval"]), f(v["second_interval"]), f"{v['difference']:.3g}"
+      wins, sv = "", ""
+    lines.append(f"| {v['claim']} | {v['metric']} | {v['mode']} | {a} | {b} | {diff} | "
+                 f"{v['verdict']} | {wins} | {sv} |")
+  return "\n".join(lines) + "\n"
