@@ -105,6 +105,15 @@ class Rollout:
       return np.ones(self.completion_tokens.shape, np.float32)
     return self.loss_mask
 
+  @property
+  def last_turn_tokens(self) -> np.ndarray:
+    """int32[T']: the model's tokens after the last environment token (the final turn of an
+    episode, which the task grades); the whole completion for a single-turn sample."""
+    if self.loss_mask is None:
+      return self.completion_tokens
+    env = np.flatnonzero(self.loss_mask == 0.0)
+    return self.completion_tokens[env[-1] + 1:] if env.size else self.completion_tokens
+
   def oldest_version(self) -> int:
     """Smallest policy version among the completion tokens (or a large number if empty)."""
     if self.policy_versions.size == 0:

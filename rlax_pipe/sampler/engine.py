@@ -426,6 +426,14 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
       self._forget(seq)
       self._counts["finished"] += 1
 
+  def parked_rollouts(self) -> list[Rollout]:
+    """The episode so far of every parked sequence (finish_reason "eos"), replica by replica
+    in parking order."""
+    with self._step_lock:
+      now = self.clock()
+      return [self._rollout(seq, "eos", now) for r in self.replicas
+              for seq in r.sched.parked.values()]
+
   def _find_parked(self, sample_id: int):
     for r in self.replicas:
       for seq in r.sched.parked.values():
