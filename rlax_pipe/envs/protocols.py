@@ -22,6 +22,7 @@ import re
 from typing import Any, Sequence
 
 from rlax_pipe.envs.base import ToolCall, ToolResult
+from rlax_pipe.tasks.calculator import CalculatorArithmeticTask
 from rlax_pipe.tokenizer import Tokenizer
 
 _PROBE = ({"role": "user", "content": "u"}, {"role": "assistant", "content": "a"})
@@ -151,6 +152,19 @@ class ChatToolProtocol:
 
 # The calculator environment's protocol (`rlax_pipe.tasks.calculator`): a turn whose last line is
 # a sum of integers ending in "=" calls "calc"; the result is appended as "<value>\n".
-CALCULATOR_PROTOCOL = PlainTextProtocol(call_pattern=r"(?P<arguments>[-+0-9 ]*[0-9][-+0-9 ]*)=",
+CALCULATOR_PROTOCOL = PlainTextProtocol(call_pattern=CalculatorArithmeticTask.call_pattern,
                                         default_name="calc", result_format="{content}\n",
                                         error_format="error: {content}\n")
+
+
+def protocol_for(env, chat: bool = False):
+  """The tool-call protocol of an environment: `ChatToolProtocol` with the environment's
+  `tool_schemas()` (if it has them) for chat prompts; else `PlainTextProtocol` with its
+  `call_pattern` attribute and first tool name (if it has one), or the protocol's defaults."""
+  if chat:
+    schemas = getattr(env, "tool_schemas", None)
+    return ChatToolProtocol(tools=tuple(schemas()) if callable(schemas) else ())
+  pattern = getattr(env, "call_pattern", None)
+  if pattern is None:
+    return PlainTextProtocol()
+  return PlainTextProtocol(call_pattern=pattern, default_name=env.tool_names()[0])

@@ -31,6 +31,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
+from rlax_pipe.envs import protocols
 from rlax_pipe.envs.base import EnvConfig, ToolCall, ToolResult
 from rlax_pipe.envs.tool_pool import ToolPool
 from rlax_pipe.sampler import Request, SamplerEngine
@@ -51,7 +52,8 @@ class EpisodeEngine:
     engine: the sampler engine (its stop set must end a model turn).
     env: the environment (`rlax_pipe.envs.base.Environment`): its tools run in workers.
     tok: the tokenizer of the model.
-    protocol: a `PlainTextProtocol` or `ChatToolProtocol`.
+    protocol: a `PlainTextProtocol` or `ChatToolProtocol`; None = `protocol_for(env, chat)`.
+    chat: prompts are chat-template conversations (picks the default protocol).
     cfg: limits and failure handling.
     problem_of: the task `Problem` of a request (default: `env.problem(prompt_index, "train")`).
     synchronous: run each step's tool calls inside the step (deterministic); False = on a
@@ -64,12 +66,14 @@ class EpisodeEngine:
       cannot be sent to the worker processes.
   """
 
-  def __init__(self, engine: SamplerEngine, env, tok: Tokenizer, protocol, cfg: EnvConfig = EnvConfig(),
-               *, problem_of: Callable[[Request], Any] | None = None, synchronous: bool = True,
+  def __init__(self, engine: SamplerEngine, env, tok: Tokenizer, protocol=None,
+               cfg: EnvConfig = EnvConfig(), *, chat: bool = False,
+               problem_of: Callable[[Request], Any] | None = None, synchronous: bool = True,
                on_span: SpanHook | None = None, clock: Callable[[], float] = time.perf_counter):
     if not engine.cfg.stop_ids:
       raise ValueError("EpisodeEngine: SamplerConfig.eos_id is empty, so a model turn never "
                        "ends; set it to the tokenizer's stop ids.")
+    protocol = protocols.protocol_for(env, chat) if protocol is None else protocol
     self.engine, self.env, self.tok, self.protocol, self.env_cfg = engine, env, tok, protocol, cfg
     self.problem_of = problem_of or (lambda rq: env.problem(rq.prompt_index, "train"))
     self.synchronous, self.on_span, self.clock = synchronous, on_span, clock
@@ -228,11 +232,14 @@ class EpisodeEngine:
 
   # --- state ---------------------------------------------------------------------------------
   def state_dict(self) -> dict:
-    """The engine's state and the episodes waiting on tools (their calls run again on load;
-    a result of a tool wave in flight is not saved)."""
+    """The engine's state (`SamplerEngine.state_dict`, same keys) with the episodes' own under
+    "episodes": requests and the calls of episodes waiting on tools (run again on load; a
+    result of a tool wave in flight is not saved)."""
+    return {**self.engine.state_dict(), "episodes": self._episode_state()}
+
+  def _episode_state(self) -> dict:
     pending = {**self._waiting, **self._running}
-    return {"engine": self.engine.state_dict(),
-            "requests": [[sid, rq.prompt_index, rq.group_id, rq.max_new_tokens,
+    return {"requests": [[sid, rq.prompt_index, rq.group_id, rq.max_new_tokens,
                           rq.prompt_tokens.tolist()] for sid, rq in self._requests.items()],
             "pending": [[sid, [[c.name, c.arguments] for c in calls]]
                         for sid, (_, calls) in pending.items()],
@@ -240,7 +247,13 @@ class EpisodeEngine:
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`; episodes that waited on tools run them again."""
-    self.engine.load_state_dict(state["engine"])
+    self.engine.load_state_dict(state)
+    self.load_episode_state(state)
+
+  def load_episode_state(self, state: dict) -> None:
+    """Restores the episodes' part of a `state_dict` whose engine part the engine already
+    loaded (a job restores its engine first)."""
+    state = state["episodes"]
     self._waiting.clear()
     self._running.clear()
     self._future = None

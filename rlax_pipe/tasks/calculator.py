@@ -62,6 +62,9 @@ class CalculatorArithmeticTask(ArithmeticTask):
   """
 
   name = "arithmetic_calculator"
+  # The plain-text protocol's call (`rlax_pipe.envs.PlainTextProtocol.call_pattern`): the last
+  # line of a turn is a sum of integers ending in "=".
+  call_pattern = r"(?P<arguments>[-+0-9 ]*[0-9][-+0-9 ]*)="
 
   def __init__(self, config: ArithmeticConfig = ArithmeticConfig()):
     super().__init__(config)

@@ -140,7 +140,7 @@ def test_resume_while_episodes_wait_on_tools(params):
     state = runner.state_dict()
   finally:
     runner.close()
-  waiting = {sid for sid, _ in state["pending"]}
+  waiting = {sid for sid, _ in state["episodes"]["pending"]}
   assert waiting and waiting | {r.sample_id for r in done} == set(ids)
   restored, _ = _episode_engine(params, cfg)
   _patch_parse(restored)
