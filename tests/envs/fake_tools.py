@@ -4,6 +4,7 @@ verifier worker processes import it to unpickle the environment."""
 import time
 
 from rlax_pipe.tasks import base as task_base
+from rlax_pipe.tasks.arithmetic import ArithmeticTask
 
 
 class FakeEnv:
@@ -32,3 +33,17 @@ class FakeEnv:
     return "12"
 
 
+
+
+class EchoArithmetic(ArithmeticTask):
+  """The arithmetic task whose every turn calls "echo" (any non-empty last line), answered
+  "12": an environment for pipeline tests with a random-weight model."""
+
+  name = "echo_arithmetic"
+  call_pattern = r"(?P<arguments>.*\S.*)"
+
+  def tool_names(self):
+    return ("echo",)
+
+  def call_tool(self, problem, call):
+    return "12"
