@@ -590,6 +590,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
     r = seq.request
+    episode = r.multi_turn and 0 in seq.mask  # environment tokens appended
     return Rollout(
         sample_id=r.sample_id, group_id=r.group_id, prompt_tokens=seq.prompt.copy(),
         completion_tokens=np.asarray(seq.tokens[len(seq.prompt):], np.int32),
@@ -597,5 +598,6 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
         policy_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
         t_admit=seq.t_admit, t_first_token=seq.t_first_token, t_finish=now,
         num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index,
-        loss_mask=np.asarray(seq.mask, np.float32) if 0 in seq.mask else None,
-        num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1))
+        loss_mask=np.asarray(seq.mask, np.float32) if episode else None,
+        num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1)
+        if episode else 1)

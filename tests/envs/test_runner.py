@@ -155,3 +155,23 @@ def test_resume_while_episodes_wait_on_tools(params):
     if r.sample_id in waiting and r.finish_reason == "eos":
       assert r.num_turns == 2
       assert TOK.decode(r.completion_tokens[r.completion_mask == 0]) == "12\n"
+
+
+def test_background_tools_overlap_decoding(params):
+  cfg = envs.EnvConfig(max_turns=2, tool_timeout_s=5.0)
+  runner, spans = _episode_engine(params, cfg, synchronous=False)
+  _patch_parse(runner)
+  ids = [0, 5, 6]  # echo, slow (0.3 s), echo
+  try:
+    _submit(runner, ids)
+    out = runner.run_to_completion()
+  finally:
+    runner.close()
+  assert sorted(r.sample_id for r in out) == ids and runner.engine.num_parked == 0
+  for r in out:
+    if r.finish_reason == "eos":
+      assert r.num_turns == 2 and TOK.decode(r.completion_tokens[r.completion_mask == 0]) == "12\n"
+  tool_spans = [s for s in spans if s[:2] == ("env", "tool")]
+  assert tool_spans
+  if any(r.sample_id == 5 and r.num_turns == 2 for r in out):
+    assert runner.tool_s >= 0.29  # the slow tool's time is recorded apart from decoding
