@@ -45,6 +45,12 @@ class Rollout:
     num_preemptions: how many times the sample lost its KV pages and was re-queued.
     prompt_index: index of the task prompt (for bookkeeping and resume).
     prompt_truncated: the prompt was cut to fit max_seq_len (`rlax_pipe.grading`, "truncate").
+    loss_mask: float32[T] of 0.0 / 1.0, or None (= all 1.0, a single-turn sample). A multi-turn
+      episode (`rlax_pipe.envs`) interleaves model tokens (1.0) with environment tokens (0.0:
+      tool results and chat-template headers, rendered once and appended by the sampler, never
+      trained on). An environment token has behaviour log-prob 0.0 and the policy version of
+      the model token before it, so `oldest_version` and per-token lags are unchanged by it.
+    num_turns: model turns in the episode (1 for a single-turn sample).
   """
 
   sample_id: int
@@ -61,9 +67,17 @@ class Rollout:
   num_preemptions: int = 0
   prompt_index: int = -1
   prompt_truncated: bool = False
+  loss_mask: np.ndarray | None = None
+  num_turns: int = 1
 
   def __post_init__(self):
     t = self.completion_tokens.shape
+    if self.loss_mask is not None:
+      mask = np.asarray(self.loss_mask, np.float32)
+      if mask.shape != t or not np.all((mask == 0.0) | (mask == 1.0)):
+        raise ValueError(f"Rollout {self.sample_id}: loss_mask must be float32{list(t)} of 0.0 / "
+                         f"1.0 (one per completion token), got shape {mask.shape}.")
+      object.__setattr__(self, "loss_mask", mask)
     if self.behavior_logprobs.shape != t or self.policy_versions.shape != t:
       raise ValueError(
           "Rollout arrays disagree in length: completion_tokens "
@@ -83,6 +97,22 @@ class Rollout:
     """Whether the completion was cut by a limit ("length" or "capacity"), not ended by the
     model (a stop id) or aborted."""
     return self.finish_reason in TRUNCATED_REASONS
+
+  @property
+  def completion_mask(self) -> np.ndarray:
+    """float32[T]: 1.0 at tokens the model generated, 0.0 at environment tokens."""
+    if self.loss_mask is None:
+      return np.ones(self.completion_tokens.shape, np.float32)
+    return self.loss_mask
+
+  @property
+  def last_turn_tokens(self) -> np.ndarray:
+    """int32[T']: the model's tokens after the last environment token (the final turn of an
+    episode, which the task grades); the whole completion for a single-turn sample."""
+    if self.loss_mask is None:
+      return self.completion_tokens
+    env = np.flatnonzero(self.loss_mask == 0.0)
+    return self.completion_tokens[env[-1] + 1:] if env.size else self.completion_tokens
 
   def oldest_version(self) -> int:
     """Smallest policy version among the completion tokens (or a large number if empty)."""

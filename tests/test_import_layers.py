@@ -16,7 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "cluster", "hlo_costs"),
     ("model", "objectives", "tasks", "costs"),
     ("sampler", "learner", "grading", "model_dir"),
-    ("evaluation", "aot", "fidelity"),
+    ("evaluation", "aot", "fidelity", "envs"),
     ("pipeline",),
     ("sft", "sim"),
 )

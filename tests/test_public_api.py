@@ -7,7 +7,7 @@ import pytest
 
 PACKAGES = ["rlax_pipe.model", "rlax_pipe.sampler", "rlax_pipe.learner", "rlax_pipe.pipeline",
             "rlax_pipe.tasks", "rlax_pipe.sim", "rlax_pipe.tokenizer",
-            "rlax_pipe.costs"]
+            "rlax_pipe.costs", "rlax_pipe.envs"]
 
 
 @pytest.mark.parametrize("package", PACKAGES)

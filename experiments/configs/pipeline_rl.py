@@ -5,13 +5,16 @@ base run of ablations.py.
   --config=experiments/configs/pipeline_rl.py:tiny      a smoke run of seconds
   --config=experiments/configs/pipeline_rl.py:dataset_file --config.task_config.path=train.jsonl
   --config=experiments/configs/pipeline_rl.py:tiny,reasoning_gym   presets combine with commas
+  --config=experiments/configs/pipeline_rl.py:tiny,calculator   multi-turn: a calculator tool
   --config.pipeline.num_steps=60 --config.learner.optimizer.learning_rate=1e-4   overrides
 
 Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices); one
 per task whose
 config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileConfig`: path,
 eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
-(`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...). The defaults are those of
+(`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...); "calculator": the arithmetic
+task as a multi-turn environment with a calculator tool (task "arithmetic_calculator",
+`rlax_pipe.envs`; limits in --config.env.*). The defaults are those of
 `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
 Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
@@ -26,7 +29,8 @@ from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 
 SIZE_PRESETS = ("default", "tiny")
-TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym")
+TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
+_PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
 PRESETS = SIZE_PRESETS + TASK_PRESETS
 
 
@@ -40,8 +44,8 @@ def _tiny(cfg: RunConfig) -> RunConfig:
       num_steps=3, group_size=2, seq_len=seq, eval_every=100, eval_problems=4,
       checkpoint_every=1,
       staleness=StalenessConfig(policy="learner-wait", max_lag=1, groups_per_step=2))
-  task_config = (dataclasses.replace(cfg.task_config, max_terms=4) if cfg.task == "arithmetic"
-                 else cfg.task_config)
+  task_config = (dataclasses.replace(cfg.task_config, max_terms=4)
+                 if cfg.task in ("arithmetic", "arithmetic_calculator") else cfg.task_config)
   learner = dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1)))
   return dataclasses.replace(cfg, run_dir="runs/pipeline_rl_tiny", sampler=sampler,
                              pipeline=pipeline, eval_slots=4, task_config=task_config,
@@ -70,7 +74,8 @@ def get_config(preset: str = "default"):
   cfg = RunConfig()
   task = next((p for p in names if p in TASK_PRESETS), None)
   if task is not None:
-    cfg = dataclasses.replace(cfg, task=task, task_config=_task_example(task),
+    name = _PRESET_TASK.get(task, task)
+    cfg = dataclasses.replace(cfg, task=name, task_config=_task_example(name),
                               run_dir=f"runs/pipeline_rl_{task}")
   else:  # the arithmetic task's fields, so --config.task_config.max_terms=... works
     cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig())

@@ -5,7 +5,8 @@ Each sample (prompt + completion) is one segment of a row; rows are filled first
 Within a row segments are numbered 1, 2, ... (0 marks padding) and positions restart at 0, so
 attention must be masked to equal segment ids. Per-token arrays follow `types.TrainBatch`:
 loss_mask, behavior_logprobs, policy_versions and advantages are set on completion tokens only
-(0 elsewhere), aligned with `tokens`.
+(0 elsewhere), aligned with `tokens`; in a multi-turn episode only on the model's tokens
+(`Rollout.loss_mask`): environment tokens are context, as the prompt is.
 """
 
 from __future__ import annotations
@@ -186,10 +187,11 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
       out["tokens"][b, span] = np.concatenate([r.prompt_tokens, r.completion_tokens])
       out["positions"][b, span] = np.arange(p + t)
       out["segment_ids"][b, span] = seg
-      out["loss_mask"][b, comp] = 1.0
-      out["behavior_logprobs"][b, comp] = r.behavior_logprobs
-      out["policy_versions"][b, comp] = r.policy_versions
-      out["advantages"][b, comp] = advantages[i]
+      mask = r.completion_mask  # 0 at an episode's environment tokens (`Rollout.loss_mask`)
+      out["loss_mask"][b, comp] = mask
+      out["behavior_logprobs"][b, comp] = np.where(mask > 0, r.behavior_logprobs, 0.0)
+      out["policy_versions"][b, comp] = np.where(mask > 0, r.policy_versions, 0)
+      out["advantages"][b, comp] = np.where(mask > 0, advantages[i], 0.0)
       offset += p + t
   return TrainBatch(**out)
 
@@ -232,7 +234,9 @@ def unpack_batch(batch: TrainBatch) -> list[UnpackedSample]:
   """Reads every segment back out of a packed batch (row-major, segment order).
 
   The prompt / completion split is where loss_mask turns on, so it is exact for samples with
-  at least one completion token (an empty completion comes back as all prompt).
+  at least one completion token (an empty completion comes back as all prompt). For a
+  multi-turn episode the model's tokens come back as the completion and everything else (prompt
+  and environment tokens) as the prompt.
   """
   samples = []
   for b in range(batch.tokens.shape[0]):

@@ -11,6 +11,7 @@ from rlax_pipe import config as model_config
 from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
 from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
+from rlax_pipe.envs.base import EnvConfig
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.logprobs import SamplingConfig
@@ -247,6 +248,8 @@ class RunConfig:
       split) whose values may differ from the saved configuration on resume;
       each change is recorded in run_dir/config_changes.jsonl with the step it takes effect.
       Any other difference is refused.
+    env: limits and tool-failure handling of multi-turn episodes (`rlax_pipe.envs.EnvConfig`),
+      read when the task is an environment (has tools, e.g. task "arithmetic_calculator").
     distributed: the multi-process mode (`num_learner_processes` > 0: one `jax.distributed` job,
       the first K processes the learner mesh, every other process a sampler replica on its own
       devices; `launch/README.md`). 0 (default) = this single process splits its devices.
@@ -272,6 +275,7 @@ class RunConfig:
   resume: bool = False
   change_on_resume: tuple[str, ...] = ()
   distributed: DistributedConfig = DistributedConfig()
+  env: EnvConfig = EnvConfig()
 
   def __post_init__(self):
     if self.sampler_compute_dtype not in (None,) + model_config.DTYPES:

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from rlax_pipe import costs as costs_lib
+from rlax_pipe import envs
 from rlax_pipe import model_dir
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
@@ -428,6 +429,13 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
                                    path=rd.path / "timeline.jsonl", truncate=state is None)
   channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
                                    sampler_clock, timeline)
+  if envs.is_environment(task):  # multi-turn episodes with tools (`rlax_pipe.envs`)
+    engine = envs.EpisodeEngine(engine, task, tok, None, cfg.env,
+                                chat=cfg.prompt_format.kind == "chat", synchronous=reproducible,
+                                on_span=None if reproducible else timeline.record,
+                                clock=engine.clock)
+    if state is not None:
+      engine.load_episode_state(state["engine"])
   if state is None and extra and extra.get("sampler_rng") is not None:
     # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
     # would otherwise replay the first run's stream from key(seed)).

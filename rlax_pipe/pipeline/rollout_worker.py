@@ -369,8 +369,8 @@ class RolloutWorker:
         if r.finish_reason == "aborted":
           self._truncated.discard(r.sample_id)
     items = [(self.task.problem(r.prompt_index, "train"),
-              grading.completion_for_grading(self.tok, r.prompt_tokens, r.completion_tokens,
-                                             self._reasoning_markers))
+              grading.completion_for_grading(self.tok, r.prompt_tokens, r.last_turn_tokens,
+                                             self._reasoning_markers))  # episode: last turn
              for r in live]
     verdicts = self.verifier.grade(items, [r.sample_id for r in live])
     graded = {}

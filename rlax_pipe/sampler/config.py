@@ -172,7 +172,12 @@ class Request:
     group_id: prompt group (GRPO group) id.
     prompt_index: index of the task prompt, for bookkeeping (-1 = unknown).
     max_new_tokens: completion budget in tokens (>= 1); None = `SamplerConfig.max_new_tokens`.
-      Capped so that prompt + completion <= max_seq_len.
+      Capped so that prompt + completion <= max_seq_len. For a multi-turn episode it bounds the
+      whole episode after the prompt (model and environment tokens of every turn).
+    multi_turn: the request is an episode (`rlax_pipe.envs`): when a turn ends on a stop id the
+      sequence frees its slot but keeps its pages and waits, until the caller appends the
+      environment's tokens (`SamplerEngine.continue_sequence`, a prefill continuation) or ends
+      it (`SamplerEngine.end_sequence`). Other stops (length, capacity, abort) end it.
   """
 
   prompt_tokens: np.ndarray
@@ -180,6 +185,7 @@ class Request:
   group_id: int = 0
   prompt_index: int = -1
   max_new_tokens: int | None = None
+  multi_turn: bool = False
 
   def __post_init__(self):
     tokens = np.asarray(self.prompt_tokens)

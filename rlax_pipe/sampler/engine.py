@@ -27,6 +27,17 @@ kept as the completion's last token, nothing after it is sampled), "length" at t
 completion budget, "capacity" when prompt + completion reaches max_seq_len first, "aborted" by
 `abort` / `abort_all`.
 
+Multi-turn episodes (`Request.multi_turn`, driven by `rlax_pipe.envs`): a turn that ends on a
+stop id is returned by `step` as a Rollout with finish_reason "eos" (the episode so far) while
+the sequence waits, parked: its slot is free for others, its pages are kept. The caller then
+either appends the environment's tokens with `continue_sequence` (a prefill continuation onto the
+existing pages: only the new tokens are prefilled, counted in `continued_tokens`; decoding goes
+on from there) or ends the episode with `end_sequence`. kv_policy keeps its meaning across the
+wait: "keep" continues on the parked KV, "recompute" drops a parked sequence's pages when the
+weights change so that its prefix is prefilled under the new ones. Under page pressure parked
+sequences give their pages back first (their prefix is prefilled again when they continue).
+`abort`, `abort_all`, `unfinished`, `state_dict` / `load_state_dict` include parked sequences.
+
 Weights arrive as `WeightUpdate` messages and the engine owns them from then on (`weights`): a
 donated version's arrays are deleted once a newer version replaced it and no dispatch still
 uses it. An update is applied at the next step boundary, i.e. at once when the engine is between
@@ -52,7 +63,7 @@ import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import engine_state, page_pool, weight_check
+from rlax_pipe.sampler import engine_state, episodes, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -82,12 +93,15 @@ class SamplerStats:
     prefill_tokens: real (unpadded) tokens prefilled, recomputation included.
     recomputed_tokens: prefill tokens spent rebuilding KV of already-started sequences (after a
       preemption, or a kv_policy="recompute" weight swap).
+    continued_tokens: prefill tokens appended to a multi-turn episode's KV by
+      `continue_sequence` (environment tokens, plus the model's stop token of the turn before).
     shared_prompt_copies: partial prompt pages copied for samples sharing a group's prompt.
     generated_tokens: tokens produced by decode steps.
     live_token_steps: sum over decode steps of the tokens held in KV by the active slots (what
       a step's attention reads; a feature of the measured cost model, `rlax_pipe.costs`).
     finished, aborted: rollouts returned by `step` / `abort` / `abort_all`.
     preemptions: times a running sequence lost its pages.
+    parked_evictions: times a parked episode (waiting on its environment) lost its pages.
     weight_updates: weight swaps applied.
     slot_occupancy: generated tokens / (decode_steps * slots of all replicas).
     kv_utilization: mean over decode steps of tokens held in KV / pool capacity (P * S).
@@ -103,6 +117,8 @@ class SamplerStats:
   prefill_calls: int = 0
   prefill_tokens: int = 0
   recomputed_tokens: int = 0
+  continued_tokens: int = 0
+  parked_evictions: int = 0
   shared_prompt_copies: int = 0
   generated_tokens: int = 0
   live_token_steps: int = 0
@@ -116,10 +132,11 @@ class SamplerStats:
 
 
 _REPLICA_COUNTS = ("prefill_calls", "prefill_tokens", "recomputed_tokens", "preemptions",
-                   "shared_prompt_copies")
+                   "shared_prompt_copies", "continued_tokens")
 
 
-class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
+class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
+                    episodes.ParkedEpisodes):
   """Paged-KV continuous-batching sampler (see module docstring).
 
   Args:
@@ -222,7 +239,8 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
 
   @property
   def has_work(self) -> bool:
-    """Whether any request is unfinished (a pending weight swap alone is not work)."""
+    """Whether any request needs decoding (a pending weight swap alone is not work, nor are
+    parked episodes: they wait for `continue_sequence`)."""
     return self.num_active > 0 or self.num_waiting > 0
 
   def stats(self) -> SamplerStats:
@@ -230,7 +248,8 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     steps = max(self._counts["decode_steps"], 1)
     counts = dict(self._counts)
     for name in _REPLICA_COUNTS:
-      counts[name] = sum(r.counts[name] for r in self.replicas)
+      counts[name] = sum(r.counts.get(name, 0) for r in self.replicas)
+    counts["parked_evictions"] = sum(r.sched.parked_evictions for r in self.replicas)
     return SamplerStats(
         **counts, host_s=self._host_s,
         device_call_s=sum(r.device_call_s for r in self.replicas),
@@ -335,7 +354,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
         self._counts["aborted"] += 1
         return self._rollout(seq, "aborted", self.clock())
     for r in self.replicas:
-      for seq in r.sched.running() + list(r.sched.waiting):
+      for seq in r.sched.running() + list(r.sched.waiting) + list(r.sched.parked.values()):
         if seq.request.sample_id == sample_id:
           r.sched.remove(seq)
           self._forget(seq)
@@ -350,7 +369,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     with self._step_lock:
       seqs = list(self._queue)
       for r in self.replicas:
-        seqs += r.sched.running() + list(r.sched.waiting)
+        seqs += r.sched.running() + list(r.sched.waiting) + list(r.sched.parked.values())
       return {s.request.sample_id: (s.versions[0] if s.versions else None) for s in seqs}
 
   def abort_all(self) -> list[Rollout]:
@@ -452,9 +471,10 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
           self.cfg.num_pages * self.cfg.page_size * len(self.replicas))
       self._sums["kv_page_fill"] += st["live_token_steps"] / (
           st["used_tokens"] * len(self.replicas))
-      n_done += len(done)
+      n_done += sum(seq.uid not in r.sched.parked for seq, _ in done)
       for seq, reason in done:
-        self._forget(seq)
+        if seq.uid not in r.sched.parked:  # a parked episode stays on its replica
+          self._forget(seq)
         finished.append(self._rollout(seq, reason, now))
       if self.on_span is not None:
         self.on_span("sampler", "decode", start, now, st["tokens"] // max(st["steps"], 1),
@@ -566,13 +586,18 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys):
     if self.cfg.kv_policy == "recompute":
       for seq in r.sched.running():
         r.sched.drop_pages(seq)
+      r.sched.release_idle_pages()
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
     r = seq.request
+    episode = r.multi_turn and 0 in seq.mask  # environment tokens appended
     return Rollout(
         sample_id=r.sample_id, group_id=r.group_id, prompt_tokens=seq.prompt.copy(),
         completion_tokens=np.asarray(seq.tokens[len(seq.prompt):], np.int32),
         behavior_logprobs=np.asarray(seq.logprobs, np.float32),
         policy_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
         t_admit=seq.t_admit, t_first_token=seq.t_first_token, t_finish=now,
-        num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index)
+        num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index,
+        loss_mask=np.asarray(seq.mask, np.float32) if episode else None,
+        num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1)
+        if episode else 1)

@@ -91,7 +91,7 @@ class EngineReplica:
     self.sharing = PromptSharing(self.alloc, cfg.share_prompt_pages)
     self.sched = Scheduler(cfg.num_slots, self.alloc, self.sharing, version=lambda: self.version)
     self.counts = dict(prefill_calls=0, prefill_tokens=0, recomputed_tokens=0, preemptions=0,
-                       shared_prompt_copies=0)
+                       shared_prompt_copies=0, continued_tokens=0)
     self.device_call_s = 0.0  # seconds inside jitted-program calls and uploads (see `_call`)
     self.inflight: Launched | None = None  # the dispatch launched and not yet read back
     self.steps_total = 0  # decode steps this replica ran
@@ -173,9 +173,12 @@ class EngineReplica:
         tokens[r, :n], starts[r], lengths[r] = seq.tokens[start:start + n], start, n
         tables[r] = self.alloc.block_table(seq.uid, self.width)
         self.counts["prefill_tokens"] += n
-        if seq.num_generated > 0:
-          self.counts["recomputed_tokens"] += n
+        if seq.num_generated > 0:  # below the KV computed before: recomputed; above: new context
+          continued = max(0, start + n - max(seq.computed, start))
+          self.counts["recomputed_tokens"] += n - continued
+          self.counts["continued_tokens"] += continued
         seq.num_cached = seq.prefill_len
+        seq.computed = max(seq.computed, seq.num_cached)
       self.pools = self._call(lambda: device_loop.prefill_step(
           params, self.pools, *jax.device_put((tables, tokens, starts, lengths), self.replicated),
           model=self.model, sharding=self.pool_sharding, **self.static))
@@ -258,12 +261,17 @@ class EngineReplica:
       seq.tokens.extend(ints[:c, i].tolist())
       seq.logprobs.extend(logps[:c, i].tolist())
       seq.versions.extend([launched.version] * c)
+      seq.mask.extend([1] * c)
       seq.num_cached = len(seq.tokens) - 1
+      seq.computed = max(seq.computed, seq.num_cached)
       if first:
         seq.t_first_token = now
       reason = finish_reason(seq, stop_set)
       if reason is not None:
-        self.sched.finish(seq)
+        if reason == "eos" and seq.request.multi_turn:
+          self.sched.park(seq)  # its environment answers; the pages stay
+        else:
+          self.sched.finish(seq)
         finished.append((seq, reason))
     live = launched.lengths.astype(np.float64)
     c = count.astype(np.float64)

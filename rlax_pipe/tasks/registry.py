@@ -6,12 +6,15 @@ from typing import Any
 
 from rlax_pipe.tasks import arithmetic
 from rlax_pipe.tasks import base
+from rlax_pipe.tasks import calculator
 from rlax_pipe.tasks import dataset_file
 from rlax_pipe.tasks import gym
 from rlax_pipe.tasks import jsonl
 
 TASKS = {
     "arithmetic": (arithmetic.ArithmeticTask, arithmetic.ArithmeticConfig),
+    # multi-turn: the arithmetic task with a calculator tool (`rlax_pipe.envs`)
+    "arithmetic_calculator": (calculator.CalculatorArithmeticTask, arithmetic.ArithmeticConfig),
     "jsonl": (jsonl.JsonlTask, jsonl.JsonlConfig),
     "dataset_file": (dataset_file.DatasetFileTask, dataset_file.DatasetFileConfig),
     "reasoning_gym": (gym.ReasoningGymTask, gym.ReasoningGymConfig),
@@ -25,7 +28,8 @@ def make_task(name: str, config: Any = None) -> base.Task:
   """Builds the task registered as `name` from its config.
 
   Args:
-    name: one of `TASKS` ("arithmetic", "jsonl", "dataset_file", "reasoning_gym").
+    name: one of `TASKS` ("arithmetic", "arithmetic_calculator", "jsonl", "dataset_file",
+      "reasoning_gym").
     config: the task's config dataclass; None means the default config (not for the file tasks,
       which need a path).
 

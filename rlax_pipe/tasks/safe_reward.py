@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -120,3 +121,28 @@ def grade_inline(task: base.Task, problem: base.Problem, completion: str, *,
   if stats is not None:
     stats.record(verdict.outcome)
   return verdict
+
+
+# A tool's text is cut to this many characters in the worker (a guard for the pipe and the
+# tokenizer; `rlax_pipe.envs` then applies its token limit, `EnvConfig.max_tool_output_tokens`).
+MAX_TOOL_OUTPUT_CHARS = 1 << 16
+
+
+def call_tool(env, problem: base.Problem, call) -> tuple[Any, str, str]:
+  """`env.call_tool(problem, call)` of an environment (`rlax_pipe.envs`), classified; never
+  raises an Exception.
+
+  Returns:
+    (text, "ok", "") for a string; (text cut to MAX_TOOL_OUTPUT_CHARS, "too_long", its length)
+    for a longer one; (NaN, "error", the exception) when the tool raised; (NaN, "invalid", what
+    it returned) when that was not a string.
+  """
+  try:
+    value = env.call_tool(problem, call)
+  except Exception as e:  # pylint: disable=broad-except  (a tool bug is a failed call)
+    return math.nan, "error", repr(e)[:500]
+  if not isinstance(value, str):
+    return math.nan, "invalid", f"returned {value!r:.200}, not a str"
+  if len(value) > MAX_TOOL_OUTPUT_CHARS:
+    return value[:MAX_TOOL_OUTPUT_CHARS], "too_long", f"{len(value)} characters"
+  return value, "ok", ""

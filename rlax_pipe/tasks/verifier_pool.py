@@ -116,8 +116,10 @@ class _Worker:
     """Sends the task and the parent's import path (the worker answers "ready" once loaded)."""
     write_message(self.proc.stdin, ("init", list(sys.path), task_bytes))
 
-  def send(self, problem: base.Problem, completion: str) -> None:
-    write_message(self.proc.stdin, ("call", problem, completion))
+  def send(self, problem: base.Problem, payload: Any, kind: str = "call") -> None:
+    """Sends one call: kind "call" = `task.reward(problem, payload)`; "tool" =
+    `task.call_tool(problem, payload)` (an environment's tool, `rlax_pipe.envs`)."""
+    write_message(self.proc.stdin, (kind, problem, payload))
 
   def poll_reply(self):
     """Reads what the pipe holds; the reply once complete, else None. EOFError if it died."""
@@ -284,41 +286,56 @@ class VerifierPool:
       RuntimeError: when the worker processes cannot be started.
     """
     sample_ids = list(range(len(items))) if sample_ids is None else list(sample_ids)
-    out: list[safe_reward.Verdict] = []
-    with self._lock:
-      for start in range(0, len(items), self.num_workers):
-        out.extend(self._wave(items[start:start + self.num_workers]))
+    out = [safe_reward.Verdict(*reply) for reply in self.run_calls(items, "call")]
     for sid, v in zip(sample_ids, out):
       self.stats.record(v.outcome)
       if v.failed:
         self._log_failure(sid, v)
     return out
 
-  def _wave(self, wave) -> list[safe_reward.Verdict]:
+  def run_calls(self, items: Sequence[tuple[base.Problem, Any]], kind: str = "call"
+                ) -> list[tuple[Any, str, str]]:
+    """Runs calls of one kind in the workers, in waves with the hard time limit (see the module
+    docstring). kind "call": `task.reward(problem, completion)`; "tool": `task.call_tool(
+    problem, call)` of an environment (`rlax_pipe.envs`).
+
+    Returns:
+      One (value, outcome, detail) per item, in order; value is NaN when the call failed
+      (outcome "error", "timeout" or "invalid").
+
+    Raises:
+      RuntimeError: when the worker processes cannot be started.
+    """
+    out: list[tuple[Any, str, str]] = []
+    with self._lock:
+      for start in range(0, len(items), self.num_workers):
+        out.extend(self._wave(items[start:start + self.num_workers], kind))
+    return out
+
+  def _wave(self, wave, kind: str) -> list[tuple[Any, str, str]]:
     workers = self._ensure_workers()
-    verdicts: dict[int, safe_reward.Verdict] = {}
+    verdicts: dict[int, tuple[Any, str, str]] = {}
     busy, dead = [], set()
-    for k, (problem, completion) in enumerate(wave):
+    for k, (problem, payload) in enumerate(wave):
       try:
-        workers[k].send(problem, completion)
+        workers[k].send(problem, payload, kind)
         busy.append(k)
       except (pickle.PicklingError, TypeError, AttributeError) as e:  # e.g. unpicklable problem
-        verdicts[k] = safe_reward.Verdict(math.nan, "error", repr(e)[:500])
+        verdicts[k] = (math.nan, "error", repr(e)[:500])
       except OSError as e:  # the worker died between waves
         dead.add(k)
-        verdicts[k] = safe_reward.Verdict(math.nan, "error", f"verifier process gone: {e!r}")
+        verdicts[k] = (math.nan, "error", f"verifier process gone: {e!r}")
     replies = _wait_replies([workers[k] for k in busy], time.monotonic() + self.timeout_s)
     for j, k in enumerate(busy):
       reply = replies.get(j)
       if reply is None:
         dead.add(k)
-        verdicts[k] = safe_reward.Verdict(math.nan, "timeout",
-                                          f"no result within {self.timeout_s:.3g} s")
+        verdicts[k] = (math.nan, "timeout", f"no result within {self.timeout_s:.3g} s")
       elif isinstance(reply, EOFError):
         dead.add(k)
-        verdicts[k] = safe_reward.Verdict(math.nan, "error", str(reply))
+        verdicts[k] = (math.nan, "error", str(reply))
       else:
-        verdicts[k] = safe_reward.Verdict(*reply)
+        verdicts[k] = tuple(reply)
     for k in sorted(dead, reverse=True):
       self.restarts += 1
       self._workers.pop(k).kill()

@@ -12,8 +12,10 @@ Protocol (`verifier_pool.read_message` / `write_message`): each message is a pic
 original stdout (replies); the worker's file descriptor 1 is pointed at stderr, so whatever a
 verifier prints cannot corrupt the replies.
 
-  parent -> worker: ("init", sys_path, task_bytes), then ("call", problem, completion) ...;
-  worker -> parent: ("ready", error or None), then (reward, outcome, detail) per call.
+  parent -> worker: ("init", sys_path, task_bytes), then ("call", problem, completion) or
+    ("tool", problem, tool_call) ...;
+  worker -> parent: ("ready", error or None), then (reward, outcome, detail) per "call" and
+    (text, outcome, detail) per "tool" (`rlax_pipe.envs.tools.call_tool_safely`).
 
 The worker exits when its stdin closes (the parent ended or died) or on SIGINT.
 """
@@ -51,13 +53,16 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
   write_message(replies, ("ready", error))
   while True:
     try:
-      _, problem, completion = read_message(requests)
+      kind, problem, payload = read_message(requests)
     except EOFError:
       return
     if error is not None:
       write_message(replies, (float("nan"), "error", error))
       continue
-    v = safe_reward.call_verifier(task, problem, completion)
+    if kind == "tool":
+      write_message(replies, safe_reward.call_tool(task, problem, payload))
+      continue
+    v = safe_reward.call_verifier(task, problem, payload)
     write_message(replies, (v.reward, v.outcome, v.detail))
 
 
