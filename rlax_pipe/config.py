@@ -161,34 +161,34 @@ class ModelConfig:
     self._validate_moe()
 
   def _validate_moe(self):
-    """Raises a ValueError naming the `--config.model.` field of an invalid MoE setting."""
+    """Raises a ValueError naming the ModelConfig field of an invalid MoE setting and the fix."""
     if not isinstance(self.n_experts, int) or self.n_experts < 0 or self.n_experts == 1:
-      raise ValueError(f"--config.model.n_experts={self.n_experts!r} must be 0 (dense) or an "
+      raise ValueError(f"ModelConfig.n_experts={self.n_experts!r} must be 0 (dense) or an "
                        "int >= 2.")
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
       value = getattr(self, name)
       if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"--config.model.{name}={value} must be finite and >= 0 (0 = off).")
+        raise ValueError(f"ModelConfig.{name}={value} must be finite and >= 0 (0 = off).")
     if self.router_softmax not in ROUTER_SOFTMAX:
-      raise ValueError(f"--config.model.router_softmax={self.router_softmax!r}; choose one of "
+      raise ValueError(f"ModelConfig.router_softmax={self.router_softmax!r}; choose one of "
                        f"{ROUTER_SOFTMAX}.")
     if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
-      raise ValueError(f"--config.model.decoder_sparse_step={self.decoder_sparse_step!r} must "
+      raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step!r} must "
                        "be an int >= 1 (1 = every layer is MoE).")
     bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not
            0 <= i < self.n_layers]
     if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
-      raise ValueError(f"--config.model.mlp_only_layers={self.mlp_only_layers!r} must be "
+      raise ValueError(f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r} must be "
                        f"distinct layer indices in [0, n_layers={self.n_layers}).")
     if self.n_experts:
       if not isinstance(self.n_experts_per_tok, int) or not (
           1 <= self.n_experts_per_tok <= self.n_experts):
-        raise ValueError(f"--config.model.n_experts_per_tok={self.n_experts_per_tok!r} must be "
+        raise ValueError(f"ModelConfig.n_experts_per_tok={self.n_experts_per_tok!r} must be "
                          f"in [1, n_experts={self.n_experts}].")
       if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
-        raise ValueError(f"--config.model.moe_d_ff={self.moe_d_ff!r} must be an int >= 1.")
+        raise ValueError(f"ModelConfig.moe_d_ff={self.moe_d_ff!r} must be an int >= 1.")
       if not any(self.layer_is_moe):
-        raise ValueError(f"--config.model.n_experts={self.n_experts} but no layer is MoE "
+        raise ValueError(f"ModelConfig.n_experts={self.n_experts} but no layer is MoE "
                          f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
                          f"{self.mlp_only_layers}); set n_experts=0 for a dense model.")
 
