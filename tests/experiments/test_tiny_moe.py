@@ -9,9 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~50 CPU-seconds (a subprocess compiling sampler, learner and evaluation)
 def test_tiny_moe_preset_runs_the_main_job(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
