@@ -11,6 +11,7 @@ import math
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "yarn")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,15 @@ class ModelConfig:
     max_seq_len: longest sequence (tokens, prompt + completion) the model will be asked to run.
     eos_token_ids: token ids that end a completion (any of them), e.g. from an HF checkpoint's
       config.json and generation_config.json; () = none declared here.
+    o_bias: add a bias to the attention output projection (GPT-OSS `attention_bias`, which
+      also sets qkv_bias).
+    attention_sinks: one learned sink logit per query head that joins every softmax over keys
+      and takes probability mass without contributing a value (GPT-OSS; Xiao et al. 2023,
+      "Efficient Streaming Language Models with Attention Sinks", as a learned logit).
+    sliding_window: W, tokens a sliding-window layer sees: a query at position p attends to keys
+      at positions p - W + 1 .. p (HF `sliding_window`); >= 1, or None = no windowed layers.
+    layer_types: one entry per layer, each "full_attention" or "sliding_attention" (HF
+      `layer_types`); () = every layer full. Sliding layers need `sliding_window`.
   """
 
   vocab_size: int = 256
@@ -104,8 +114,14 @@ class ModelConfig:
   max_seq_len: int = 512
   rope_scaling: RopeScaling | None = None
   eos_token_ids: tuple[int, ...] = ()
+  o_bias: bool = False
+  attention_sinks: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] = ()
 
   def __post_init__(self):
+    if isinstance(self.layer_types, list):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:
@@ -128,6 +144,32 @@ class ModelConfig:
         isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
       raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of "
                        f"token ids in [0, vocab_size={self.vocab_size}).")
+    self._validate_attention_layers()
+
+  def _validate_attention_layers(self):
+    if self.sliding_window is not None and (
+        not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+      raise ValueError(f"ModelConfig.sliding_window={self.sliding_window!r} must be an int >= 1 "
+                       "(tokens) or None.")
+    if self.layer_types:
+      if len(self.layer_types) != self.n_layers:
+        raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries; set one "
+                         f"per layer (n_layers={self.n_layers}) or () for all full attention.")
+      bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+      if bad:
+        raise ValueError(f"ModelConfig.layer_types contains {bad}; choose from {LAYER_TYPES}.")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("ModelConfig.layer_types has 'sliding_attention' layers but "
+                         "sliding_window is None; set --config.model.sliding_window.")
+
+  @property
+  def layer_windows(self) -> tuple[int, ...] | None:
+    """Per-layer attention window in tokens (0 = full attention), or None when no layer is
+    windowed (the dense path is then exactly the unwindowed one)."""
+    if self.sliding_window is None or "sliding_attention" not in self.layer_types:
+      return None
+    return tuple(self.sliding_window if t == "sliding_attention" else 0
+                 for t in self.layer_types)
 
 
 # Weight matrices of the built-in model (`model.transformer`) that LoRA may adapt.
