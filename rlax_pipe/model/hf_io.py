@@ -15,6 +15,9 @@ w_gate [E, F], lm_head [V, E] -> lm_head [E, V]. Per-layer tensors are stacked o
 HF's RoPE (`rotate_half`) uses the same half-split convention as `transformer.rope`, so q/k need
 no permutation.
 
+GPT-OSS (`GptOssForCausalLM`: sinks, sliding windows, attention biases, experts with biases,
+MXFP4 expert weights dequantized on import) maps through `hf_gpt_oss`.
+
 Supported: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) with SiLU MLPs, RoPE unscaled or
 with linear / llama3 / yarn scaling (Llama 3.1-3.3, Qwen2.5 / Qwen3 long-context configs), full
 attention in every layer, tied or untied embeddings; the EOS ids of config.json and
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import hf_gpt_oss, transformer
 # Config mapping lives in hf_config; re-exported here, the module users import.
 from rlax_pipe.model.hf_config import (  # pylint: disable=unused-import
     SUPPORTED_ARCHITECTURES, architecture_for, config_from_hf, config_to_hf, eos_token_ids)
@@ -49,7 +52,8 @@ _CONFIG_FILE = "config.json"
 _GENERATION_FILE = "generation_config.json"
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+              "U8": "uint8"}  # U8: MXFP4 blocks / scales of GPT-OSS experts
 _MAX_HEADER_BYTES = 100 * 2**20
 # Non-parameter buffers some older exports contain; recomputed from rope_theta, so skipped.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -269,6 +273,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
   cfg = config_from_hf(hf_config, generation_config=generation)
   files = _checkpoint_files(path)
   refs = _index_tensors(files)
+  if hf_gpt_oss.is_gpt_oss(cfg):
+    return _load_gpt_oss(cfg, refs, files, param_dtype, shardings)
   names = _hf_names(cfg)
   _check_names(refs, {hf for hf, _ in names.values()}, cfg, files)
   cfg = dataclasses.replace(
@@ -294,6 +300,36 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
       hf_name, kind = names[("layers", key, i)]
       stacked[i] = read(hf_name, shape[1:], kind)
     params["layers"][key] = _place(stacked, shardings, ("layers", key))
+  return cfg, params
+
+
+def _load_gpt_oss(cfg: ModelConfig, refs: Mapping[str, _TensorRef], files: list[pathlib.Path],
+                  param_dtype: str | None, shardings) -> tuple[ModelConfig, dict[str, Any]]:
+  """`load_hf_checkpoint` for GPT-OSS: names and layouts from `hf_gpt_oss` (MXFP4 experts are
+  dequantized); every layer is MoE, so the blocks stack under params["moe_layers"]."""
+  expected = hf_gpt_oss.hf_tensor_names(cfg, set(refs))
+  _check_names(refs, expected, cfg, files)
+  floats = [n for n in expected if refs[n].dtype != np.uint8]
+  cfg = dataclasses.replace(cfg, param_dtype=_resolve_dtype(refs, floats, param_dtype))
+  dtype = jnp.dtype(cfg.param_dtype)
+  read = lambda name: _read_tensor(refs[name])
+  top = {"embed": ("model.embed_tokens.weight", "same"), "final_norm": ("model.norm.weight",
+                                                                       "vec"),
+         "lm_head": ("lm_head.weight", 1)}
+  specs = transformer.param_specs(cfg)
+  params: dict[str, Any] = {}
+  for key, (shape, _) in specs.items():
+    if key in top:
+      hf_name, kind = top[key]
+      if refs[hf_name].shape != _hf_shape(shape, kind):
+        raise ValueError(f"Tensor {hf_name!r} has shape {refs[hf_name].shape}; config.json "
+                         f"implies {_hf_shape(shape, kind)}.")
+      params[key] = _place(np.array(_to_ours(read(hf_name), shape, kind), dtype), shardings,
+                           (key,))
+  layers = [hf_gpt_oss.layer_from_hf(read, set(refs), i, cfg) for i in range(cfg.n_layers)]
+  params["moe_layers"] = {
+      key: _place(np.stack([lp[key] for lp in layers]).astype(dtype), shardings,
+                  ("moe_layers", key)) for key in specs["moe_layers"]}
   return cfg, params
 
 
@@ -331,6 +367,18 @@ def _check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     if want.get(name) != have.get(name):
       raise ValueError(f"params {name} has shape {have.get(name)}; cfg implies {want.get(name)} "
                        "(None = absent; check qkv_bias, qk_norm, tie_embeddings).")
+
+
+def _gpt_oss_entries(params: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, Any, Kind]]:
+  """(HF name, HF-layout array, "same") of every GPT-OSS tensor, embedding first."""
+  entries = [("model.embed_tokens.weight", params["embed"], "same")]
+  for i in range(cfg.n_layers):
+    lp = {k: v[i] for k, v in params["moe_layers"].items()}
+    entries += [(n, a, "same") for n, a in hf_gpt_oss.layer_to_hf(lp, i, cfg).items()]
+  entries.append(("model.norm.weight", params["final_norm"], "same"))
+  if not cfg.tie_embeddings:
+    entries.append(("lm_head.weight", np.ascontiguousarray(params["lm_head"].T), "same"))
+  return entries
 
 
 def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: ModelConfig, *,
@@ -381,8 +429,11 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
   # Imported here: reading needs no safetensors package, so neither does importing the model.
   from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(np.asarray, params)
-  entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]], kind)
-             for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
+  if hf_gpt_oss.is_gpt_oss(cfg):
+    entries = _gpt_oss_entries(params, cfg)
+  else:
+    entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]],
+                kind) for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
   shards = _plan_shards([arr.nbytes for _, arr, _ in entries], max_shard_bytes)
   n = len(shards)
   file_names = ([_SINGLE_FILE] if n == 1 else
