@@ -112,9 +112,11 @@ def resolve_impl(attention_impl: str, mesh: Mesh, head_dim: int | None = None, *
       "reference", or the kernel functions with interpret=True in tests).
   """
   if reference_reason is not None:
-    if attention_impl != "reference":
-      logging.warning("sampler attention_impl=%r -> 'reference': %s.", attention_impl,
-                      reference_reason)
+    wanted = resolve_impl(attention_impl, mesh, head_dim) if attention_impl == "auto" else (
+        attention_impl)
+    if wanted != "reference":
+      logging.warning("sampler attention_impl=%r (%s) -> 'reference': %s.", attention_impl,
+                      wanted, reference_reason)
     return "reference"
   platform = mesh.devices.flat[0].platform
   if attention_impl == "auto":
