@@ -44,10 +44,11 @@ LAYERS = "layers"        # stacked layers
 PAGES = "pages"          # KV pool pages
 PAGE_SIZE = "page_size"  # tokens per KV page
 LORA_RANK = "lora_rank"  # inner width r of LoRA adapters (always replicated: r is small)
+EXPERT = "expert"        # experts of a mixture-of-experts layer (stacked expert weights)
 
 LOGICAL_AXES: tuple[str, ...] = (
     BATCH, LENGTH, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, PAGES, PAGE_SIZE,
-    LORA_RANK)
+    LORA_RANK, EXPERT)
 
 # ---- mesh axis names ----------------------------------------------------------------------------
 DATA = "data"  # independent replicas (batch split, weights replicated)
@@ -72,6 +73,7 @@ LEARNER_RULES: Rules = types.MappingProxyType({
     VOCAB: (TP,),
     LAYERS: (),
     LORA_RANK: (),
+    EXPERT: (),
 })
 
 # How the learner computes (FSDP = ZeRO-3, plus data and Megatron tensor parallelism): inside the
@@ -94,6 +96,7 @@ SAMPLER_RULES: Rules = types.MappingProxyType({
     VOCAB: (TP,),
     LAYERS: (),
     LORA_RANK: (),
+    EXPERT: (),
 })
 
 # The paged KV pool (`rlax_pipe.sampler.page_pool`: layers folded into pages, [K, L*P, S, D] k

@@ -45,7 +45,7 @@ _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 
 def is_gpt_oss(cfg: ModelConfig) -> bool:
   """Whether `cfg` is a GPT-OSS-style model (clamped-SwiGLU experts), exported as GptOss."""
-  return getattr(cfg, "expert_activation", "swiglu") == "gpt_oss"
+  return cfg.expert_activation == "gpt_oss"
 
 
 def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str, eos_ids: tuple[int, ...],

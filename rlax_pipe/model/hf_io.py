@@ -318,14 +318,13 @@ def _load_gpt_oss(cfg: ModelConfig, refs: Mapping[str, _TensorRef], files: list[
          "lm_head": ("lm_head.weight", 1)}
   specs = transformer.param_specs(cfg)
   params: dict[str, Any] = {}
-  for key, (shape, _) in specs.items():
-    if key in top:
-      hf_name, kind = top[key]
-      if refs[hf_name].shape != _hf_shape(shape, kind):
-        raise ValueError(f"Tensor {hf_name!r} has shape {refs[hf_name].shape}; config.json "
-                         f"implies {_hf_shape(shape, kind)}.")
-      params[key] = _place(np.array(_to_ours(read(hf_name), shape, kind), dtype), shardings,
-                           (key,))
+  for key in (k for k in specs if k in top):
+    shape, (hf_name, kind) = specs[key][0], top[key]
+    if refs[hf_name].shape != _hf_shape(shape, kind):
+      raise ValueError(f"Tensor {hf_name!r} has shape {refs[hf_name].shape}; config.json "
+                       f"implies {_hf_shape(shape, kind)}.")
+    params[key] = _place(np.array(_to_ours(read(hf_name), shape, kind), dtype), shardings,
+                         (key,))
   layers = [hf_gpt_oss.layer_from_hf(read, set(refs), i, cfg) for i in range(cfg.n_layers)]
   params["moe_layers"] = {
       key: _place(np.stack([lp[key] for lp in layers]).astype(dtype), shardings,
@@ -357,9 +356,10 @@ def _plan_shards(sizes: list[int], max_shard_bytes: int | None) -> list[list[int
 
 def _check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
   """Raises unless params has exactly the arrays and shapes `param_specs(cfg)` asks for."""
-  def flat(tree, leaf):
-    out = {k: leaf(v) for k, v in tree.items() if k != "layers"}
-    out.update({f"layers/{k}": leaf(v) for k, v in tree.get("layers", {}).items()})
+  def flat(tree, leaf):  # layer stacks ("layers", "moe_layers") are the dict-valued entries
+    out = {k: leaf(v) for k, v in tree.items() if not isinstance(v, Mapping)}
+    for stack in (k for k, v in tree.items() if isinstance(v, Mapping)):
+      out.update({f"{stack}/{k}": leaf(v) for k, v in tree[stack].items()})
     return out
   want = flat(transformer.param_specs(cfg), lambda spec: spec[0])
   have = flat(params, lambda a: tuple(a.shape))

