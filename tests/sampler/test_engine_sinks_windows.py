@@ -1,6 +1,7 @@
-"""Engine with a GPT-OSS-style attention model (sinks, sliding-window layers, q/k/v/o biases):
-paged decode log-probs equal the full-sequence forward, across page boundaries, with windows
-shorter than a page and longer than several, and a kernel request falls back to the reference."""
+"""Engine with a GPT-OSS-style model (sinks, sliding-window layers, q/k/v/o biases, biased
+clamped-SwiGLU experts): paged decode log-probs equal the full-sequence forward, across page
+boundaries, with a window shorter than a page and one loop step per page (so windowed layers
+skip whole chunks)."""
 
 import functools
 
@@ -13,10 +14,15 @@ from rlax_pipe.config import ModelConfig
 from rlax_pipe.logprobs import SamplingConfig, token_logprobs
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
 
+# GPT-OSS in miniature: sinks, windows, q/k/v/o biases, top-k-softmax router with bias, clamped
+# SwiGLU experts with biases (limit 1 so the clamp is active at these scales).
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=48, max_seq_len=32, qkv_bias=True, o_bias=True, attention_sinks=True,
                     sliding_window=3, layer_types=("sliding_attention", "full_attention",
-                                                   "sliding_attention"))
+                                                   "sliding_attention"),
+                    n_experts=4, n_experts_per_tok=2, moe_d_ff=16, router_softmax="topk",
+                    router_bias=True, expert_bias=True, expert_activation="gpt_oss",
+                    swiglu_limit=1.0)
 SAMPLING = SamplingConfig(temperature=1.0)
 CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=40, max_seq_len=32, max_new_tokens=14,
                     min_prefill_bucket=16, prefill_rows=2, sampling=SAMPLING,
@@ -31,7 +37,7 @@ def _full_logprobs(params, tokens_NL, cfg):
   return token_logprobs(logits[:, :-1], tokens_NL[:, 1:], SAMPLING)
 
 
-def test_paged_decode_matches_full_forward_with_sinks_and_windows():
+def test_paged_decode_matches_full_forward_with_sinks_windows_and_experts():
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.4, a.shape).astype(np.float32)),
                         model.abstract_params(MODEL))
