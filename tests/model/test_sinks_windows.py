@@ -62,12 +62,11 @@ def test_config_rejects_inconsistent_layer_types():
 
 
 def _params(cfg, seed=0):
-  params = transformer.init_params(cfg, jax.random.key(seed))
-  rng = np.random.default_rng(seed)  # non-zero biases and sinks, so each one matters
-  for name in ("bq", "bk", "bv", "bo", "sinks"):
-    params["layers"][name] = jnp.asarray(rng.normal(size=params["layers"][name].shape),
-                                         jnp.float32)
-  return params
+  """Every leaf N(0, 0.4) with numpy (nothing to compile): biases and sinks non-zero, so each
+  one matters."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.4, a.shape), jnp.float32),
+                      transformer.abstract_params(cfg))
 
 
 def test_a_windowed_layer_sees_only_its_window():
@@ -88,30 +87,35 @@ def test_training_path_blockwise_and_packed_match_full_forward():
   rng = np.random.default_rng(3)
   tokens = jnp.asarray(rng.integers(0, 64, (1, 11)), jnp.int32)
   pos = jnp.arange(11, dtype=jnp.int32)[None]
-  full, _ = transformer.forward(params, tokens, pos, CFG)
-  head = transformer.output_head(params, CFG)
-  h = transformer.hidden_states(params, tokens, pos, CFG, attention_block_len=4)
-  np.testing.assert_allclose(h @ head, full, atol=2e-5)
-  # Two samples packed in one row (positions restart): each equals its own forward.
-  packed = jnp.concatenate([tokens[:, :5], tokens[:, 5:]], axis=1)
   ppos = jnp.asarray([list(range(5)) + list(range(6))], jnp.int32)
   seg = jnp.asarray([[1] * 5 + [2] * 6], jnp.int32)
-  hp = transformer.hidden_states(params, packed, ppos, CFG, segment_ids_BT=seg)
-  second, _ = transformer.forward(params, tokens[:, 5:], ppos[:, 5:], CFG)
-  np.testing.assert_allclose((hp @ head)[:, 5:], second, atol=2e-5)
+
+  @jax.jit
+  def run(p):
+    full, _ = transformer.forward(p, tokens, pos, CFG)
+    head = transformer.output_head(p, CFG)
+    blockwise = transformer.hidden_states(p, tokens, pos, CFG, attention_block_len=4) @ head
+    # Two samples packed in one row (positions restart): each equals its own forward.
+    packed = transformer.hidden_states(p, tokens, ppos, CFG, segment_ids_BT=seg) @ head
+    second, _ = transformer.forward(p, tokens[:, 5:], ppos[:, 5:], CFG)
+    return full, blockwise, packed, second
+
+  full, blockwise, packed, second = run(params)
+  np.testing.assert_allclose(blockwise, full, atol=2e-5)
+  np.testing.assert_allclose(packed[:, 5:], second, atol=2e-5)
 
 
 def test_dense_cache_decode_matches_full_forward():
   params = _params(CFG, 4)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 9)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
-  full, _ = transformer.forward(params, tokens, pos, CFG)
+  full, _ = jax.jit(lambda p: transformer.forward(p, tokens, pos, CFG))(params)
+  step = jax.jit(lambda p, t, q, c: transformer.forward(p, t, q, CFG, cache=c))
   cache = DenseKVCache.init(CFG.n_layers, 2, 16, CFG.n_kv_heads, CFG.head_dim)
-  logits, cache = transformer.forward(params, tokens[:, :4], pos[:, :4], CFG, cache=cache)
+  logits, cache = step(params, tokens[:, :4], pos[:, :4], cache)
   steps = [logits]
   for t in range(4, 9):
-    out, cache = transformer.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], CFG,
-                                     cache=cache)
+    out, cache = step(params, tokens[:, t:t + 1], pos[:, t:t + 1], cache)
     steps.append(out)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
 
