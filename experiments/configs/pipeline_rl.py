@@ -3,12 +3,15 @@ base run of ablations.py.
 
   --config=experiments/configs/pipeline_rl.py           the default run (README command 1)
   --config=experiments/configs/pipeline_rl.py:tiny      a smoke run of seconds
+  --config=experiments/configs/pipeline_rl.py:tiny_moe  the same with a tiny mixture of experts
   --config=experiments/configs/pipeline_rl.py:dataset_file --config.task_config.path=train.jsonl
   --config=experiments/configs/pipeline_rl.py:tiny,reasoning_gym   presets combine with commas
   --config.pipeline.num_steps=60 --config.learner.optimizer.learning_rate=1e-4   overrides
 
-Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices); one
-per task whose
+Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices);
+"tiny_moe" (tiny, starting from init="builtin_moe": the SFT warm start upcycled to 4 experts,
+top-2, every layer MoE, router load-balance / z-loss coefficients 0.01 / 0.001; no HF export,
+since no HF architecture expresses an MoE with Llama attention); one per task whose
 config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileConfig`: path,
 eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 (`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...). The defaults are those of
@@ -22,10 +25,10 @@ from ml_collections import config_dict as config_dict_lib
 
 from rlax_pipe import config_dict
 from rlax_pipe import tasks
-from rlax_pipe.pipeline.config import PipelineConfig, RunConfig
+from rlax_pipe.pipeline.config import BUILTIN_MOE_INIT, PipelineConfig, RunConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
 
-SIZE_PRESETS = ("default", "tiny")
+SIZE_PRESETS = ("default", "tiny", "tiny_moe")
 TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym")
 PRESETS = SIZE_PRESETS + TASK_PRESETS
 
@@ -63,7 +66,8 @@ def get_config(preset: str = "default"):
   """
   names = [p.strip() for p in (preset or "default").split(",") if p.strip()] or ["default"]
   unknown = [p for p in names if p not in PRESETS]
-  if unknown or sum(p in TASK_PRESETS for p in names) > 1:
+  if unknown or sum(p in TASK_PRESETS for p in names) > 1 or sum(
+      p in SIZE_PRESETS for p in names) > 1:
     raise ValueError(f"unknown preset(s) {unknown or names} of configs/pipeline_rl.py; choose "
                      f"one of {SIZE_PRESETS}, optionally with one of {TASK_PRESETS} "
                      "(e.g. 'tiny,dataset_file').")
@@ -74,8 +78,11 @@ def get_config(preset: str = "default"):
                               run_dir=f"runs/pipeline_rl_{task}")
   else:  # the arithmetic task's fields, so --config.task_config.max_terms=... works
     cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig())
-  if "tiny" in names:
+  if "tiny" in names or "tiny_moe" in names:
     cfg = _tiny(cfg)
+  if "tiny_moe" in names:
+    cfg = dataclasses.replace(cfg, init=BUILTIN_MOE_INIT, export_hf=False,
+                              run_dir="runs/pipeline_rl_tiny_moe")
   out = config_dict.to_config_dict(cfg)
   if task is not None and "path" in out.task_config:
     out.task_config.path = config_dict_lib.placeholder(str)  # the user's file: required

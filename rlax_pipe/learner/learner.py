@@ -489,7 +489,7 @@ class Learner:
     m = jax.device_get(device_metrics)
     for name, count in train_step_lib.ABSENT_WITHOUT.items():
       if int(m[count]) == 0:  # nothing to describe: absent, never a fake 0
-        del m[name]
+        m.pop(name, None)  # (MoE metrics exist only for MoE models)
     if int(m["minibatches_with_data"]) == 0:
       logging.info("Learner: step %d had no token that contributes to the loss; no update "
                    "(params, optimizer state and version %d unchanged).", int(m["step"]),

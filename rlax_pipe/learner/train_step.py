@@ -119,6 +119,9 @@ class BatchStats(NamedTuple):
     logp_finite: recomputed log-probs finite at every completion token.
     kl_sum / kl_tokens: sum over valid tokens of the KL estimate towards the reference
       (`token_loss.with_kl`; stays 0 with kl="off") and their count.
+    moe_lb_sum / moe_z_sum / moe_weight: MoE models: sums over micro-batches of the router's
+      load-balancing loss and z-loss, each weighted by the micro-batch's loss normaliser
+      (`token_loss.normalizer` of its own counts), and the sum of those weights (0 if dense).
   """
 
   sums: offpolicy.DiagnosticSums
@@ -136,6 +139,9 @@ class BatchStats(NamedTuple):
   logp_finite: jax.Array
   kl_sum: jax.Array
   kl_tokens: jax.Array
+  moe_lb_sum: jax.Array
+  moe_z_sum: jax.Array
+  moe_weight: jax.Array
 
 
 def init_accum(params: Any) -> GradAccum:
@@ -154,7 +160,8 @@ def init_stats(hist_bins: int) -> BatchStats:
       sums=offpolicy.empty_sums(hist_bins), loss_sum=zero_f, grad_norm_sum=zero_f,
       update_norm_sum=zero_f, with_data=zero_i, updates=zero_i, nonfinite=zero_i,
       loss_finite=true, grad_finite=true, tokens_processed=zero_i, negative_lag_tokens=zero_i,
-      inputs_finite=true, logp_finite=true, kl_sum=zero_f, kl_tokens=zero_i)
+      inputs_finite=true, logp_finite=true, kl_sum=zero_f, kl_tokens=zero_i, moe_lb_sum=zero_f,
+      moe_z_sum=zero_f, moe_weight=zero_f)
 
 
 class StepFns(NamedTuple):
@@ -214,33 +221,39 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
       minibatches_with_data, is_finite, loss_finite, grad_finite, inputs_finite, logp_finite,
       version and step (after the step), nonfinite_consecutive, nonfinite_total; with kl !=
       "off" also kl_ref (mean KL estimate per valid token towards the reference, nats; NaN
-      without valid tokens).
+      without valid tokens); for an MoE model also moe_load_balance_loss and moe_z_loss
+      (normaliser-weighted means over the batch's micro-batches, `moe_aux_loss`).
   """
   model = as_model(model)
   c = constrain or (lambda x, *_, **__: x)
+  moe_coefs = moe_loss_coefs(model)
 
   def token_logprobs(params, mb):
+    """((logp, entropy), MoeOutputs or None)."""
     if not isinstance(model, HiddenStatesModel):  # forward only: full logits
       logits, _ = model.forward(params, mb["tokens"], mb["positions"],
                                 segment_ids_BT=mb["segment_ids"],
                                 remat=learner_cfg.remat != "none")
-      return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"], sampling_cfg)
+      return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"],
+                                                          sampling_cfg), None
+    moe_kw = {} if moe_coefs is None else {"return_moe": True}
     h = model.hidden_states(params, mb["tokens"], mb["positions"],
                             segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
                             constrain=constrain,
-                            attention_block_len=learner_cfg.attention_block_len)
+                            attention_block_len=learner_cfg.attention_block_len, **moe_kw)
+    h, moe_out = h if moe_coefs is not None else (h, None)
     head = c(model.output_head(params), ("embed", "vocab"), weight=True)
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,
                                             chunk_len=learner_cfg.logits_chunk_len,
                                             batch_groups=learner_cfg.batch_shards,
-                                            constrain=constrain)
+                                            constrain=constrain), moe_out
 
   def model_params(trainable, frozen):
     """What the model runs on: the trainable params, or the base merged with the adapters."""
     return trainable if lora is None else lora.merge(frozen, trainable)
 
   def micro_loss(params, mb, prox_logp, use_prox, version, frozen, ref_params):
-    logp, ent = token_logprobs(model_params(params, frozen), mb)
+    (logp, ent), moe_out = token_logprobs(model_params(params, frozen), mb)
     seg = mb["segment_ids"]
     mask = completion_mask(mb["loss_mask"], seg)
     lag = (version - mb["policy_versions"]).astype(jnp.int32)
@@ -249,12 +262,18 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
                                   objective_cfg, prox_logp)
     ref_logp = None
     if objective_cfg.kl != "off":
-      ref_logp = jax.lax.stop_gradient(token_logprobs(ref_params, mb)[0])
+      ref_logp = jax.lax.stop_gradient(token_logprobs(ref_params, mb)[0][0])
     sel, kl_reward = token_loss.with_kl(sel, None, ref_logp, seg, objective_cfg)
     used, out = token_loss.per_token_loss(sel, lag, objective_cfg, seg)
     out, kl_loss = token_loss.with_kl(sel, out, ref_logp, seg, objective_cfg)
     kl_BT = kl_reward if kl_loss is None else kl_loss
     numerator, counts = token_loss.loss_sums(out.loss_BT, sel.valid_BT, mask, seg, objective_cfg)
+    moe_weight = jnp.zeros((), jnp.float32)
+    lb = z = moe_weight
+    if moe_out is not None:
+      moe_weight = token_loss.normalizer(counts, objective_cfg)
+      lb, z = moe_out.load_balance_loss, moe_out.z_loss
+      numerator = numerator + moe_weight * moe_aux_loss(lb, z, *moe_coefs)
     sums = token_loss.diagnostic_sums(sel, out, used, mask, lag, seg, objective_cfg, ent)
     completion = mask > 0
     finite_at = lambda x: jnp.all(jnp.where(completion, jnp.isfinite(x), True))
@@ -267,13 +286,14 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
         kl_sum=jnp.zeros((), jnp.float32) if kl_BT is None else jnp.sum(
             jnp.where(sel.valid_BT, kl_BT, 0.0), dtype=jnp.float32),
         kl_tokens=jnp.sum(sel.valid_BT, dtype=jnp.int32) if kl_BT is not None else
-        jnp.zeros((), jnp.int32))
+        jnp.zeros((), jnp.int32),
+        moe_lb=moe_weight * lb, moe_z=moe_weight * z, moe_weight=moe_weight)
     return numerator, (counts, sums, extra)
 
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def prox(state: TrainState, mb: Batch, frozen: Any = None) -> jax.Array:
-    return jax.lax.stop_gradient(token_logprobs(model_params(state.params, frozen), mb)[0])
+    return jax.lax.stop_gradient(token_logprobs(model_params(state.params, frozen), mb)[0][0])
 
   def accumulate(state: TrainState, acc: GradAccum, stats: BatchStats, mb: Batch,
                  prox_logp: jax.Array, use_prox: jax.Array, frozen: Any = None,
@@ -294,12 +314,17 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
         negative_lag_tokens=stats.negative_lag_tokens + x["negative_lag"],
         inputs_finite=stats.inputs_finite & x["inputs_finite"],
         logp_finite=stats.logp_finite & x["logp_finite"],
-        kl_sum=stats.kl_sum + x["kl_sum"], kl_tokens=stats.kl_tokens + x["kl_tokens"])
+        kl_sum=stats.kl_sum + x["kl_sum"], kl_tokens=stats.kl_tokens + x["kl_tokens"],
+        moe_lb_sum=stats.moe_lb_sum + x["moe_lb"], moe_z_sum=stats.moe_z_sum + x["moe_z"],
+        moe_weight=stats.moe_weight + x["moe_weight"])
     return acc, stats
 
   def apply(state: TrainState, acc: GradAccum, stats: BatchStats, final: jax.Array):
     state, stats = _update(state, acc, stats, objective_cfg, tx)
     new_state, metrics = _close_batch(state, stats, learner_cfg, objective_cfg.kl != "off")
+    if moe_coefs is not None:
+      w = jnp.where(stats.moe_weight > 0, stats.moe_weight, jnp.float32(jnp.nan))
+      metrics.update(moe_load_balance_loss=stats.moe_lb_sum / w, moe_z_loss=stats.moe_z_sum / w)
     pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(final, x, y), a, b)
     state = state._replace(**{f: pick(getattr(new_state, f), getattr(state, f)) for f in (
         "version", "rng", "step", "nonfinite_consecutive", "nonfinite_total")})
@@ -307,6 +332,35 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     return state, init_accum(state.params), stats, metrics
 
   return StepFns(prox=prox, accumulate=accumulate, apply=apply)
+
+
+def moe_loss_coefs(model: Any) -> tuple[float, float] | None:
+  """(router_aux_loss_coef, router_z_loss_coef) of a built-in MoE model's config; None for a
+  dense model or a model without a `ModelConfig` (no MoE terms, no MoE metrics)."""
+  cfg = getattr(model, "cfg", None)
+  if getattr(cfg, "n_experts", 0) and isinstance(model, HiddenStatesModel):
+    return float(cfg.router_aux_loss_coef), float(cfg.router_z_loss_coef)
+  return None
+
+
+def moe_aux_loss(load_balance: jax.Array, z: jax.Array, lb_coef: float,
+                 z_coef: float) -> jax.Array:
+  """The MoE router terms added to the objective: lb_coef * L_balance + z_coef * L_z.
+
+  L_balance is the Switch load-balancing loss (Fedus et al. 2021, eq. 4; 1 when balanced) and
+  L_z the router z-loss (Zoph et al. 2022, ST-MoE eq. 5), each averaged over MoE layers
+  (`rlax_pipe.model.moe`). In a micro-batched step each micro-batch adds this, times its own
+  loss normaliser, to the loss numerator, so the batch loss is the objective plus the
+  normaliser-weighted mean of the micro-batches' terms (exactly the terms with one micro-batch).
+  A zero coefficient switches its term off (the metric is still reported).
+
+  Args:
+    load_balance, z: float32 scalars. lb_coef, z_coef: coefficients >= 0 (dimensionless).
+
+  Returns:
+    float32 scalar.
+  """
+  return lb_coef * load_balance + z_coef * z
 
 
 def _update(state: TrainState, acc: GradAccum, stats: BatchStats, objective_cfg: ObjectiveConfig,
@@ -386,4 +440,5 @@ def _close_batch(state: TrainState, stats: BatchStats, learner_cfg: LearnerConfi
 ABSENT_WITHOUT: dict[str, str] = {
     **offpolicy.DIAGNOSTIC_COUNTS, "loss": "minibatches_with_data",
     "grad_norm": "minibatches_with_data", "update_norm": "updates_applied",
-    "learning_rate": "updates_applied"}
+    "learning_rate": "updates_applied", "moe_load_balance_loss": "minibatches_with_data",
+    "moe_z_loss": "minibatches_with_data"}

@@ -1,4 +1,5 @@
-"""HF `config.json` <-> `ModelConfig` (Llama / Qwen2 / Qwen3 / GPT-OSS causal LMs), for `hf_io`.
+"""HF `config.json` <-> `ModelConfig` (Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS causal LMs),
+for `hf_io`.
 
 Reads every field that changes the forward pass (sizes, RoPE base and scaling, norms, biases,
 tying) and the end-of-sequence ids of config.json and generation_config.json; refuses, naming
@@ -15,12 +16,38 @@ from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.model import hf_gpt_oss, rotary
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "GptOssForCausalLM")
+                           "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # HF's class defaults for fields a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768,
-                          "Qwen3ForCausalLM": 32768}
+                          "Qwen3ForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768}
+_QWEN3_MOE = "Qwen3MoeForCausalLM"
+
+
+def _moe_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen3-MoE's MoE fields -> ModelConfig kwargs (HF class defaults where absent).
+
+  num_experts (published configs) or num_local_experts (what transformers 5 writes) -> n_experts;
+  num_experts_per_tok, moe_intermediate_size -> moe_d_ff, norm_topk_prob (default false),
+  decoder_sparse_step (1), mlp_only_layers ([]). Routing is softmax over all experts, no router
+  bias. router_aux_loss_coef / output_router_logits are training settings of transformers (its
+  loss is k times `moe.load_balance_loss`) and are not imported: set the learner's coefficient
+  in ModelConfig.
+  """
+  counts = {hf_config[k] for k in ("num_experts", "num_local_experts")
+            if hf_config.get(k) is not None}
+  if len(counts) != 1:
+    raise ValueError(f"config.json for {_QWEN3_MOE} needs one expert count, num_experts or "
+                     f"num_local_experts; got {sorted(counts)}.")
+  return dict(
+      n_experts=int(counts.pop()),
+      n_experts_per_tok=int(hf_config.get("num_experts_per_tok", 8)),
+      moe_d_ff=int(hf_config.get("moe_intermediate_size", 768)),
+      norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+      decoder_sparse_step=int(hf_config.get("decoder_sparse_step", 1)),
+      mlp_only_layers=tuple(int(i) for i in (hf_config.get("mlp_only_layers") or ())),
+      router_softmax="all", router_bias=False)
 
 
 def _architecture(hf_config: Mapping[str, Any]) -> str:
@@ -108,7 +135,8 @@ def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32"
   linear, llama3, yarn -> `RopeScaling`), rms_norm_eps, tie_word_embeddings,
   max_position_embeddings (-> max_seq_len), and eos_token_id of config.json and of
   generation_config.json (ints or lists -> eos_token_ids, their union). Qwen2 always has q/k/v
-  biases; Qwen3 always has q/k norms. Other fields (dropout, initializer range, ...) do not
+  biases; Qwen3 and Qwen3-MoE always have q/k norms; Qwen3-MoE's expert fields are read by
+  `_moe_fields`. Other fields (dropout, initializer range, ...) do not
   affect the forward and are ignored.
 
   Args:
@@ -172,22 +200,33 @@ def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32"
       rope_scaling=scaling,
       rms_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
       qkv_bias=arch == "Qwen2ForCausalLM",
-      qk_norm=arch == "Qwen3ForCausalLM",
+      qk_norm=arch in ("Qwen3ForCausalLM", _QWEN3_MOE),
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
       param_dtype=param_dtype,
       max_seq_len=int(hf_config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])),
       eos_token_ids=eos_token_ids(hf_config, generation_config),
+      **(_moe_fields(hf_config) if arch == _QWEN3_MOE else {}),
   )
 
 
 def architecture_for(cfg: ModelConfig) -> str:
-  """The HF architecture that expresses `cfg`: Qwen3 if qk_norm, Qwen2 if qkv_bias, else Llama.
+  """The HF architecture that expresses `cfg`: Qwen3-MoE if it has experts, Qwen3 if qk_norm,
+  Qwen2 if qkv_bias, else Llama.
 
   Raises:
-    ValueError: if cfg has both qkv_bias and qk_norm (no supported HF architecture has both).
+    ValueError: if cfg has both qkv_bias and qk_norm (no supported HF architecture has both), or
+      experts that Qwen3-MoE cannot express (it needs qk_norm, no qkv_bias, router_softmax="all",
+      no router bias).
   """
   if hf_gpt_oss.is_gpt_oss(cfg):
     return hf_gpt_oss.ARCHITECTURE
+  if cfg.n_experts:
+    if not cfg.qk_norm or cfg.qkv_bias or cfg.router_softmax != "all" or cfg.router_bias:
+      raise ValueError(f"No supported HF architecture expresses this MoE ModelConfig: "
+                       f"{_QWEN3_MOE} needs qk_norm=True, qkv_bias=False, router_softmax='all', "
+                       f"router_bias=False (got {cfg.qk_norm}, {cfg.qkv_bias}, "
+                       f"{cfg.router_softmax!r}, {cfg.router_bias}).")
+    return _QWEN3_MOE
   if cfg.qkv_bias and cfg.qk_norm:
     raise ValueError("ModelConfig with both qkv_bias and qk_norm has no HF architecture among "
                      f"{SUPPORTED_ARCHITECTURES}.")
@@ -238,9 +277,12 @@ def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
   if cfg.attention_sinks or cfg.o_bias or cfg.layer_windows is not None:
     raise ValueError(f"{arch} cannot express attention sinks, an o_proj bias or sliding-window "
                      f"layers; only {hf_gpt_oss.ARCHITECTURE} has them (with its experts).")
-  if cfg.qkv_bias != (arch == "Qwen2ForCausalLM") or cfg.qk_norm != (arch == "Qwen3ForCausalLM"):
+  if (cfg.qkv_bias != (arch == "Qwen2ForCausalLM")
+      or cfg.qk_norm != (arch in ("Qwen3ForCausalLM", _QWEN3_MOE))
+      or (cfg.n_experts > 0) != (arch == _QWEN3_MOE)):
     raise ValueError(f"{arch} cannot express ModelConfig(qkv_bias={cfg.qkv_bias}, "
-                     f"qk_norm={cfg.qk_norm}); use {architecture_for(cfg)}.")
+                     f"qk_norm={cfg.qk_norm}, n_experts={cfg.n_experts}); use "
+                     f"{architecture_for(cfg)}.")
   out = {
       "architectures": [arch],
       "model_type": _MODEL_TYPE[arch],
@@ -270,4 +312,9 @@ def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
                layer_types=["full_attention"] * cfg.n_layers)
+  if arch == _QWEN3_MOE:
+    out.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_per_tok,
+               moe_intermediate_size=cfg.moe_d_ff, norm_topk_prob=cfg.norm_topk_prob,
+               decoder_sparse_step=cfg.decoder_sparse_step,
+               mlp_only_layers=list(cfg.mlp_only_layers), output_router_logits=False)
   return out

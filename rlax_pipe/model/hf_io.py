@@ -18,7 +18,11 @@ no permutation.
 GPT-OSS (`GptOssForCausalLM`: sinks, sliding windows, attention biases, experts with biases,
 MXFP4 expert weights dequantized on import) maps through `hf_gpt_oss`.
 
-Supported: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) with SiLU MLPs, RoPE unscaled or
+Supported: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 attention; MoE
+layers per decoder_sparse_step / mlp_only_layers, router `mlp.gate` [X, E], experts read per
+expert `mlp.experts.{j}.{gate,up,down}_proj` as published and as save_pretrained writes them, or
+fused `mlp.experts.gate_up_proj` [X, 2F, E] / `down_proj` [X, E, F] as transformers 5 holds them;
+written per expert) with SiLU MLPs, RoPE unscaled or
 with linear / llama3 / yarn scaling (Llama 3.1-3.3, Qwen2.5 / Qwen3 long-context configs), full
 attention in every layer, tied or untied embeddings; the EOS ids of config.json and
 generation_config.json are carried into `ModelConfig.eos_token_ids` (`hf_config`). Anything else
@@ -82,7 +86,19 @@ _LAYER_TENSORS = {
     "w_gate": ("mlp.gate_proj.weight", 1),
     "w_up": ("mlp.up_proj.weight", 1),
     "w_down": ("mlp.down_proj.weight", 1),
+    "router": ("mlp.gate.weight", 1),
 }
+# MoE expert weights (Qwen3-MoE): ours [X, ...] per layer; HF per expert j (the layout of the
+# published checkpoints and of transformers' save_pretrained) inside `model.layers.{i}.`:
+_EXPERT_TENSORS = {
+    "experts_gate": "mlp.experts.{j}.gate_proj.weight",  # [F, E] <- ours [E, F]
+    "experts_up": "mlp.experts.{j}.up_proj.weight",      # [F, E]
+    "experts_down": "mlp.experts.{j}.down_proj.weight",  # [E, F] <- ours [F, E]
+}
+# ... or fused, as transformers 5 holds them in memory (save_pretrained(save_original_format=
+# False) writes this): gate_up_proj [X, 2F, E] (gate rows first), down_proj [X, E, F].
+_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+_FUSED_DOWN = "mlp.experts.down_proj"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,14 +179,41 @@ def _index_tensors(files: list[pathlib.Path]) -> dict[str, _TensorRef]:
 Kind = int | str  # layout kind, see _TOP_TENSORS
 
 
-def _hf_names(cfg: ModelConfig) -> dict[tuple[Any, ...], tuple[str, Kind]]:
-  """Our param path ("embed",) or ("layers", name, i) -> (HF tensor name, layout kind)."""
+_STACKS = ("layers", "moe_layers")
+
+
+def _stack_layers(cfg: ModelConfig, stack: str) -> list[int]:
+  """Model layer indices of the blocks of params[stack], in stack order."""
+  return [i for i, moe in enumerate(cfg.layer_is_moe) if moe == (stack == "moe_layers")]
+
+
+def _hf_names(cfg: ModelConfig, fused_experts: bool = False
+              ) -> dict[tuple[Any, ...], tuple[str, Kind]]:
+  """Our param path -> (HF tensor name, layout kind), in HF's order (by model layer).
+
+  Paths: ("embed",), (stack, name, i) for block i of params[stack] ("layers" / "moe_layers"),
+  (stack, name, i, j) for expert j of an expert weight. With fused_experts, the expert weights
+  map as ("moe_layers", "experts_gate_up", i) -> (gate_up_proj, "gate_up") and
+  ("moe_layers", "experts_down", i) -> (down_proj, "xdown") instead.
+  """
   specs = transformer.param_specs(cfg)
-  names = {(k,): _TOP_TENSORS[k] for k in specs if k != "layers"}
-  for i in range(cfg.n_layers):
-    for k in specs["layers"]:
+  names = {(k,): _TOP_TENSORS[k] for k in specs if k not in _STACKS}
+  index = {g: (stack, i) for stack in _STACKS if stack in specs
+           for i, g in enumerate(_stack_layers(cfg, stack))}
+  for g in range(cfg.n_layers):
+    stack, i = index[g]
+    for k in specs[stack]:
+      if k in _EXPERT_TENSORS:
+        if not fused_experts:
+          for j in range(cfg.n_experts):
+            names[(stack, k, i, j)] = (f"model.layers.{g}.{_EXPERT_TENSORS[k].format(j=j)}", 1)
+        elif k == "experts_gate":
+          names[(stack, "experts_gate_up", i)] = (f"model.layers.{g}.{_FUSED_GATE_UP}", "gate_up")
+        elif k == "experts_down":
+          names[(stack, k, i)] = (f"model.layers.{g}.{_FUSED_DOWN}", "xdown")
+        continue
       hf, kind = _LAYER_TENSORS[k]
-      names[("layers", k, i)] = (f"model.layers.{i}.{hf}", kind)
+      names[(stack, k, i)] = (f"model.layers.{g}.{hf}", kind)
   return names
 
 
@@ -275,7 +318,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
   refs = _index_tensors(files)
   if hf_gpt_oss.is_gpt_oss(cfg):
     return _load_gpt_oss(cfg, refs, files, param_dtype, shardings)
-  names = _hf_names(cfg)
+  names = _hf_names(cfg, fused_experts=any(n.endswith(_FUSED_GATE_UP) for n in refs))
   _check_names(refs, {hf for hf, _ in names.values()}, cfg, files)
   cfg = dataclasses.replace(
       cfg, param_dtype=_resolve_dtype(refs, [hf for hf, _ in names.values()], param_dtype))
@@ -288,18 +331,42 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
                        f"implies {_hf_shape(shape, kind)}.")
     return _to_ours(_read_tensor(ref), shape, kind)
 
+  def read_fused(hf_name: str, kind: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Fused expert tensor -> ours: gate_up [X, 2F, E] -> (gate, up) [X, E, F] each, stacked on
+    a new leading axis; down [X, E, F] -> [X, F, E]."""
+    x, a, b = shape  # ours: [X, E, F] (gate / up) or [X, F, E] (down)
+    ref = refs[hf_name]
+    want = (x, 2 * b, a) if kind == "gate_up" else (x, b, a)
+    if ref.shape != want:
+      raise ValueError(f"Tensor {hf_name!r} in {ref.file} has shape {ref.shape}; config.json "
+                       f"implies {want}.")
+    arr = np.swapaxes(_read_tensor(ref), 1, 2)
+    return np.stack([arr[..., :b], arr[..., b:]]) if kind == "gate_up" else arr
+
   specs = transformer.param_specs(cfg)
-  params: dict[str, Any] = {"layers": {}}
+  params: dict[str, Any] = {}
   for key, spec in specs.items():
-    if key != "layers":
+    if key not in _STACKS:
       shape, hf_name, kind = spec[0], *names[(key,)]
       params[key] = _place(np.array(read(hf_name, shape, kind), dtype), shardings, (key,))
-  for key, (shape, _) in specs["layers"].items():
-    stacked = np.empty(shape, dtype)
-    for i in range(cfg.n_layers):
-      hf_name, kind = names[("layers", key, i)]
-      stacked[i] = read(hf_name, shape[1:], kind)
-    params["layers"][key] = _place(stacked, shardings, ("layers", key))
+  for stack in _STACKS:
+    if stack not in specs:
+      continue
+    params[stack] = {}
+    for key, (shape, _) in specs[stack].items():
+      stacked = np.empty(shape, dtype)
+      for i in range(shape[0]):
+        if key in _EXPERT_TENSORS and (stack, key, i, 0) in names:
+          for j in range(shape[1]):
+            stacked[i, j] = read(*names[(stack, key, i, j)][:1], shape[2:], 1)
+        elif key in ("experts_gate", "experts_up"):
+          hf_name, kind = names[(stack, "experts_gate_up", i)]
+          stacked[i] = read_fused(hf_name, kind, shape[1:])[int(key == "experts_up")]
+        else:
+          hf_name, kind = names[(stack, key, i)]
+          stacked[i] = (read_fused(hf_name, kind, shape[1:]) if kind == "xdown"
+                        else read(hf_name, shape[1:], kind))
+      params[stack][key] = _place(stacked, shardings, (stack, key))
   return cfg, params
 
 
@@ -356,10 +423,10 @@ def _plan_shards(sizes: list[int], max_shard_bytes: int | None) -> list[list[int
 
 def _check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
   """Raises unless params has exactly the arrays and shapes `param_specs(cfg)` asks for."""
-  def flat(tree, leaf):  # layer stacks ("layers", "moe_layers") are the dict-valued entries
-    out = {k: leaf(v) for k, v in tree.items() if not isinstance(v, Mapping)}
-    for stack in (k for k, v in tree.items() if isinstance(v, Mapping)):
-      out.update({f"{stack}/{k}": leaf(v) for k, v in tree[stack].items()})
+  def flat(tree, leaf):
+    out = {k: leaf(v) for k, v in tree.items() if k not in _STACKS}
+    for stack in _STACKS:
+      out.update({f"{stack}/{k}": leaf(v) for k, v in tree.get(stack, {}).items()})
     return out
   want = flat(transformer.param_specs(cfg), lambda spec: spec[0])
   have = flat(params, lambda a: tuple(a.shape))
@@ -429,11 +496,16 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
   # Imported here: reading needs no safetensors package, so neither does importing the model.
   from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
   params = jax.tree.map(np.asarray, params)
+  def tensor(p):  # (name,), (stack, name, i) or (stack, name, i, expert j)
+    arr = params[p[0]]
+    for key in p[1:]:
+      arr = arr[key]
+    return arr
   if hf_gpt_oss.is_gpt_oss(cfg):
     entries = _gpt_oss_entries(params, cfg)
   else:
-    entries = [(hf_name, params["layers"][p[1]][p[2]] if p[0] == "layers" else params[p[0]],
-                kind) for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
+    entries = [(hf_name, tensor(p), kind)
+               for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
   shards = _plan_shards([arr.nbytes for _, arr, _ in entries], max_shard_bytes)
   n = len(shards)
   file_names = ([_SINGLE_FILE] if n == 1 else

@@ -245,3 +245,47 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
                        limit=limit)
   return (out, experts_Tk, load_balance_loss(logits, experts_Tk, mask_T),
           z_loss(logits, mask_T))
+
+
+def upcycle(cfg, params: dict[str, Any], n_experts: int, n_experts_per_tok: int,
+            rng: jax.Array, router_std: float = 0.02, **moe_fields):
+  """Sparse upcycling (Komatsuzaki et al. 2022): a dense model's every MLP becomes an MoE layer
+  whose X experts are copies of that MLP, with a fresh router ~ N(0, router_std^2).
+
+  With norm_topk_prob (the default here) the k routing weights sum to 1, so while the experts
+  are still equal the MoE model computes exactly the dense model's function (to fp32 rounding);
+  training then lets the experts diverge. Used to start a tiny MoE from the shipped dense SFT
+  warm start (`RunConfig.init="builtin_moe"`).
+
+  Args:
+    cfg: the dense model's `ModelConfig` (n_experts == 0).
+    params: its params (`transformer.param_specs(cfg)` layout, numpy or jax).
+    n_experts, n_experts_per_tok: X >= 2 and k in [1, X].
+    rng: PRNG key of the router weights.
+    router_std: standard deviation of the router weights (> 0).
+    **moe_fields: further `ModelConfig` MoE fields (e.g. router_aux_loss_coef).
+
+  Returns:
+    (moe_cfg, moe_params): every layer MoE (moe_d_ff = d_ff), params in its layout (numpy).
+
+  Raises:
+    ValueError: cfg already has experts (or the MoE fields are invalid, from ModelConfig).
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  if cfg.n_experts:
+    raise ValueError(f"upcycle needs a dense model; this one has n_experts={cfg.n_experts}.")
+  moe_cfg = dataclasses.replace(cfg, n_experts=n_experts, n_experts_per_tok=n_experts_per_tok,
+                                moe_d_ff=cfg.d_ff, **{"norm_topk_prob": True, **moe_fields})
+  layers = {k: np.asarray(v) for k, v in params["layers"].items()}
+  moe_layers = {k: v for k, v in layers.items() if k not in ("w_gate", "w_up", "w_down")}
+  for ours, dense in (("experts_gate", "w_gate"), ("experts_up", "w_up"),
+                      ("experts_down", "w_down")):
+    moe_layers[ours] = np.repeat(layers[dense][:, None], n_experts, axis=1)
+  dtype = layers["wq"].dtype
+  moe_layers["router"] = np.asarray(router_std * jax.random.normal(
+      rng, (cfg.n_layers, cfg.d_model, n_experts)), dtype)
+  if moe_cfg.router_bias:
+    moe_layers["router_bias"] = np.zeros((cfg.n_layers, n_experts), dtype)
+  out = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+  out["moe_layers"] = moe_layers
+  return moe_cfg, out

@@ -21,6 +21,8 @@ from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.tokenizer import PromptFormat
 
 BUILTIN_INIT = "builtin"
+# The shipped SFT warm start upcycled to a tiny MoE (`model.moe.upcycle`; 4 experts, top-2).
+BUILTIN_MOE_INIT = "builtin_moe"
 
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
 MODES: tuple[str, ...] = ("reproducible", "threaded")
@@ -203,8 +205,9 @@ class RunConfig:
 
   Attributes:
     run_dir: output directory (created; reused with resume=True).
-    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task), or an
-      HF model directory (config.json + *.safetensors; its tokenizer and generation_config.json
+    init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task),
+      "builtin_moe" (the same, sparsely upcycled to 4 experts, top-2, in every layer: the tiny
+      MoE of `configs/pipeline_rl.py:tiny_moe`), or an HF model directory (config.json + *.safetensors; its tokenizer and generation_config.json
       are used when present).
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
     jsonl_path: problems file of the JSONL task (or task_config.path).

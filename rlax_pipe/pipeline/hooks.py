@@ -31,10 +31,12 @@ from rlax_pipe.run_dir import to_jsonable
 from rlax_pipe.sampler import SamplerEngine
 from rlax_pipe.types import WeightUpdate
 
-# Learner metrics copied into each train row when present (kl_ref: only with objective.kl on).
+# Learner metrics copied into each train row when present (kl_ref: only with objective.kl on;
+# moe_*: only for MoE models).
 ROW_METRICS = ("loss", "ess", "ratio_mean", "ratio_var", "ratio_min", "ratio_max", "kl_k3",
                "entropy", "frac_truncated", "frac_masked", "grad_norm", "learning_rate",
-               "logp_mismatch_mean", "logp_mismatch_max", "is_finite", "kl_ref")
+               "logp_mismatch_mean", "logp_mismatch_max", "is_finite", "kl_ref",
+               "moe_load_balance_loss", "moe_z_loss")
 
 
 class StepHook(Protocol):

@@ -43,12 +43,12 @@ from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.learner import Learner
-from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io
+from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, moe
 from rlax_pipe.pipeline import config_checks
 from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import record as record_lib
-from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig
+from rlax_pipe.pipeline.config import BUILTIN_INIT, BUILTIN_MOE_INIT, RunConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
@@ -67,12 +67,16 @@ def builtin_warm_start_path() -> pathlib.Path:
 
 
 def load_initial_params(init: str, param_dtype: str = "float32"):
-  """(ModelConfig, host params) from "builtin" or an HF-format directory.
+  """(ModelConfig, host params) from "builtin", "builtin_moe" or an HF-format directory.
 
   Raises:
     ConfigError: naming RunConfig.init, the path and how to create it, or what the HF loader
       found wrong with the directory.
   """
+  if init == BUILTIN_MOE_INIT:  # the dense warm start, upcycled (same function at step 0)
+    return moe.upcycle(*load_initial_params(BUILTIN_INIT, param_dtype), n_experts=4,
+                       n_experts_per_tok=2, rng=jax.random.key(0),
+                       router_aux_loss_coef=0.01, router_z_loss_coef=0.001)
   path = builtin_warm_start_path() if init == BUILTIN_INIT else pathlib.Path(init)
   if not (path / "config.json").exists():
     hint = ("run `python experiments/sft.py --config.out_dir=rlax_pipe/assets/sft_arithmetic`"
@@ -217,7 +221,7 @@ def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
 
 def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `cfg.tokenizer_path`, else of the init directory, else the shipped one."""
-  init = None if cfg.init == BUILTIN_INIT else cfg.init
+  init = None if cfg.init in (BUILTIN_INIT, BUILTIN_MOE_INIT) else cfg.init
   field = "tokenizer_path" if cfg.tokenizer_path is not None else "init"
   try:
     return model_dir.tokenizer_for(init, cfg.tokenizer_path, cfg.prompt_format)[0]

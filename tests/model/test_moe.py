@@ -219,3 +219,21 @@ def test_dense_model_reports_no_moe():
   assert out is None and cache is None and logits.shape == (1, 3, 32)
   with pytest.raises(ValueError, match="no MoE layer"):
     model.forward(params, tokens, pos, cfg, routes_BTLk=jnp.zeros((1, 3, 1, 2), jnp.int32))
+
+
+def test_upcycled_dense_model_computes_the_same_function():
+  """Sparse upcycling: equal experts and renormalised top-k weights give the dense logits."""
+  dense = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      head_dim=8, d_ff=24)
+  params = _params(dense)
+  moe_cfg, moe_params = moe.upcycle(dense, params, 4, 2, jax.random.key(1), router_std=1.0,
+                                    router_z_loss_coef=1e-3)
+  assert moe_cfg.layer_is_moe == (True, True) and moe_cfg.router_z_loss_coef == 1e-3
+  assert set(moe_params) == {"embed", "final_norm", "moe_layers"}
+  tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, 32)
+  pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+  fwd = jax.jit(model.forward, static_argnums=3)
+  np.testing.assert_allclose(fwd(moe_params, tokens, pos, moe_cfg)[0],
+                             fwd(params, tokens, pos, dense)[0], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="dense model"):
+    moe.upcycle(moe_cfg, moe_params, 4, 2, jax.random.key(1))
