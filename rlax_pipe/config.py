@@ -11,7 +11,9 @@ import math
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "yarn")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 ROUTER_SOFTMAX: tuple[str, ...] = ("all", "topk")  # `model.moe.route`
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("swiglu", "gpt_oss")  # `model.moe.expert_glu`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,15 @@ class ModelConfig:
     max_seq_len: longest sequence (tokens, prompt + completion) the model will be asked to run.
     eos_token_ids: token ids that end a completion (any of them), e.g. from an HF checkpoint's
       config.json and generation_config.json; () = none declared here.
+    o_bias: add a bias to the attention output projection (GPT-OSS `attention_bias`, which
+      also sets qkv_bias).
+    attention_sinks: one learned sink logit per query head that joins every softmax over keys
+      and takes probability mass without contributing a value (GPT-OSS; Xiao et al. 2023,
+      "Efficient Streaming Language Models with Attention Sinks", as a learned logit).
+    sliding_window: W, tokens a sliding-window layer sees: a query at position p attends to keys
+      at positions p - W + 1 .. p (HF `sliding_window`); >= 1, or None = no windowed layers.
+    layer_types: one entry per layer, each "full_attention" or "sliding_attention" (HF
+      `layer_types`); () = every layer full. Sliding layers need `sliding_window`.
     n_experts: experts X per mixture-of-experts layer (`model.moe`); 0 = dense model (the
       default: every layer a SwiGLU MLP of width d_ff); >= 2 otherwise.
     n_experts_per_tok: experts k each token is routed to, 1 <= k <= n_experts (MoE only).
@@ -103,6 +114,12 @@ class ModelConfig:
       the loss is 1 at uniform routing; `model.moe.load_balance_loss`).
     router_z_loss_coef: learner weight of the router z-loss (>= 0; 0 = off; ST-MoE uses 1e-3;
       `model.moe.z_loss`).
+    expert_bias: the experts have biases on their gate, up and down projections (GPT-OSS).
+    expert_activation: the experts' gated activation (`model.moe.expert_glu`): "swiglu"
+      (silu(gate) * up) or "gpt_oss" (the clamped variant (up + 1) * gate * sigmoid(alpha *
+      gate), gate <= swiglu_limit, |up| <= swiglu_limit).
+    swiglu_alpha: GPT-OSS's sigmoid gain alpha (> 0; gpt_oss activation only; 1.702).
+    swiglu_limit: GPT-OSS's clamp limit (> 0; gpt_oss activation only; 7.0).
   """
 
   vocab_size: int = 256
@@ -122,6 +139,10 @@ class ModelConfig:
   max_seq_len: int = 512
   rope_scaling: RopeScaling | None = None
   eos_token_ids: tuple[int, ...] = ()
+  o_bias: bool = False
+  attention_sinks: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] = ()
   n_experts: int = 0
   n_experts_per_tok: int = 2
   moe_d_ff: int = 256
@@ -132,8 +153,14 @@ class ModelConfig:
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
   router_z_loss_coef: float = 0.0
+  expert_bias: bool = False
+  expert_activation: str = "swiglu"
+  swiglu_alpha: float = 1.702
+  swiglu_limit: float = 7.0
 
   def __post_init__(self):
+    if isinstance(self.layer_types, list):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if isinstance(self.mlp_only_layers, list):
       object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -158,7 +185,33 @@ class ModelConfig:
         isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
       raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of "
                        f"token ids in [0, vocab_size={self.vocab_size}).")
+    self._validate_attention_layers()
     self._validate_moe()
+
+  def _validate_attention_layers(self):
+    if self.sliding_window is not None and (
+        not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+      raise ValueError(f"ModelConfig.sliding_window={self.sliding_window!r} must be an int >= 1 "
+                       "(tokens) or None.")
+    if self.layer_types:
+      if len(self.layer_types) != self.n_layers:
+        raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries; set one "
+                         f"per layer (n_layers={self.n_layers}) or () for all full attention.")
+      bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+      if bad:
+        raise ValueError(f"ModelConfig.layer_types contains {bad}; choose from {LAYER_TYPES}.")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("ModelConfig.layer_types has 'sliding_attention' layers but "
+                         "sliding_window is None; set --config.model.sliding_window.")
+
+  @property
+  def layer_windows(self) -> tuple[int, ...] | None:
+    """Per-layer attention window in tokens (0 = full attention), or None when no layer is
+    windowed (the dense path is then exactly the unwindowed one)."""
+    if self.sliding_window is None or "sliding_attention" not in self.layer_types:
+      return None
+    return tuple(self.sliding_window if t == "sliding_attention" else 0
+                 for t in self.layer_types)
 
   def _validate_moe(self):
     """Raises a ValueError naming the ModelConfig field of an invalid MoE setting and the fix."""
@@ -180,6 +233,13 @@ class ModelConfig:
     if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
       raise ValueError(f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r} must be "
                        f"distinct layer indices in [0, n_layers={self.n_layers}).")
+    if self.expert_activation not in EXPERT_ACTIVATIONS:
+      raise ValueError(f"--config.model.expert_activation={self.expert_activation!r}; choose one "
+                       f"of {EXPERT_ACTIVATIONS}.")
+    for name in ("swiglu_alpha", "swiglu_limit"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"--config.model.{name}={value} must be finite and > 0.")
     if self.n_experts:
       if not isinstance(self.n_experts_per_tok, int) or not (
           1 <= self.n_experts_per_tok <= self.n_experts):

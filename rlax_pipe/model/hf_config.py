@@ -1,9 +1,11 @@
-"""HF `config.json` <-> `ModelConfig` (Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LMs), for `hf_io`.
+"""HF `config.json` <-> `ModelConfig` (Llama / Qwen2 / Qwen3 / Qwen3-MoE / GPT-OSS causal LMs),
+for `hf_io`.
 
 Reads every field that changes the forward pass (sizes, RoPE base and scaling, norms, biases,
 tying) and the end-of-sequence ids of config.json and generation_config.json; refuses, naming
 the field, anything the built-in model cannot run (sliding windows, biases it has no weights
-for, other activations, quantization, other RoPE types).
+for, other activations, quantization, other RoPE types) outside GPT-OSS, whose mapping (sinks,
+sliding windows, attention biases, experts, MXFP4) lives in `hf_gpt_oss`.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlax_pipe.config import ModelConfig, RopeScaling
-from rlax_pipe.model import rotary
+from rlax_pipe.model import hf_gpt_oss, rotary
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # HF's class defaults for fields a config.json may omit.
@@ -123,7 +125,9 @@ def _check_full_attention(hf_config: Mapping[str, Any], n_layers: int) -> None:
 
 def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32",
                    generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
-  """Maps a HF `config.json` dict (Llama / Qwen2 / Qwen3 causal LM) to a `ModelConfig`.
+  """Maps a HF `config.json` dict (Llama / Qwen2 / Qwen3 / GPT-OSS causal LM) to a `ModelConfig`.
+
+  GPT-OSS configs are mapped by `hf_gpt_oss.config_from_hf` (sinks, sliding windows, experts).
 
   Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default: no
   GQA), head_dim (default hidden_size / num_attention_heads), intermediate_size, vocab_size,
@@ -153,6 +157,10 @@ def config_from_hf(hf_config: Mapping[str, Any], *, param_dtype: str = "float32"
     >>> cfg = config_from_hf(json.load(open("ckpt/config.json")))
   """
   arch = _architecture(hf_config)
+  if arch == hf_gpt_oss.ARCHITECTURE:
+    return hf_gpt_oss.config_from_hf(hf_config, param_dtype=param_dtype,
+                                     eos_ids=eos_token_ids(hf_config, generation_config),
+                                     rope=_rope)
   required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "intermediate_size")
   missing = [k for k in required if hf_config.get(k) is None]
@@ -210,6 +218,8 @@ def architecture_for(cfg: ModelConfig) -> str:
       experts that Qwen3-MoE cannot express (it needs qk_norm, no qkv_bias, router_softmax="all",
       no router bias).
   """
+  if hf_gpt_oss.is_gpt_oss(cfg):
+    return hf_gpt_oss.ARCHITECTURE
   if cfg.n_experts:
     if not cfg.qk_norm or cfg.qkv_bias or cfg.router_softmax != "all" or cfg.router_bias:
       raise ValueError(f"No supported HF architecture expresses this MoE ModelConfig: "
@@ -223,6 +233,17 @@ def architecture_for(cfg: ModelConfig) -> str:
   if cfg.qk_norm:
     return "Qwen3ForCausalLM"
   return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+
+
+def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
+  """config.json's rope_theta, legacy rope_scaling and v5 rope_parameters entries of cfg."""
+  return {
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if cfg.rope_scaling is None else rotary.scaling_to_hf(cfg.rope_scaling),
+      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} if (
+          cfg.rope_scaling is None) else {**rotary.scaling_to_hf(cfg.rope_scaling),
+                                          "rope_theta": cfg.rope_theta},
+  }
 
 
 def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
@@ -247,13 +268,21 @@ def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
   arch = architecture_for(cfg) if architecture is None else architecture
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"Unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}.")
+  dtype = cfg.param_dtype if dtype is None else dtype
+  if arch == hf_gpt_oss.ARCHITECTURE or hf_gpt_oss.is_gpt_oss(cfg):
+    if arch != hf_gpt_oss.ARCHITECTURE:
+      raise ValueError(f"{arch} cannot express a GPT-OSS ModelConfig (expert_activation="
+                       f"'gpt_oss'); use {hf_gpt_oss.ARCHITECTURE}.")
+    return hf_gpt_oss.config_to_hf(cfg, dtype, _rope_fields(cfg))
+  if cfg.attention_sinks or cfg.o_bias or cfg.layer_windows is not None:
+    raise ValueError(f"{arch} cannot express attention sinks, an o_proj bias or sliding-window "
+                     f"layers; only {hf_gpt_oss.ARCHITECTURE} has them (with its experts).")
   if (cfg.qkv_bias != (arch == "Qwen2ForCausalLM")
       or cfg.qk_norm != (arch in ("Qwen3ForCausalLM", _QWEN3_MOE))
       or (cfg.n_experts > 0) != (arch == _QWEN3_MOE)):
     raise ValueError(f"{arch} cannot express ModelConfig(qkv_bias={cfg.qkv_bias}, "
                      f"qk_norm={cfg.qk_norm}, n_experts={cfg.n_experts}); use "
                      f"{architecture_for(cfg)}.")
-  dtype = cfg.param_dtype if dtype is None else dtype
   out = {
       "architectures": [arch],
       "model_type": _MODEL_TYPE[arch],
@@ -267,11 +296,7 @@ def config_to_hf(cfg: ModelConfig, *, architecture: str | None = None,
       "hidden_act": "silu",
       "max_position_embeddings": cfg.max_seq_len,
       "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None if cfg.rope_scaling is None else rotary.scaling_to_hf(cfg.rope_scaling),
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta} if (
-          cfg.rope_scaling is None) else {**rotary.scaling_to_hf(cfg.rope_scaling),
-                                          "rope_theta": cfg.rope_theta},
+      **_rope_fields(cfg),
       "tie_word_embeddings": cfg.tie_embeddings,
       "attention_dropout": 0.0,
       "torch_dtype": dtype,

@@ -15,6 +15,9 @@ w_gate [E, F], lm_head [V, E] -> lm_head [E, V]. Per-layer tensors are stacked o
 HF's RoPE (`rotate_half`) uses the same half-split convention as `transformer.rope`, so q/k need
 no permutation.
 
+GPT-OSS (`GptOssForCausalLM`: sinks, sliding windows, attention biases, experts with biases,
+MXFP4 expert weights dequantized on import) maps through `hf_gpt_oss`.
+
 Supported: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm) and Qwen3-MoE (Qwen3 attention; MoE
 layers per decoder_sparse_step / mlp_only_layers, router `mlp.gate` [X, E], experts read per
 expert `mlp.experts.{j}.{gate,up,down}_proj` as published and as save_pretrained writes them, or
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.model import transformer
+from rlax_pipe.model import hf_gpt_oss, transformer
 # Config mapping lives in hf_config; re-exported here, the module users import.
 from rlax_pipe.model.hf_config import (  # pylint: disable=unused-import
     SUPPORTED_ARCHITECTURES, architecture_for, config_from_hf, config_to_hf, eos_token_ids)
@@ -53,7 +56,8 @@ _CONFIG_FILE = "config.json"
 _GENERATION_FILE = "generation_config.json"
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+              "U8": "uint8"}  # U8: MXFP4 blocks / scales of GPT-OSS experts
 _MAX_HEADER_BYTES = 100 * 2**20
 # Non-parameter buffers some older exports contain; recomputed from rope_theta, so skipped.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -312,6 +316,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
   cfg = config_from_hf(hf_config, generation_config=generation)
   files = _checkpoint_files(path)
   refs = _index_tensors(files)
+  if hf_gpt_oss.is_gpt_oss(cfg):
+    return _load_gpt_oss(cfg, refs, files, param_dtype, shardings)
   names = _hf_names(cfg, fused_experts=any(n.endswith(_FUSED_GATE_UP) for n in refs))
   _check_names(refs, {hf for hf, _ in names.values()}, cfg, files)
   cfg = dataclasses.replace(
@@ -364,6 +370,35 @@ def load_hf_checkpoint(path: str | os.PathLike, *, param_dtype: str | None = Non
   return cfg, params
 
 
+def _load_gpt_oss(cfg: ModelConfig, refs: Mapping[str, _TensorRef], files: list[pathlib.Path],
+                  param_dtype: str | None, shardings) -> tuple[ModelConfig, dict[str, Any]]:
+  """`load_hf_checkpoint` for GPT-OSS: names and layouts from `hf_gpt_oss` (MXFP4 experts are
+  dequantized); every layer is MoE, so the blocks stack under params["moe_layers"]."""
+  expected = hf_gpt_oss.hf_tensor_names(cfg, set(refs))
+  _check_names(refs, expected, cfg, files)
+  floats = [n for n in expected if refs[n].dtype != np.uint8]
+  cfg = dataclasses.replace(cfg, param_dtype=_resolve_dtype(refs, floats, param_dtype))
+  dtype = jnp.dtype(cfg.param_dtype)
+  read = lambda name: _read_tensor(refs[name])
+  top = {"embed": ("model.embed_tokens.weight", "same"), "final_norm": ("model.norm.weight",
+                                                                       "vec"),
+         "lm_head": ("lm_head.weight", 1)}
+  specs = transformer.param_specs(cfg)
+  params: dict[str, Any] = {}
+  for key in (k for k in specs if k in top):
+    shape, (hf_name, kind) = specs[key][0], top[key]
+    if refs[hf_name].shape != _hf_shape(shape, kind):
+      raise ValueError(f"Tensor {hf_name!r} has shape {refs[hf_name].shape}; config.json "
+                       f"implies {_hf_shape(shape, kind)}.")
+    params[key] = _place(np.array(_to_ours(read(hf_name), shape, kind), dtype), shardings,
+                         (key,))
+  layers = [hf_gpt_oss.layer_from_hf(read, set(refs), i, cfg) for i in range(cfg.n_layers)]
+  params["moe_layers"] = {
+      key: _place(np.stack([lp[key] for lp in layers]).astype(dtype), shardings,
+                  ("moe_layers", key)) for key in specs["moe_layers"]}
+  return cfg, params
+
+
 # ------------------------------------------------------------------------------------------------
 # Export.
 
@@ -399,6 +434,18 @@ def _check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     if want.get(name) != have.get(name):
       raise ValueError(f"params {name} has shape {have.get(name)}; cfg implies {want.get(name)} "
                        "(None = absent; check qkv_bias, qk_norm, tie_embeddings).")
+
+
+def _gpt_oss_entries(params: Mapping[str, Any], cfg: ModelConfig) -> list[tuple[str, Any, Kind]]:
+  """(HF name, HF-layout array, "same") of every GPT-OSS tensor, embedding first."""
+  entries = [("model.embed_tokens.weight", params["embed"], "same")]
+  for i in range(cfg.n_layers):
+    lp = {k: v[i] for k, v in params["moe_layers"].items()}
+    entries += [(n, a, "same") for n, a in hf_gpt_oss.layer_to_hf(lp, i, cfg).items()]
+  entries.append(("model.norm.weight", params["final_norm"], "same"))
+  if not cfg.tie_embeddings:
+    entries.append(("lm_head.weight", np.ascontiguousarray(params["lm_head"].T), "same"))
+  return entries
 
 
 def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: ModelConfig, *,
@@ -454,8 +501,11 @@ def save_hf_checkpoint(path: str | os.PathLike, params: Mapping[str, Any], cfg: 
     for key in p[1:]:
       arr = arr[key]
     return arr
-  entries = [(hf_name, tensor(p), kind)
-             for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
+  if hf_gpt_oss.is_gpt_oss(cfg):
+    entries = _gpt_oss_entries(params, cfg)
+  else:
+    entries = [(hf_name, tensor(p), kind)
+               for p, (hf_name, kind) in _hf_names(cfg).items()]  # in HF's tensor order
   shards = _plan_shards([arr.nbytes for _, arr, _ in entries], max_shard_bytes)
   n = len(shards)
   file_names = ([_SINGLE_FILE] if n == 1 else

@@ -36,16 +36,34 @@ class KVCache(Protocol):
   """What `transformer.forward` needs from a cache (a pytree)."""
 
   def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
-    """Writes new K/V of `layer` for valid tokens, then attends. Returns (out_BTHD, cache)."""
+    """Writes new K/V of `layer` for valid tokens, then attends. Returns (out_BTHD, cache).
+
+    Models with sliding-window layers or attention sinks also pass the keywords `window`
+    (int32 scalar, tokens, 0 = full) and `sinks` (float32 [H]); caches that serve them accept
+    these (`DenseKVCache`, the sampler's `PagedKVCache`).
+    """
     ...
 
 
+def window_mask(q_pos, k_pos, window) -> jax.Array:
+  """True where key position k_pos is inside the sliding window of query position q_pos.
+
+  A window of W tokens keeps keys q_pos - W < k_pos (HF `sliding_window_overlay`: the query
+  and the W - 1 tokens before it); W <= 0 means no window (everything True). Arrays broadcast.
+  """
+  return (window <= 0) | (k_pos > q_pos - window)
+
+
 def gqa_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-                  mask_BTS: jax.Array, key_valid_BS: jax.Array | None = None) -> jax.Array:
+                  mask_BTS: jax.Array, key_valid_BS: jax.Array | None = None,
+                  sinks_H: jax.Array | None = None) -> jax.Array:
   """Grouped-query softmax attention with an explicit boolean mask.
 
   out[b, t, h] = sum_s softmax_s(q[b,t,h] . k[b,s,h // G] / sqrt(D) | mask) v[b,s,h // G],
   with G = H / K query heads per kv head (Ainslie et al. 2023, GQA; Vaswani et al. 2017 eq. 1).
+  With sinks, head h's softmax has one more logit, sinks[h], whose probability is dropped:
+  p_s = exp(z_s) / (exp(sinks[h]) + sum_s' exp(z_s')) (GPT-OSS's learned attention sinks;
+  transformers `GptOssAttention`, eager path).
 
   Masked scores and probabilities are selected out with `where`, and values at keys outside
   `key_valid_BS` are replaced by 0 before the weighted sum, so NaN or inf held at such keys
@@ -84,7 +102,13 @@ def gqa_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
                       preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
   mask = mask_BTS[:, None, None, :, :]
   scores = jnp.where(mask, scores, MASK_VALUE)
-  probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+  if sinks_H is None:
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+  else:
+    sinks = sinks_H.astype(jnp.float32).reshape(1, kv, g, 1, 1)
+    m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sinks)
+    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sinks - m))
   v_safe = jnp.where(key_valid_BS[:, :, None, None], v_BSKD, jnp.zeros((), v_BSKD.dtype))
   out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_safe,
                    preferred_element_type=jnp.float32)
@@ -115,7 +139,8 @@ class DenseKVCache:
     shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
+  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT, *,
+                    window=None, sinks=None):
     """Writes K/V of valid tokens of `layer` at their positions, then attends causally.
 
     Args:
@@ -124,6 +149,8 @@ class DenseKVCache:
       k_BTKD, v_BTKD: [B, T, K, D] keys/values of the new tokens (RoPE already applied to k).
       positions_BT: int32 [B, T] absolute position of each new token (< S_max).
       valid_BT: bool [B, T]; invalid tokens (padding) write nothing.
+      window: optional int32 scalar sliding window of this layer (tokens; 0 = full).
+      sinks: optional float32 [H] sink logits of this layer (`gqa_attention`).
 
     Returns:
       (out [B, T, H, D], updated cache). A query at position p sees entries 0..p; entries past
@@ -138,8 +165,10 @@ class DenseKVCache:
     v = self.v.at[layers, rows, write_pos].set(v_BTKD.astype(self.v.dtype), mode="drop")
     key_pos = jnp.arange(s_max)
     mask = key_pos[None, None, :] <= positions_BT[:, :, None]
+    if window is not None:
+      mask = mask & window_mask(positions_BT[:, :, None], key_pos[None, None, :], window)
     live = key_pos[None, :] <= last_valid_position(positions_BT, valid_BT)[:, None]
     layer_k = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False).astype(q_BTHD.dtype)
     layer_v = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False).astype(q_BTHD.dtype)
-    out = gqa_attention(q_BTHD, layer_k, layer_v, mask, key_valid_BS=live)
+    out = gqa_attention(q_BTHD, layer_k, layer_v, mask, key_valid_BS=live, sinks_H=sinks)
     return out, self.replace(k=k, v=v)

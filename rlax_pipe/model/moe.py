@@ -142,9 +142,34 @@ def z_loss(logits_TX: jax.Array, mask_T: jax.Array | None = None) -> jax.Array:
   return jnp.sum(m * lse * lse) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("swiglu", "gpt_oss")
+
+
+def expert_glu(gate: jax.Array, up: jax.Array, activation: str = "swiglu",
+               alpha: float = 1.702, limit: float = 7.0) -> jax.Array:
+  """The experts' gated activation, elementwise on [..., F] gate and up projections.
+
+  "swiglu" (Shazeer 2020, eq. 6): silu(gate) * up. "gpt_oss" (the clamped variant of GPT-OSS;
+  transformers `GptOssExperts._apply_gate`): g = min(gate, limit), u = clip(up, -limit, limit),
+  (u + 1) * g * sigmoid(alpha * g).
+
+  Raises:
+    ValueError: on an unknown activation (the message lists EXPERT_ACTIVATIONS).
+  """
+  if activation == "swiglu":
+    return jax.nn.silu(gate) * up
+  if activation == "gpt_oss":
+    g = jnp.minimum(gate, limit)
+    u = jnp.clip(up, -limit, limit)
+    return (u + 1) * (g * jax.nn.sigmoid(alpha * g))
+  raise ValueError(f"expert activation {activation!r}; choose one of {EXPERT_ACTIVATIONS}.")
+
+
 def grouped_swiglu(x_TE: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array,
                    w_gate_XEF: jax.Array, w_up_XEF: jax.Array,
-                   w_down_XFE: jax.Array) -> jax.Array:
+                   w_down_XFE: jax.Array, *, biases: tuple[jax.Array, ...] | None = None,
+                   activation: str = "swiglu", alpha: float = 1.702,
+                   limit: float = 7.0) -> jax.Array:
   """Dropless expert compute: sum_j weights[t, j] * SwiGLU_{experts[t, j]}(x_t).
 
   Sorts the T*k assignments by expert (stable), runs each expert's SwiGLU
@@ -156,6 +181,9 @@ def grouped_swiglu(x_TE: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
     x_TE: [T, E] token hidden states. experts_Tk: int32 [T, k] in [0, X).
     weights_Tk: [T, k] routing weights.
     w_gate_XEF, w_up_XEF: [X, E, F] stacked expert input projections; w_down_XFE: [X, F, E].
+    biases: optional per-expert biases (gate [X, F], up [X, F], down [X, E]) added after each
+      projection (GPT-OSS).
+    activation, alpha, limit: the gated activation (`expert_glu`; "swiglu" or "gpt_oss").
 
   Returns:
     [T, E] in x's dtype.
@@ -169,7 +197,14 @@ def grouped_swiglu(x_TE: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
   group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
   gate = jax.lax.ragged_dot(x_sorted, w_gate_XEF, group_sizes)
   up = jax.lax.ragged_dot(x_sorted, w_up_XEF, group_sizes)
-  out_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_XFE, group_sizes)
+  if biases is not None:  # per-expert biases, gathered by each sorted assignment's expert
+    expert_sorted = jnp.take(flat, order)
+    b_gate, b_up, b_down = (jnp.take(b, expert_sorted, axis=0) for b in biases)
+    gate, up = gate + b_gate, up + b_up
+  out_sorted = jax.lax.ragged_dot(expert_glu(gate, up, activation, alpha, limit), w_down_XFE,
+                                  group_sizes)
+  if biases is not None:
+    out_sorted = out_sorted + b_down
   out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
   out_TkE = out.reshape(t, k, e)
   return jnp.einsum("tke,tk->te", out_TkE, weights_Tk.astype(x_TE.dtype))
@@ -177,14 +212,18 @@ def grouped_swiglu(x_TE: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
 
 def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str = "all",
               norm_topk_prob: bool = True, experts_Tk: jax.Array | None = None,
-              mask_T: jax.Array | None = None):
+              mask_T: jax.Array | None = None, activation: str = "swiglu",
+              alpha: float = 1.702, limit: float = 7.0):
   """One MoE feed-forward layer on T tokens: route, grouped SwiGLU experts, aux losses.
 
   Args:
     x_TE: [T, E] normalised hidden states (compute dtype).
     p: {"router": [E, X], optional "router_bias": [X], "experts_gate": [X, E, F],
-      "experts_up": [X, E, F], "experts_down": [X, F, E]} (compute dtype).
+      "experts_up": [X, E, F], "experts_down": [X, F, E], optional "experts_gate_bias",
+      "experts_up_bias" [X, F] and "experts_down_bias" [X, E] (all three or none)} (compute
+      dtype).
     k, softmax_over, norm_topk_prob: routing rule (see `route`).
+    activation, alpha, limit: the experts' gated activation (`expert_glu`).
     experts_Tk: optional int32 [T, k] replayed experts (see `route`); None = top-k.
     mask_T: optional [T] real-token mask for the aux losses (routing itself is per token).
 
@@ -199,8 +238,11 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
     logits = logits + p["router_bias"].astype(jnp.float32)[None]
   experts_Tk, w = route(logits, k, softmax_over=softmax_over, norm_topk_prob=norm_topk_prob,
                         experts_Tk=experts_Tk)
+  biases = (p["experts_gate_bias"], p["experts_up_bias"], p["experts_down_bias"]) if (
+      "experts_gate_bias" in p) else None
   out = grouped_swiglu(x_TE, experts_Tk, w, p["experts_gate"], p["experts_up"],
-                       p["experts_down"])
+                       p["experts_down"], biases=biases, activation=activation, alpha=alpha,
+                       limit=limit)
   return (out, experts_Tk, load_balance_loss(logits, experts_Tk, mask_T),
           z_loss(logits, mask_T))
 

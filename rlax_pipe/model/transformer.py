@@ -48,6 +48,10 @@ def _layer_shapes(cfg: ModelConfig, n: int,
     shapes["experts_gate"] = ((n, x, e, fe), ("layers", "expert", "embed", "mlp"))
     shapes["experts_up"] = ((n, x, e, fe), ("layers", "expert", "embed", "mlp"))
     shapes["experts_down"] = ((n, x, fe, e), ("layers", "expert", "mlp", "embed"))
+    if cfg.expert_bias:
+      shapes["experts_gate_bias"] = ((n, x, fe), ("layers", "expert", "mlp"))
+      shapes["experts_up_bias"] = ((n, x, fe), ("layers", "expert", "mlp"))
+      shapes["experts_down_bias"] = ((n, x, e), ("layers", "expert", "embed"))
   else:
     shapes["w_gate"] = ((n, e, f), ("layers", "embed", "mlp"))
     shapes["w_up"] = ((n, e, f), ("layers", "embed", "mlp"))
@@ -59,6 +63,10 @@ def _layer_shapes(cfg: ModelConfig, n: int,
   if cfg.qk_norm:
     shapes["q_norm"] = ((n, d), ("layers", "head_dim"))
     shapes["k_norm"] = ((n, d), ("layers", "head_dim"))
+  if cfg.o_bias:
+    shapes["bo"] = ((n, e), ("layers", "embed"))
+  if cfg.attention_sinks:
+    shapes["sinks"] = ((n, h), ("layers", "heads"))
   return shapes
 
 
@@ -121,7 +129,8 @@ def abstract_params(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
-  """Random initial parameters (norm scales 1, biases 0, matrices truncated-normal).
+  """Random initial parameters (norm scales 1, biases and sink logits 0, matrices
+  truncated-normal).
 
   Matrices use std 1/sqrt(fan_in) (fan_in = contracted input width); the embedding uses std 1
   scaled by 1/sqrt(E) when tied. Jit this with `out_shardings` to create sharded params directly.
@@ -142,7 +151,8 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     name = path[-1].key
     if name.endswith("norm"):
       leaves.append(jnp.ones(shape, dtype))
-    elif name in ("bq", "bk", "bv", "router_bias"):
+    elif name in ("bq", "bk", "bv", "bo", "sinks", "router_bias") or name.startswith(
+        "experts_") and name.endswith("_bias"):
       leaves.append(jnp.zeros(shape, dtype))
     else:
       if name == "embed":
@@ -181,16 +191,21 @@ def rope(x_BTND: jax.Array, positions_BT: jax.Array, theta: float,
   return rotary.apply(x_BTND, positions_BT, inv_freq, attention_factor)
 
 
-def _packed_mask(segment_ids_BT: jax.Array) -> jax.Array:
-  """Causal-by-index mask restricted to equal segment ids: bool [B, T, T]."""
+def _packed_mask(segment_ids_BT: jax.Array, window=None) -> jax.Array:
+  """Causal-by-index mask restricted to equal segment ids: bool [B, T, T]; with an int32 scalar
+  `window` > 0, also restricted to the last `window` tokens (indices i - window < j <= i)."""
   t = segment_ids_BT.shape[1]
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  if window is not None:
+    causal = causal & kv_cache_lib.window_mask(jnp.arange(t)[:, None], jnp.arange(t)[None, :],
+                                               window)
   same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
   return causal[None] & same
 
 
 def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend, moe_in=None):
-  """One pre-norm transformer block. `attend(q, k, v)` returns ([B,T,H,D], cache_out).
+  """One pre-norm transformer block. `attend(q, k, v, sinks)` returns ([B,T,H,D], cache_out);
+  sinks is the layer's fp32 [H] sink logits, or None without `cfg.attention_sinks`.
 
   A dense block (`moe_in` None) returns (h, cache_out); an MoE block (`moe_in` = (experts_BTk
   or None, mask_BT)) returns (h, cache_out, (experts_BTk, load_balance_loss, z_loss)).
@@ -208,8 +223,11 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend, moe_in=None):
     k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
   q = rope(q, positions_BT, cfg.rope_theta, cfg.rope_scaling)
   k = rope(k, positions_BT, cfg.rope_theta, cfg.rope_scaling)
-  attn, cache_out = attend(q, k, v)
+  attn, cache_out = attend(q, k, v, lp["sinks"].astype(jnp.float32) if cfg.attention_sinks
+                            else None)
   h_BTE = h_BTE + jnp.einsum("bthd,hde->bte", attn, lp["wo"])
+  if cfg.o_bias:
+    h_BTE = h_BTE + lp["bo"][None, None]
   x = rms_norm(h_BTE, lp["mlp_norm"], cfg.rms_eps)
   if moe_in is not None:
     experts_BTk, mask_BT = moe_in
@@ -219,7 +237,8 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend, moe_in=None):
         x.reshape(b * t, e), lp, k=kk, softmax_over=cfg.router_softmax,
         norm_topk_prob=cfg.norm_topk_prob,
         experts_Tk=None if experts_BTk is None else experts_BTk.reshape(b * t, kk),
-        mask_T=mask_BT.reshape(b * t))
+        mask_T=mask_BT.reshape(b * t), activation=cfg.expert_activation,
+        alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
     return h_BTE + out.reshape(b, t, e), cache_out, (experts.reshape(b, t, kk), lb, z)
   gate = jnp.einsum("bte,ef->btf", x, lp["w_gate"])
   up = jnp.einsum("bte,ef->btf", x, lp["w_up"])
@@ -285,9 +304,17 @@ def _cached_layers(params: Params, h_BTE, positions_BT, cfg: ModelConfig, cache,
   Returns (h, cache, MoeOutputs or None).
   """
   valid = jnp.ones(positions_BT.shape, bool) if valid_BT is None else valid_BT
+  windows = _layer_windows(cfg)
 
   def step(h, c, lp, layer, stack, routes_BTk):
-    attend = lambda q, k, v: c.update_attend(layer, q, k, v, positions_BT, valid)
+    window = None if windows is None else windows[layer]
+
+    def attend(q, k, v, sinks):
+      extra = {} if window is None else {"window": window}
+      if sinks is not None:
+        extra["sinks"] = sinks
+      return c.update_attend(layer, q, k, v, positions_BT, valid, **extra)
+
     if stack == "moe_layers":
       h, c, aux = _block(cfg, h, lp, positions_BT, attend, (routes_BTk, valid))
       return h, c, aux
@@ -295,6 +322,13 @@ def _cached_layers(params: Params, h_BTE, positions_BT, cfg: ModelConfig, cache,
     return h, c, None
 
   return _run_layers(params, h_BTE, cfg, cache, step, routes_BTLk)
+
+
+def _layer_windows(cfg: ModelConfig) -> jax.Array | None:
+  """int32 [L] attention window per layer (0 = full; indexed by the scanned layer index), or
+  None without windowed layers."""
+  windows = cfg.layer_windows
+  return None if windows is None else jnp.asarray(windows, jnp.int32)
 
 
 def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, *,
@@ -399,7 +433,9 @@ def remat_block(fn: Callable, policy: str) -> Callable:
 
 
 def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
-                        segment_ids_BT: jax.Array, block_len: int | None) -> jax.Array:
+                        segment_ids_BT: jax.Array, block_len: int | None, *,
+                        window: jax.Array | None = None,
+                        sinks_H: jax.Array | None = None) -> jax.Array:
   """Causal attention within equal segment ids, `block_len` queries at a time.
 
   Each block of queries attends to all T keys through `kv_cache.gqa_attention` (so every output
@@ -413,6 +449,10 @@ def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
     q_BTHD: [B, T, H, D] queries; k_BTKD, v_BTKD: [B, T, K, D] keys and values.
     segment_ids_BT: int32 [B, T] packing ids (0 = padding).
     block_len: queries per block (>= 1); None or >= T = one dense call.
+    window: optional int32 scalar sliding window in tokens (0 = full attention; see
+      `kv_cache.window_mask`). Within a packed sample, positions and indices differ by a
+      constant, so the window is applied on indices.
+    sinks_H: optional float32 [H] sink logits (`kv_cache.gqa_attention`).
 
   Returns:
     [B, T, H, D] in q's dtype.
@@ -422,7 +462,8 @@ def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
   k_BTKD = jnp.where(real, k_BTKD, jnp.zeros((), k_BTKD.dtype))
   v_BTKD = jnp.where(real, v_BTKD, jnp.zeros((), v_BTKD.dtype))
   if block_len is None or block_len >= t:
-    return kv_cache_lib.gqa_attention(q_BTHD, k_BTKD, v_BTKD, _packed_mask(segment_ids_BT))
+    return kv_cache_lib.gqa_attention(q_BTHD, k_BTKD, v_BTKD,
+                                      _packed_mask(segment_ids_BT, window), sinks_H=sinks_H)
   n = -(-t // block_len)
   pad = n * block_len - t
   h, d = q_BTHD.shape[2:]
@@ -434,8 +475,11 @@ def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
 
   def block(q_blk, seg_blk, first):
     causal = (first + jnp.arange(block_len))[:, None] >= jnp.arange(t)[None, :]
+    if window is not None:
+      causal = causal & kv_cache_lib.window_mask((first + jnp.arange(block_len))[:, None],
+                                                 jnp.arange(t)[None, :], window)
     mask = causal[None] & (seg_blk[:, :, None] == segment_ids_BT[:, None, :])
-    return kv_cache_lib.gqa_attention(q_blk, k_BTKD, v_BTKD, mask)
+    return kv_cache_lib.gqa_attention(q_blk, k_BTKD, v_BTKD, mask, sinks_H=sinks_H)
 
   body = jax.checkpoint(block)
   _, out = jax.lax.scan(lambda c, x: (c, body(*x)), None, (q, seg_q, start))
@@ -494,10 +538,11 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
   _check_routes(cfg, routes_BTLk, tokens_BT.shape)
   layer_axes = {stack: {k: v[1:] for k, v in axes[stack].items()}  # without the stacked L axis
                 for stack in ("layers", "moe_layers") if stack in axes}
-  attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
 
   def step(h, extra, lp, layer, stack, routes_BTk):
-    del layer
+    window = None if windows is None else windows[layer]
+    attend = lambda q, k, v, sinks: (blockwise_attention(
+        q, k, v, seg, attention_block_len, window=window, sinks_H=sinks), None)
     lp = {k: c(v, layer_axes[stack][k], weight=True) for k, v in lp.items()}
     if stack == "moe_layers":
       h, _, aux = _block(cfg, h, lp, positions_BT, attend, (routes_BTk, seg > 0))
@@ -505,6 +550,7 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
       (h, _), aux = _block(cfg, h, lp, positions_BT, attend), None
     return c(h, ("batch", "length", "embed")), extra, aux
 
+  windows = _layer_windows(cfg)
   h, _, moe = _run_layers(params, h, cfg, (), step, routes_BTLk,
                           wrap=lambda f: remat_block(f, remat))
   h = rms_norm(h, params["final_norm"], cfg.rms_eps)

@@ -65,7 +65,7 @@ from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.sampler import engine_state, episodes, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
-from rlax_pipe.sampler.paged_cache import resolve_impl
+from rlax_pipe.sampler.paged_cache import reference_only_reason, resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
 from rlax_pipe.sampler.scheduler import SequenceState
 from rlax_pipe.sampler.weights import EngineWeights
@@ -187,8 +187,10 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     self.model, self.cfg = model, cfg
     self.mesh = page_pool.default_mesh() if mesh is None else mesh
     self.clock, self.on_span, self.admit_filter = clock, on_span, admit_filter
-    self.impl = cfg.attention_impl if interpret_kernels and cfg.attention_impl != "auto" else (
-        resolve_impl(cfg.attention_impl, self.mesh, model.head_dim))
+    reason = reference_only_reason(model)
+    self.impl = cfg.attention_impl if (
+        interpret_kernels and cfg.attention_impl != "auto" and reason is None) else (
+        resolve_impl(cfg.attention_impl, self.mesh, model.head_dim, reference_reason=reason))
     self.meshes = sharding_lib.replica_meshes(self.mesh)
     keys = jax.random.split(jax.random.key(cfg.seed), len(self.meshes))
     self.replicas = [EngineReplica(model, cfg, m, self.impl, interpret_kernels, keys[i])

@@ -9,6 +9,12 @@ Gimelshein 2018, "Online normalizer calculation for softmax"; the flash-decoding
 runs only the chunks that hold live tokens: ceil((longest live row) / (C * S)) iterations. So a
 step's attention work follows the longest live sequence in the batch, not the block-table width.
 
+Sliding windows and sinks (GPT-OSS): with a window of W tokens a query at p sees only keys
+p - W + 1 .. p, and the loop starts at the first chunk any row's window reaches, so a windowed
+layer's work follows the window, not the sequence. A sink logit per head starts the online
+softmax as an extra key with value 0 (running max = sink, normaliser = 1, accumulator = 0), which
+is the softmax over [scores, sink] with the sink's probability dropped.
+
 Masking by selection: scores at masked keys are replaced (`where`) by a large negative value, their
 probabilities by exact zeros, and values at keys beyond a row's last live position by zeros
 before the weighted sum, so a NaN or inf in a stale page never reaches a real token.
@@ -22,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rlax_pipe.model.kv_cache import MASK_VALUE, last_valid_position
+from rlax_pipe.model.kv_cache import MASK_VALUE, last_valid_position, window_mask
 from rlax_pipe.sampler.page_pool import PoolLayout
 
 
@@ -57,7 +63,8 @@ def _check(q_BTHD, layout: PoolLayout, block_tables_BW, positions_BT):
 
 def paged_attention_reference(q_BTHD: jax.Array, pools, layout: PoolLayout, layer,
                               block_tables_BW: jax.Array, positions_BT: jax.Array,
-                              valid_BT: jax.Array, *, chunk_pages: int) -> jax.Array:
+                              valid_BT: jax.Array, *, chunk_pages: int, window=None,
+                              sinks_H: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention over paged K/V (Vaswani et al. 2017 eq. 1; GQA).
 
   The valid query at position p of row b attends to that row's keys at positions 0..p.
@@ -72,6 +79,8 @@ def paged_attention_reference(q_BTHD: jax.Array, pools, layout: PoolLayout, laye
     valid_BT: bool [B, T]; keys beyond a row's last valid position are never read into the
       output; invalid queries get 0 (or a finite value) and must be ignored by the caller.
     chunk_pages: C, pages per loop iteration (static, >= 1).
+    window: optional int32 scalar sliding window (tokens; 0 = full; `kv_cache.window_mask`).
+    sinks_H: optional float32 [H] sink logits (`kv_cache.gqa_attention`).
 
   Returns:
     [B, T, H, D] in q's dtype; scores, softmax and the weighted sum in fp32.
@@ -97,6 +106,8 @@ def paged_attention_reference(q_BTHD: jax.Array, pools, layout: PoolLayout, laye
     key_pos = j * c * s + jnp.arange(c * s, dtype=jnp.int32)
     live_BL = key_pos[None, :] <= last_B[:, None]
     visible = (key_pos[None, None, :] <= positions_BT[:, :, None]) & live_BL[:, None, :]
+    if window is not None:
+      visible = visible & window_mask(positions_BT[:, :, None], key_pos[None, None, :], window)
     visible = visible[:, None, None]  # [B, 1, 1, T, L]
     v_KBLD = jnp.where(live_BL[None, :, :, None], v_KBLD, jnp.zeros((), v_KBLD.dtype))
     scores = jnp.einsum("btkgd,kbld->bkgtl", q, k_KBLD.astype(q.dtype),
@@ -112,9 +123,18 @@ def paged_attention_reference(q_BTHD: jax.Array, pools, layout: PoolLayout, laye
     return m_new, l, acc
 
   shape = (b, kvh, h // kvh, t)
-  init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-          jnp.zeros(shape + (d,), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+  if sinks_H is None:
+    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32))
+  else:  # the sink as a first key of value 0: m = sink, l = exp(sink - sink) = 1
+    sinks = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, kvh, h // kvh, 1), shape)
+    init = (sinks, jnp.ones(shape, jnp.float32), jnp.zeros(shape + (d,), jnp.float32))
+  first_chunk = 0
+  if window is not None:  # chunks wholly before every valid query's window hold nothing visible
+    lo = jnp.min(jnp.where(valid_BT, positions_BT - window + 1, jnp.iinfo(jnp.int32).max))
+    first_chunk = jnp.where(window > 0, jnp.clip(lo, 0, None) // (c * s), 0)
+    first_chunk = jnp.minimum(first_chunk, n_chunks).astype(n_chunks.dtype)
+  _, l, acc = jax.lax.fori_loop(first_chunk, n_chunks, body, init)
   out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d).astype(q_BTHD.dtype)
 

@@ -9,6 +9,7 @@ position over each row's pages, with the jnp reference or a Pallas kernel (`kern
 from __future__ import annotations
 
 import jax
+from absl import logging
 from flax import struct
 from jax.sharding import Mesh
 
@@ -41,8 +42,13 @@ class PagedKVCache:
   mesh: Mesh | None = struct.field(pytree_node=False, default=None)
   interpret: bool = struct.field(pytree_node=False, default=False)
 
-  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT):
+  def update_attend(self, layer, q_BTHD, k_BTKD, v_BTKD, positions_BT, valid_BT, *,
+                    window=None, sinks=None):
     """Writes K/V of valid tokens into their pages of `layer`, then attends over each row's pages.
+
+    Sliding windows and sinks run on the reference path (`paged_attention_reference`): the
+    kernels JAX ships take no sink logits, and the engine resolves `impl` to "reference" for
+    such models (`resolve_impl(..., model_cfg)`, with a logged reason).
 
     Args:
       layer: int32 scalar layer index.
@@ -50,6 +56,8 @@ class PagedKVCache:
       k_BTKD, v_BTKD: [B, T, K, D] keys (RoPE applied) and values of the new tokens.
       positions_BT: int32 [B, T] absolute positions (< W * S for valid tokens).
       valid_BT: bool [B, T]; invalid tokens write nothing (their outputs are meaningless).
+      window: optional int32 scalar sliding window of this layer (tokens; 0 = full).
+      sinks: optional float32 [H] sink logits of this layer.
 
     Returns:
       (out [B, T, H, D], updated cache); a valid query at position p sees positions 0..p.
@@ -60,7 +68,11 @@ class PagedKVCache:
     page, offset = pa.page_slots(self.block_tables, positions_BT, self.layout.page_size)
     pools = self.layout.write(self.pools, layer, k_BTKD, v_BTKD, page, offset, valid_BT)
     t = q_BTHD.shape[1]
-    if self.impl == "pallas_tpu_ragged" or (self.impl in kernels.DECODE_ONLY and t == 1):
+    if window is not None or sinks is not None:
+      out = pa.paged_attention_reference(q_BTHD, pools, self.layout, layer, self.block_tables,
+                                         positions_BT, valid_BT, chunk_pages=self.chunk_pages,
+                                         window=window, sinks_H=sinks)
+    elif self.impl == "pallas_tpu_ragged" or (self.impl in kernels.DECODE_ONLY and t == 1):
       out = kernels.attend(self.impl, q_BTHD, pools, self.layout, layer, self.block_tables,
                            positions_BT, valid_BT, mesh=self.mesh, interpret=self.interpret)
     else:
@@ -69,9 +81,27 @@ class PagedKVCache:
     return out, self.replace(pools=pools)
 
 
-def resolve_impl(attention_impl: str, mesh: Mesh, head_dim: int | None = None) -> str:
+def reference_only_reason(model) -> str | None:
+  """Why `model` must use the reference paged attention, or None: attention sinks or
+  sliding-window layers (read from a built-in model's `cfg`), which the Pallas kernels JAX ships
+  do not take (no sink logits; windows only in the ragged TPU kernel, as a static argument)."""
+  cfg = getattr(model, "cfg", None)
+  features = [name for name, on in (
+      ("attention sinks", getattr(cfg, "attention_sinks", False)),
+      ("sliding-window layers", getattr(cfg, "layer_windows", None) is not None)) if on]
+  if not features:
+    return None
+  return (f"the model has {' and '.join(features)}, which JAX's Pallas paged-attention kernels "
+          "do not support")
+
+
+def resolve_impl(attention_impl: str, mesh: Mesh, head_dim: int | None = None, *,
+                 reference_reason: str | None = None) -> str:
   """Picks the attention implementation for `mesh` ("auto": by the mesh's platform; on TPU the
   Pallas kernels need head_dim % 128 == 0, so other head dims get the reference).
+
+  With a `reference_reason` (`reference_only_reason(model)`), a kernel choice (explicit or
+  "auto") falls back to "reference" and the reason is logged.
 
   Compiled for TPU (issue #28, v5e, `rlax_pipe.aot`): with head_dim 64 (Llama-3.2-1B) the
   paged-attention kernel fails to lower (a block's last dim must divide by 128) and the ragged
@@ -81,6 +111,13 @@ def resolve_impl(attention_impl: str, mesh: Mesh, head_dim: int | None = None) -
     ValueError: for a kernel requested on a platform that cannot run it natively (use
       "reference", or the kernel functions with interpret=True in tests).
   """
+  if reference_reason is not None:
+    wanted = resolve_impl(attention_impl, mesh, head_dim) if attention_impl == "auto" else (
+        attention_impl)
+    if wanted != "reference":
+      logging.warning("sampler attention_impl=%r (%s) -> 'reference': %s.", attention_impl,
+                      wanted, reference_reason)
+    return "reference"
   platform = mesh.devices.flat[0].platform
   if attention_impl == "auto":
     if platform == "tpu" and head_dim is not None and head_dim % 128:
