@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe.model import Model
+from rlax_pipe.model import HiddenStatesModel, Model
 from rlax_pipe.sampler.page_pool import PoolLayout
 from rlax_pipe.sampler.paged_cache import PagedKVCache
 
@@ -145,14 +145,24 @@ def prefill_step(params, pools, tables_RW, tokens_RT, starts_R, lengths_R, *,
   return _constrain(cache.pools, sharding)
 
 
-def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, layout, impl,
-                chunk_pages, mesh, interpret, stop_ids):
-  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B])."""
+def head_nonfinite_ids(model: Model, params) -> jax.Array | None:
+  """bool [V]: ids whose output-head column holds a NaN or an inf (never sampled; #27 item 1),
+  or None for a model without `output_head` (a forward-only model: its logits are used as they
+  are). Traced inside a device program, once per call: an E x V test and reduction, no matmul."""
+  if not isinstance(model, HiddenStatesModel):
+    return None
+  return logprobs_lib.nonfinite_columns(model.output_head(params))
+
+
+def _decode_one(params, pools, tables, state: SlotState, nonfinite_V, *, model, sampling, layout,
+                impl, chunk_pages, mesh, interpret, stop_ids):
+  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B]).
+  `nonfinite_V`: bool [V] ids never drawn (`head_nonfinite_ids`), or None."""
   cache = _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret)
   logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
                                 valid_BT=state.active[:, None])
   rng, draw = jax.random.split(jax.random.wrap_key_data(state.rng_data))
-  tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
+  tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling, nonfinite_V)
   live = state.active
   stop = jnp.zeros_like(live)
   for sid in stop_ids:
@@ -191,7 +201,10 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
   """
   state = apply_slot_updates(state, updates_XB)
   b = state.token.shape[0]
-  one = functools.partial(_decode_one, model=model, sampling=sampling, layout=layout,
+  # Ids whose head column is non-finite, once per dispatch (one weight version), outside the loop.
+  nonfinite = head_nonfinite_ids(model, params)
+  one = functools.partial(_decode_one, nonfinite_V=nonfinite, model=model, sampling=sampling,
+                          layout=layout,
                           impl=impl, chunk_pages=chunk_pages, mesh=mesh, interpret=interpret,
                           stop_ids=stop_ids)
 
