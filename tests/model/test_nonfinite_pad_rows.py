@@ -18,7 +18,7 @@ from rlax_pipe import logprobs, model as model_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.pipeline import batching
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 VOCAB = 48
 PAD, UNUSED = 0, (45, 46, 47)  # ids no real token of these tests uses
@@ -169,13 +169,17 @@ def test_nonfinite_columns_finds_each_kind():
     logprobs.nonfinite_columns(jnp.ones(3))
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
+def test_sampler_behaviour_logprobs_equal_the_clean_model():
   """Prefill padding (short prompts in a 16-token bucket, padding rows), idle slots (more
   slots than requests at the end) and decode: by default (no setting) the poisoned model gives
-  the same tokens and behaviour log-probs as the clean one with the poisoned ids excluded."""
-  cfg = _cfg(tie)
-  clean, bad = _params(tie)
+  the same tokens and behaviour log-probs as the clean one with the poisoned ids excluded.
+
+  Tied head only: it covers the untied case's paths too (the poisoned embedding rows are read by
+  the input-side lookups, the same code untied; and they are the output-head columns, which the
+  mask finds through `model.output_head`, the untied head's code as well). The learner test
+  above runs both."""
+  cfg = _cfg(True)
+  clean, bad = _params(True)
   scfg = SamplerConfig(num_slots=4, page_size=4, num_pages=32, max_seq_len=24,
                        max_new_tokens=8, min_prefill_bucket=16, prefill_rows=2,
                        decode_steps_per_dispatch=4,
@@ -186,9 +190,9 @@ def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
               for i, (n, m) in enumerate([(3, 8), (7, 5), (1, 8), (5, 3), (2, 6)])]
   excluded = dataclasses.replace(
       scfg, sampling=dataclasses.replace(scfg.sampling, excluded_ids=(PAD, *UNUSED)))
-  out = {}
+  out, engines = {}, {}
   for name, params, sc in (("clean", clean, excluded), ("bad", bad, scfg)):
-    engine = SamplerEngine(cfg, sc, jax.device_put(params))
+    engines[name] = engine = SamplerEngine(cfg, sc, jax.device_put(params))
     for r in requests:
       engine.submit(r)
     out[name] = sorted(engine.run_to_completion(), key=lambda r: r.sample_id)
@@ -197,6 +201,12 @@ def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
     np.testing.assert_array_equal(p.completion_tokens, c.completion_tokens)
     np.testing.assert_array_equal(p.behavior_logprobs, c.behavior_logprobs)
     assert np.isfinite(c.behavior_logprobs).all()
-  if tie:
-    with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
-      SamplerEngine(cfg, dataclasses.replace(excluded, eos_id=UNUSED[0]), jax.device_put(clean))
+  # The mask belongs to a weight version: computed when it is installed, again at a swap.
+  poisoned = np.zeros(VOCAB, bool)
+  poisoned[[PAD, *UNUSED]] = True
+  engine = engines["bad"]
+  assert all((np.asarray(m) == poisoned).all() for m in engine.weights.masks)
+  engine.update_weights(WeightUpdate(1, jax.device_put(clean)))
+  assert engine.version == 1 and not any(np.asarray(m).any() for m in engine.weights.masks)
+  with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
+    SamplerEngine(cfg, dataclasses.replace(excluded, eos_id=UNUSED[0]), jax.device_put(clean))
