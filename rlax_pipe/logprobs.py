@@ -234,7 +234,7 @@ def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain, 
   logits = jnp.einsum("bce,ev->bcv", h_BCE.astype(jnp.float32), head_EV.astype(jnp.float32))
   logits = constrain(logits, ("batch", "length", "vocab"))
   if bias_V is not None:
-    logits = logits + bias_V
+    logits = logits + bias_V[None, None, :]
   logp_all = processed_logprobs(logits, cfg)
   # A select-and-sum over V instead of a gather: with V split over tensor-parallel devices it
   # reduces to a [B, C] all-reduce, never an all-gather of the logits.
