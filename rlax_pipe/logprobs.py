@@ -8,6 +8,17 @@ distribution (after temperature, top-k and top-p, renormalised, fp32).
 Order of operations (as in common serving engines): temperature, then top-k, then top-p.
 Tokens outside the support get log-prob `OUT_OF_SUPPORT` (finite, so that downstream code never
 sees inf; ratios are clamped in the objectives).
+
+Non-finite output-head columns (#27 item 1). With tied embeddings the output head is the
+embedding's transpose, so a NaN or inf stored in a row no real token uses (the padding id, a
+vocabulary-padding row) is also that id's output column: its logit is non-finite at every position
+and, through the softmax normaliser, would poison every log-prob. By default (no setting) the
+sampler and the learner therefore compute `nonfinite_columns(head)` (bool [V], a reduction over
+the head, once per decode dispatch / once per learner forward) and block those ids exactly like
+`SamplingConfig.excluded_ids`: their logits are selected out (log-prob OUT_OF_SUPPORT, never
+sampled) and the learner selects their head columns to 0 before the matmul, so the backward pass
+has no 0 * NaN. On finite weights the mask is all False and every result is bit-identical to the
+unmasked computation (a select that picks the original value everywhere).
 """
 
 from __future__ import annotations
@@ -67,19 +78,52 @@ def excluded_mask(vocab: int, cfg: SamplingConfig) -> jax.Array | None:
   return jnp.isin(jnp.arange(vocab, dtype=jnp.int32), jnp.asarray(cfg.excluded_ids, jnp.int32))
 
 
-def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def nonfinite_columns(head_EV: jax.Array) -> jax.Array:
+  """bool [V]: True where column v of the output head holds a NaN or an inf (gradient stopped).
+
+  Such an id can only produce a non-finite logit, so it is blocked (`blocked_ids`). Cost: one
+  elementwise test and one reduction over the E x V head (no matmul), per call.
+
+  Args:
+    head_EV: float [E, V] output projection (the transposed embedding when tied).
+
+  Raises:
+    ValueError: if head_EV is not 2-D.
+  """
+  if head_EV.ndim != 2:
+    raise ValueError(f"nonfinite_columns: head {head_EV.shape} must be [E, V].")
+  return ~jnp.all(jnp.isfinite(jax.lax.stop_gradient(head_EV)), axis=0)
+
+
+def blocked_ids(vocab: int, cfg: SamplingConfig, nonfinite_V: jax.Array | None = None
+                ) -> jax.Array | None:
+  """bool [V], True at the ids never sampled: `cfg.excluded_ids` (a constant) or the ids whose
+  head column is non-finite (`nonfinite_V`, bool [V], from `nonfinite_columns`); None when
+  neither applies."""
+  excluded = excluded_mask(vocab, cfg)
+  if nonfinite_V is None:
+    return excluded
+  if nonfinite_V.shape != (vocab,):
+    raise ValueError(f"nonfinite_V {nonfinite_V.shape} must be [{vocab}].")
+  return nonfinite_V if excluded is None else excluded | nonfinite_V
+
+
+def processed_logprobs(logits_V: jax.Array, cfg: SamplingConfig,
+                       nonfinite_V: jax.Array | None = None) -> jax.Array:
   """Log-probs of the distribution actually sampled from, over the last axis.
 
   Args:
     logits_V: float logits [..., V] (any leading shape).
     cfg: sampling configuration (static).
+    nonfinite_V: optional bool [V], ids whose head column is non-finite
+      (`nonfinite_columns`): blocked like `cfg.excluded_ids`. None = none.
 
   Returns:
     float32 [..., V] normalised log-probs; out-of-support entries are `OUT_OF_SUPPORT`.
   """
   x = logits_V.astype(jnp.float32)
   vocab = x.shape[-1]
-  excluded = excluded_mask(vocab, cfg)
+  excluded = blocked_ids(vocab, cfg, nonfinite_V)
   if excluded is not None:  # selected out: whatever those logits hold (NaN included)
     x = jnp.where(excluded, jnp.float32(OUT_OF_SUPPORT), x)
   if cfg.greedy:
@@ -155,18 +199,21 @@ def entropy(logp_V: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.where(p > 0, p * logp_V, 0.0), axis=-1)
 
 
-def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig):
+def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig,
+           nonfinite_V: jax.Array | None = None):
   """Draws one token per row and returns its behaviour log-prob.
 
   Args:
     rng: PRNG key.
     logits_BV: float [B, V] next-token logits.
     cfg: sampling configuration.
+    nonfinite_V: optional bool [V] ids never drawn (non-finite head columns), as in
+      `processed_logprobs`.
 
   Returns:
     (tokens int32 [B], logprobs float32 [B]) with logprobs under `processed_logprobs`.
   """
-  logp = processed_logprobs(logits_BV, cfg)
+  logp = processed_logprobs(logits_BV, cfg, nonfinite_V)
   if cfg.greedy:
     tokens = jnp.argmax(logp, axis=-1)
   else:
@@ -175,14 +222,19 @@ def sample(rng: jax.Array, logits_BV: jax.Array, cfg: SamplingConfig):
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain):
+def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain, bias_V):
   """Log-prob of each target under the processed distribution of one chunk's logits, and the
-  distribution's entropy (gradient stopped). float32 [B, C] each."""
-  excluded = excluded_mask(head_EV.shape[1], cfg)
-  if excluded is not None:  # their columns never meet h: no 0 * NaN in the backward pass
-    head_EV = jnp.where(excluded[None, :], jnp.zeros((), head_EV.dtype), head_EV)
+  distribution's entropy (gradient stopped). float32 [B, C] each.
+
+  `bias_V` (float32 [V] or None) is OUT_OF_SUPPORT at the blocked ids and 0.0 elsewhere; their
+  head columns are already 0 (`next_token_logprobs`), so their logits are exactly 0 and the sum
+  is exactly OUT_OF_SUPPORT there and the logit itself (x + 0.0) everywhere else: the values a
+  select gives (the sampler's `processed_logprobs`), at the cost of an add that fuses into the
+  log-softmax (a select over [B, C, V] did not on XLA:CPU: +43 % bytes accessed measured)."""
   logits = jnp.einsum("bce,ev->bcv", h_BCE.astype(jnp.float32), head_EV.astype(jnp.float32))
   logits = constrain(logits, ("batch", "length", "vocab"))
+  if bias_V is not None:
+    logits = logits + bias_V[None, None, :]
   logp_all = processed_logprobs(logits, cfg)
   # A select-and-sum over V instead of a gather: with V split over tensor-parallel devices it
   # reduces to a [B, C] all-reduce, never an all-gather of the logits.
@@ -191,18 +243,19 @@ def _chunk_logprobs(h_BCE, head_EV, targets_BC, cfg: SamplingConfig, constrain):
   return logp, entropy(jax.lax.stop_gradient(logp_all))
 
 
-def _chunked(h_BTE, head_EV, targets_BT, cfg, chunk_len, constrain):
+def _chunked(h_BTE, head_EV, targets_BT, cfg, chunk_len, constrain, bias_V):
   """`_chunk_logprobs` over T in chunks of `chunk_len` (scan, rematerialised body)."""
   b, t, e = h_BTE.shape
   if chunk_len is None or chunk_len >= t:
-    return _chunk_logprobs(h_BTE, head_EV, targets_BT, cfg, constrain)
+    return _chunk_logprobs(h_BTE, head_EV, targets_BT, cfg, constrain, bias_V)
   n = -(-t // chunk_len)
   pad = n * chunk_len - t
   h = jnp.pad(h_BTE, ((0, 0), (0, pad), (0, 0)))
   tg = jnp.pad(targets_BT, ((0, 0), (0, pad)))
   h = jnp.swapaxes(h.reshape(b, n, chunk_len, e), 0, 1)  # [n, B, C, E]
   tg = jnp.swapaxes(tg.reshape(b, n, chunk_len), 0, 1)
-  body = jax.checkpoint(lambda hc, tc: _chunk_logprobs(hc, head_EV, tc, cfg, constrain))
+  body = jax.checkpoint(
+      lambda hc, tc: _chunk_logprobs(hc, head_EV, tc, cfg, constrain, bias_V))
   _, (logp, ent) = jax.lax.scan(lambda c, x: (c, body(*x)), None, (h, tg))
   unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, n * chunk_len)[:, :t]
   return unchunk(logp), unchunk(ent)
@@ -214,7 +267,9 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
   """log pi(token t | tokens < t) and the entropy at t - 1, from hidden states, in chunks.
 
   The logits at t - 1 (fp32: h @ head) go through `processed_logprobs`, exactly as in the
-  sampler. With `chunk_len`, positions are processed `chunk_len` at a time in a `lax.scan`
+  sampler; ids whose head column is non-finite (`nonfinite_columns`, computed once per call,
+  outside the chunk loop) and `cfg.excluded_ids` are blocked as the sampler blocks them (log-prob
+  OUT_OF_SUPPORT, the same values) and their head columns selected to 0. With `chunk_len`, positions are processed `chunk_len` at a time in a `lax.scan`
   whose body is rematerialised (`jax.checkpoint`): the forward keeps only [B, T] results and
   the backward recomputes each chunk's logits, so no [B, T, V] array is ever held (peak
   logits memory ~ [B, chunk_len, V] fp32 instead of [B, T, V]; the idea of the chunked /
@@ -252,6 +307,13 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
     raise ValueError(f"chunk_len={chunk_len} must be >= 1 or None.")
   constrain = constrain or (lambda x, *_, **__: x)
   b, t, e = h_BTE.shape
+  blocked = blocked_ids(head_EV.shape[1], cfg, nonfinite_columns(head_EV))
+  bias = None
+  if blocked is not None:  # once per call, outside the chunk loop: their columns never meet h
+    # (no 0 * NaN in the backward pass), and their logits get OUT_OF_SUPPORT by an add
+    head_EV = jnp.where(blocked[None, :], jnp.zeros((), head_EV.dtype), head_EV)
+    bias = jnp.where(blocked, jnp.float32(OUT_OF_SUPPORT), jnp.float32(0.0))
+    cfg = dataclasses.replace(cfg, excluded_ids=())  # applied by the bias
   targets = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((b, 1), tokens_BT.dtype)], axis=1)
   if batch_groups > 1 and b % batch_groups == 0:
     g = batch_groups
@@ -263,10 +325,11 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
     head = constrain(jnp.broadcast_to(head_EV, (g,) + head_EV.shape), ("batch", "embed", "vocab"))
     no_constraint = lambda x, *_, **__: x  # the vmapped group axis must stay split
     logp, ent = jax.vmap(
-        lambda hg, wg, tgg: _chunked(hg, wg, tgg, cfg, chunk_len, no_constraint))(h, head, tg)
+        lambda hg, wg, tgg: _chunked(hg, wg, tgg, cfg, chunk_len, no_constraint, bias)
+    )(h, head, tg)
     logp, ent = (constrain(x.reshape(b, t), ("batch", "length")) for x in (logp, ent))
   else:
-    logp, ent = _chunked(h_BTE, head_EV, targets, cfg, chunk_len, constrain)
+    logp, ent = _chunked(h_BTE, head_EV, targets, cfg, chunk_len, constrain, bias)
   zero = jnp.zeros((b, 1), jnp.float32)
   return (jnp.concatenate([zero, logp[:, :-1]], axis=1),
           jnp.concatenate([zero, ent[:, :-1]], axis=1))

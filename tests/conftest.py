@@ -13,6 +13,13 @@ import jax  # noqa: E402  (must follow the environment set-up above)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Property tests keep no example database: none is written into the repository (.hypothesis/),
+# and parallel workers (pytest-xdist) share no file. Failures still print their example.
+import hypothesis  # noqa: E402
+
+hypothesis.settings.register_profile("rlax_pipe", database=None)
+hypothesis.settings.load_profile("rlax_pipe")
+
 # ---- shared fixtures of the pipeline and experiments tests ---------------------------------
 
 import json  # noqa: E402

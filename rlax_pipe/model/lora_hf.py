@@ -52,6 +52,27 @@ def _hf_module(spec_path: tuple[str, ...]) -> tuple[str, int, bool]:
   return hf[:-len(".weight")], kind, per_layer
 
 
+def peft_export_problem(lora: LoraAdapters) -> str | None:
+  """Why `save_peft_adapter` cannot write these adapters, or None when it can.
+
+  Checked before training (the job warns at startup: the run trains and exports the merged
+  policy, only the PEFT adapter directory is skipped), so the export itself needs no try.
+
+  Returns:
+    None, or one sentence: the model is not the built-in Transformer, or an adapted weight
+    (e.g. the embedding) has no HF Linear counterpart that PEFT could adapt.
+  """
+  if not isinstance(lora.model, builtin.Transformer):
+    return (f"PEFT export needs the built-in Transformer, not {type(lora.model).__name__}; "
+            "export the merged params instead")
+  for spec in lora.specs:
+    try:
+      _hf_module(spec.path)
+    except ValueError as e:
+      return str(e)
+  return None
+
+
 def save_peft_adapter(path: str | os.PathLike, adapters: Mapping[str, Any], lora: LoraAdapters,
                       *, base_model_name_or_path: str | None = None) -> list[pathlib.Path]:
   """Writes the adapters of a built-in model as a PEFT LoRA adapter directory.

@@ -52,10 +52,14 @@ class PipelineConfig:
       "off" (train every complete scored group) or "zero_variance" (the queue drops a group whose
       valid rewards are all equal, which teaches a group-relative advantage nothing, and a
       replacement prompt is admitted so the batch keeps its size; dropped groups and their
-      tokens are counted as waste reason "filtered").
+      tokens are counted as waste reason "filtered": the metrics `filtered_groups`,
+      `filtered_samples`, `filtered_tokens` are cumulative over the whole run, resumes included,
+      not per step; a step's count is the difference of two consecutive rows).
     filter_max_dropped_per_step: the bound of "zero_variance": most groups dropped between two
       learner batches (>= 1); past it, zero-variance groups are trained (zero advantage) and
-      counted (`filter_kept_groups` in the metrics), so a run whose groups all agree still steps.
+      counted (`filter_kept_groups` in the metrics, cumulative over the run like the filtered_*
+      counters), so a run whose groups all agree still steps. Only with filter_groups
+      "zero_variance"; a value other than the default with the filter off is rejected.
     staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size
       in prompt groups, `staleness.groups_per_step` (the unit of the AReaL admission bound; the
       one place it is set, read as `groups_per_step`).

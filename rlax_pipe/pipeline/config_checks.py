@@ -7,13 +7,16 @@ sub-configs, which no single dataclass can see. Every rule names both fields by 
 
 - settings that cannot work together (they would fail later, at the first long sample or the
   first train step);
+- settings that would be silently ignored (a LoRA alpha or target list with LoRA off, a bound
+  of the group filter with the filter off): rejected, so a typo in the switch is not a run
+  that quietly does something else;
 - settings that learn nothing (every advantage, hence every token's weight in the gradient, is
   zero): a group-relative estimator with one sample per group, or a sampler that draws the same
   completion for every sample of a group.
 
 `check_run_config(cfg)` raises `ConfigError` on the first broken rule; `RunConfig.__post_init__`
 calls it. Rules that need the devices, the model or the tokenizer are checked when the job is
-built (`rlax_pipe.pipeline.devices`, `job.build_job`).
+built (`rlax_pipe.pipeline.devices`, `job.build_job`, `job_checks.check_job_settings`).
 """
 
 from __future__ import annotations
@@ -116,6 +119,29 @@ def _check_learning_signal(cfg) -> None:
         "temperature > 0); greedy decoding is for evaluation, which the job already does.")
 
 
+def _check_unused_settings(cfg) -> None:
+  """Fields that only mean something when a switch is on, set while it is off."""
+  lora, default = cfg.learner.lora, dataclasses.fields(type(cfg.learner.lora))
+  if not lora.enabled:
+    changed = [f.name for f in default
+               if f.name != "rank" and getattr(lora, f.name) != f.default]
+    if changed:
+      fields = ", ".join(f"RunConfig.learner.lora.{n}={getattr(lora, n)!r}" for n in changed)
+      raise ConfigError(
+          f"{fields} set with RunConfig.learner.lora.rank=0 (LoRA off): it would be ignored. "
+          "Set learner.lora.rank >= 1 (e.g. 16) to train adapters, or leave "
+          f"{' / '.join(changed)} at the default.")
+  p = cfg.pipeline
+  bound = next(f for f in dataclasses.fields(type(p)) if f.name == "filter_max_dropped_per_step")
+  if p.filter_groups == "off" and p.filter_max_dropped_per_step != bound.default:
+    raise ConfigError(
+        f"RunConfig.pipeline.filter_max_dropped_per_step={p.filter_max_dropped_per_step} set "
+        "with RunConfig.pipeline.filter_groups='off': the bound of the group filter would be "
+        "ignored. Set pipeline.filter_groups='zero_variance' to drop groups without learning "
+        "signal, or leave filter_max_dropped_per_step at its default "
+        f"({bound.default}).")
+
+
 def _check_meshes(cfg) -> None:
   for field, axes, known in (("sampler_mesh_axes", cfg.sampler_mesh_axes, SAMPLER_MESH_AXES),
                              ("learner.mesh_axes", cfg.learner.mesh_axes, LEARNER_MESH_AXES)):
@@ -206,5 +232,7 @@ def check_run_config(cfg) -> None:
   _check_objective(cfg)
   _check_timeouts(cfg)
   _check_learning_signal(cfg)
+  _check_unused_settings(cfg)
   _check_meshes(cfg)
   task_config_of(cfg)
+

@@ -52,13 +52,13 @@ class GroupFilterConfig:
 
   def __post_init__(self):
     if self.mode not in FILTER_MODES:
-      raise ValueError(f"GroupFilterConfig.mode={self.mode!r}; choose one of {FILTER_MODES} "
-                       "(--config.pipeline.filter_groups).")
+      raise ValueError(f"--config.pipeline.filter_groups={self.mode!r} "
+                       f"(GroupFilterConfig.mode): choose one of {FILTER_MODES}.")
     if self.max_dropped_per_step < 1:
       raise ValueError(
-          f"GroupFilterConfig.max_dropped_per_step={self.max_dropped_per_step} must be >= 1 "
-          "(--config.pipeline.filter_max_dropped_per_step); use filter_groups='off' to drop "
-          "nothing.")
+          f"--config.pipeline.filter_max_dropped_per_step={self.max_dropped_per_step} "
+          "(GroupFilterConfig.max_dropped_per_step) must be >= 1; use filter_groups='off' to "
+          "drop nothing.")
 
   @property
   def active(self) -> bool:

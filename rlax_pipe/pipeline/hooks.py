@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from typing import Protocol
 
@@ -23,7 +22,7 @@ from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import model_dir
 from rlax_pipe import plots
 from rlax_pipe import timeline as timeline_lib
-from rlax_pipe.model import Transformer, save_peft_adapter
+from rlax_pipe.model import Transformer, lora_hf, save_peft_adapter
 from rlax_pipe.pipeline import group_filter
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.trainer import StepResult
@@ -199,7 +198,7 @@ class TrainLog:
         "lost_groups": stats.waste.lost_groups,
         "eta_s": eta,
     }
-    if pcfg.group_filter.active:  # dynamic sampling, whole run (`pipeline.group_filter`)
+    if pcfg.group_filter.active:  # dynamic sampling, cumulative over the run, not per step
       row.update(filtered_groups=stats.waste.filtered_groups,
                  filtered_samples=stats.waste.filtered_samples,
                  filtered_tokens=stats.waste.filtered_tokens,
@@ -388,14 +387,15 @@ class Export:
     lora = getattr(job.learner, "lora", None)
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
       adapter_path = job.run_dir.path / "hf_lora"
-      try:
-        save_peft_adapter(adapter_path, jax.device_get(job.learner.params), lora,
-                          base_model_name_or_path=str(job.cfg.init))
-      except ValueError as e:  # a target PEFT cannot express (e.g. the embedding): merged only
-        shutil.rmtree(adapter_path, ignore_errors=True)
+      # A target PEFT cannot express (e.g. the embedding): merged only (warned at startup too,
+      # by `job_checks.check_job_settings`).
+      problem = lora_hf.peft_export_problem(lora)
+      if problem is not None:
         logging.warning("export_hf: no PEFT adapter directory (%s); the merged policy is in %s.",
-                        e, path)
+                        problem, path)
         return
+      save_peft_adapter(adapter_path, jax.device_get(job.learner.params), lora,
+                        base_model_name_or_path=str(job.cfg.init))
       logging.info("LoRA adapters exported as a PEFT adapter directory: %s (merged policy in "
                    "%s)", adapter_path, path)
 

@@ -46,6 +46,7 @@ from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.learner import Learner
 from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, moe
 from rlax_pipe.pipeline import config_checks
+from rlax_pipe.pipeline import job_checks
 from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import record as record_lib
@@ -407,6 +408,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   model, sampler_model, params0 = _models(cfg, model, params)
   stops = stop_ids_for(cfg, tok, model)
   _check_vocab(cfg, model, tok, stops)
+  job_checks.check_job_settings(cfg, model)
   cfg = _resolve(cfg, plan, stops)
   learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)
   learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(

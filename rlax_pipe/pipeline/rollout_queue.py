@@ -65,6 +65,8 @@ class QueueStats:
       group's admitted sample ids (rejected, not stored).
     filter_kept_groups: zero-variance groups kept and trained because the filter had dropped
       `max_dropped_per_step` groups since the last batch (its bound); 0 with the filter off.
+      Every count here is cumulative since the run started (kept across a resume), not per
+      learner step.
   """
 
   ready_groups: int

@@ -22,13 +22,14 @@ bucket, U table deltas, V vocab.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from rlax_pipe import logprobs as logprobs_lib
-from rlax_pipe.model import Model
+from rlax_pipe.model import HiddenStatesModel, Model
 from rlax_pipe.sampler.page_pool import PoolLayout
 from rlax_pipe.sampler.paged_cache import PagedKVCache
 
@@ -145,14 +146,37 @@ def prefill_step(params, pools, tables_RW, tokens_RT, starts_R, lengths_R, *,
   return _constrain(cache.pools, sharding)
 
 
-def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, layout, impl,
-                chunk_pages, mesh, interpret, stop_ids):
-  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B])."""
+def head_nonfinite_ids(model: Model, params) -> jax.Array | None:
+  """bool [V]: ids whose output-head column holds a NaN or an inf (never sampled; #27 item 1),
+  or None for a model without `output_head` (a forward-only model: its logits are used as they
+  are). An E x V test and reduction, no matmul; `head_mask_program` runs it once per version."""
+  if not isinstance(model, HiddenStatesModel):
+    return None
+  return logprobs_lib.nonfinite_columns(model.output_head(params))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "replicated"))
+def _head_mask(params, *, model, replicated):
+  return jax.lax.with_sharding_constraint(head_nonfinite_ids(model, params), replicated)
+
+
+def head_mask_program(model: Model, replicated) -> Callable[[Any], jax.Array] | None:
+  """`params -> bool [V]` (jitted, result replicated over the replica's mesh) computing
+  `head_nonfinite_ids`, or None for a model without `output_head`."""
+  if not isinstance(model, HiddenStatesModel):
+    return None
+  return lambda params: _head_mask(params, model=model, replicated=replicated)
+
+
+def _decode_one(params, pools, tables, state: SlotState, nonfinite_V, *, model, sampling, layout,
+                impl, chunk_pages, mesh, interpret, stop_ids):
+  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B]).
+  `nonfinite_V`: bool [V] ids never drawn (`head_nonfinite_ids`), or None."""
   cache = _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret)
   logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
                                 valid_BT=state.active[:, None])
   rng, draw = jax.random.split(jax.random.wrap_key_data(state.rng_data))
-  tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling)
+  tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling, nonfinite_V)
   live = state.active
   stop = jnp.zeros_like(live)
   for sid in stop_ids:
@@ -167,7 +191,8 @@ def _decode_one(params, pools, tables, state: SlotState, *, model, sampling, lay
 @functools.partial(jax.jit, static_argnames=(
     "model", "sampling", "layout", "impl", "chunk_pages", "mesh", "interpret", "stop_ids",
     "steps", "sharding", "replicated"), donate_argnums=(1,))
-def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refill_at, *,
+def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refill_at,
+                    nonfinite_V=None, *,
                     model: Model, sampling: logprobs_lib.SamplingConfig,
                     layout: PoolLayout, impl: str, chunk_pages: int, mesh, interpret: bool,
                     stop_ids: tuple[int, ...], steps: int, sharding, replicated):
@@ -180,6 +205,9 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
     state: `SlotState`.
     updates_XB: int32 [UPDATE_ROWS, B] host changes applied first (`apply_slot_updates`).
     refill_at: int32 scalar; end the dispatch once this many slots finished in it (0 = never).
+    nonfinite_V: bool [V], the ids whose output-head column is non-finite in these params
+      (`head_nonfinite_ids`, computed once per installed version by the engine); never
+      sampled. None = computed here, once per dispatch (outside the decode loop).
     model, sampling, layout, impl, chunk_pages, mesh, interpret, stop_ids, steps,
       sharding (pool), replicated: static.
 
@@ -191,7 +219,9 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
   """
   state = apply_slot_updates(state, updates_XB)
   b = state.token.shape[0]
-  one = functools.partial(_decode_one, model=model, sampling=sampling, layout=layout,
+  nonfinite = head_nonfinite_ids(model, params) if nonfinite_V is None else nonfinite_V
+  one = functools.partial(_decode_one, nonfinite_V=nonfinite, model=model, sampling=sampling,
+                          layout=layout,
                           impl=impl, chunk_pages=chunk_pages, mesh=mesh, interpret=interpret,
                           stop_ids=stop_ids)
 

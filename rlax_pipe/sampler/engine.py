@@ -63,7 +63,7 @@ import numpy as np
 
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import engine_state, episodes, page_pool, weight_check
+from rlax_pipe.sampler import device_loop, engine_state, episodes, page_pool, weight_check
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import reference_only_reason, resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -197,7 +197,9 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
                      for i, m in enumerate(self.meshes)]
     if not isinstance(params, WeightUpdate):
       params = WeightUpdate(int(version), params)
-    self.weights = EngineWeights(params, self.meshes)
+    masks = [device_loop.head_mask_program(model, r.replicated) for r in self.replicas]
+    self.weights = EngineWeights(params, self.meshes, head_mask=(
+        None if masks[0] is None else lambda view, i: masks[i](view)))
     for r in self.replicas:
       r.version = params.version
     self._step_lock = threading.Lock()  # held while a step (or a state read) runs
@@ -417,8 +419,9 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     start = self.clock()
     calls = sum(r.counts["prefill_calls"] for r in self.replicas)
     self._distribute()
-    idle = [(r, p) for r, p in zip(self.replicas, self.weights.views) if r.inflight is None]
-    for r, params in idle:
+    idle = [(r, p, m) for r, p, m in zip(self.replicas, self.weights.views, self.weights.masks)
+            if r.inflight is None]
+    for r, params, _ in idle:
       self._adopt_version(r)
       r.prepare(self._may_admit, start, params)
     if self.on_span is not None and sum(r.counts["prefill_calls"] for r in self.replicas) > calls:
@@ -427,8 +430,8 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       waited += time.perf_counter() - t0
       self.on_span("sampler", "prefill", start, self.clock(), self.num_active, self.num_slots)
       start = self.clock()
-    for r, params in idle:
-      r.inflight = r.launch(params, self.cfg.sampling, queued=len(self._queue))
+    for r, params, mask in idle:
+      r.inflight = r.launch(params, self.cfg.sampling, queued=len(self._queue), nonfinite_V=mask)
       if r.inflight is not None:
         r.inflight.order, self._launches = self._launches, self._launches + 1
         # the weight check reads what this dispatch was given, not what the engine stores
@@ -534,8 +537,8 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     if self.num_active or any(r.inflight is not None for r in self.replicas):
       raise RuntimeError("warmup: call it before sequences are running (it dispatches idle "
                          "decode steps).")
-    for r, params in zip(self.replicas, self.weights.views):
-      warmup_lib.compile_replica(r, params, self.cfg, max_prefill_len)
+    for r, params, mask in zip(self.replicas, self.weights.views, self.weights.masks):
+      warmup_lib.compile_replica(r, params, self.cfg, max_prefill_len, nonfinite_V=mask)
 
   # --- state ---------------------------------------------------------------------------------
   def state_dict(self) -> dict:

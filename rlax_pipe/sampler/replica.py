@@ -218,7 +218,8 @@ class EngineReplica:
     return upd, tuple(deltas)
 
   # --- device dispatch --------------------------------------------------------------------
-  def launch(self, params, model_sampling, queued: int = 0) -> Launched | None:
+  def launch(self, params, model_sampling, queued: int = 0, nonfinite_V=None
+             ) -> Launched | None:
     """Dispatches up to K decode steps for the running slots (asynchronous).
 
     Args:
@@ -226,6 +227,8 @@ class EngineReplica:
       model_sampling: the sampling configuration.
       queued: requests waiting at the engine level (not yet on a replica); with this replica's
         own waiting ones they decide how many finishes end the dispatch early.
+      nonfinite_V: bool [V] ids never sampled (non-finite output-head columns of these params,
+        computed once per version: `EngineWeights.masks`); None = computed in the dispatch.
     """
     slots = list(self.sched.slots)
     if all(s is None for s in slots):
@@ -236,7 +239,7 @@ class EngineReplica:
           self.tables, *jax.device_put(deltas, self.replicated), replicated=self.replicated))
     self.pools, self.state, ints, logps = self._call(lambda: device_loop.decode_dispatch(
         params, self.pools, self.tables, self.state,
-        *jax.device_put((upd[:FLAG_ROW], upd[FLAG_ROW, 0]), self.replicated),
+        *jax.device_put((upd[:FLAG_ROW], upd[FLAG_ROW, 0]), self.replicated), nonfinite_V,
         model=self.model, sampling=model_sampling, stop_ids=self.cfg.stop_ids,
         steps=self.cfg.decode_steps_per_dispatch, sharding=self.pool_sharding,
         replicated=self.replicated, **self.static))

@@ -23,6 +23,7 @@ import numpy as np
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe.model import Model, ModelLike, as_model
 from rlax_pipe.model.kv_cache import DenseKVCache
+from rlax_pipe.sampler import device_loop
 from rlax_pipe.sampler.config import Request, normalize_stop_ids
 from rlax_pipe.types import Rollout
 
@@ -57,6 +58,7 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: 
   last = prompt_lens_B - 1
   pending = jnp.take_along_axis(prompts_BT, last[:, None], axis=1)[:, 0]
   rows = jnp.arange(b)
+  nonfinite = device_loop.head_nonfinite_ids(model, params)  # once, outside the loop
   state = dict(step=jnp.int32(0), cache=cache, pending=pending, pos=last,
                done=budgets_B <= 0, count=jnp.zeros(b, jnp.int32),
                tokens=jnp.zeros((b, n), jnp.int32), logprobs=jnp.zeros((b, n), jnp.float32),
@@ -70,7 +72,7 @@ def generate_batch(params, prompts_BT, prompt_lens_B, budgets_B, rng, *, model: 
     logits, cache = model.forward(params, s["pending"][:, None], s["pos"][:, None],
                                   cache=s["cache"], valid_BT=live[:, None])
     rng, draw = jax.random.split(s["rng"])
-    tok, logp = logprobs_lib.sample(draw, logits[:, 0], sampling)
+    tok, logp = logprobs_lib.sample(draw, logits[:, 0], sampling, nonfinite)
     col = jnp.where(live, s["count"], n)  # out of bounds -> dropped
     count = s["count"] + live.astype(jnp.int32)
     done = s["done"] | (count >= budgets_B) | (s["pos"] + 2 >= max_seq_len)

@@ -25,7 +25,7 @@ def _powers(lo: int, hi: int) -> list[int]:
 
 
 def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
-                    max_prefill_len: int | None = None) -> None:
+                    max_prefill_len: int | None = None, nonfinite_V=None) -> None:
   """Runs each program of replica `r` once on padding (see module docstring).
 
   Args:
@@ -33,6 +33,8 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
     params: the replica's weights.
     cfg: sampler configuration.
     max_prefill_len: compile prefill buckets up to the one holding this many tokens; None = all.
+    nonfinite_V: what the engine's dispatches get beside `params` (`EngineWeights.masks`), so
+      the decode variant compiled here is the one they run.
   """
   rep, b, w = r.replicated, cfg.num_slots, r.width
   top = cfg.max_seq_len if max_prefill_len is None else cfg.bucket_for(max_prefill_len)
@@ -57,7 +59,7 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
   upd = np.zeros((FLAG_ROW, b), np.int32)  # nothing changed: every slot stays idle, 0 steps
   r.pools, r.state, ints, _ = device_loop.decode_dispatch(
       params, r.pools, r.tables, r.state, jax.device_put(upd, rep),
-      jax.device_put(np.int32(0), rep), model=r.model, sampling=cfg.sampling,
+      jax.device_put(np.int32(0), rep), nonfinite_V, model=r.model, sampling=cfg.sampling,
       stop_ids=cfg.stop_ids, steps=cfg.decode_steps_per_dispatch, sharding=r.pool_sharding,
       replicated=rep, **r.static)
   jax.block_until_ready(ints)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 from jax.sharding import Mesh
@@ -82,12 +82,18 @@ class EngineWeights:
   Args:
     initial: the initial weights (owned from now on).
     meshes: one mesh per data replica (views share the device buffers of the full-mesh arrays).
+    head_mask: optional `head_mask(view, i) -> bool [V] or None` (a jitted program; i the
+      replica), run once per installed version on each replica's view: `masks[i]` is what replica i's dispatches get
+      beside `views[i]` (the ids whose output-head column is non-finite, #27 item 1).
   """
 
-  def __init__(self, initial: WeightUpdate, meshes: list[Mesh]):
+  def __init__(self, initial: WeightUpdate, meshes: list[Mesh],
+               head_mask: Callable[[Any], Any] | None = None):
     initial = canonical(initial)
     check_same_layout(initial.params, initial.params)
     self.meshes = meshes
+    self._head_mask = head_mask
+    self.masks: list[Any] = []
     self.lock = threading.Lock()  # guards running / pending
     self.running = initial
     self.pending: WeightUpdate | None = None
@@ -106,10 +112,15 @@ class EngineWeights:
       return (self.running if self.pending is None else self.pending).version
 
   def _views(self, params) -> list[Any]:
+    """Per-replica views of `params`; also sets `masks` (one per view) for them."""
     if len(self.meshes) == 1:
-      return [params]
-    return [jax.tree.map(lambda x, m=m: sharding_lib.replica_view(x, m), params)
-            for m in self.meshes]
+      views = [params]
+    else:
+      views = [jax.tree.map(lambda x, m=m: sharding_lib.replica_view(x, m), params)
+               for m in self.meshes]
+    self.masks = [None if self._head_mask is None else self._head_mask(v, i)
+                  for i, v in enumerate(views)]
+    return views
 
   def offer(self, update: WeightUpdate) -> None:
     """Makes `update` the pending version (a superseded pending donated one is freed).

@@ -18,7 +18,7 @@ from rlax_pipe import logprobs, model as model_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.pipeline import batching
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 VOCAB = 48
 PAD, UNUSED = 0, (45, 46, 47)  # ids no real token of these tests uses
@@ -30,16 +30,20 @@ def _cfg(tie):
 
 
 def _params(tie):
-  """Clean params, and the same with NaN in the padding row and +-inf / NaN in unused rows."""
+  """Clean params, and the same with NaN in the padding row and +-inf / NaN in unused rows (of
+  the embedding and, when untied, of the output head's columns too)."""
   clean = jax.tree.map(np.array, jax.device_get(
       model_lib.as_model(_cfg(tie)).init_params(jax.random.key(0))))
-  if not tie:  # unused ids get logit 0: outside the top-k of the sampler tests below
-    clean["lm_head"][:, [PAD, *UNUSED]] = 0.0
   bad = dict(clean, embed=clean["embed"].copy())
-  bad["embed"][PAD] = np.nan
-  bad["embed"][UNUSED[0]] = np.inf
-  bad["embed"][UNUSED[1]] = -np.inf
-  bad["embed"][UNUSED[2], ::2] = np.nan
+  rows = [bad["embed"]]
+  if not tie:
+    bad["lm_head"] = clean["lm_head"].copy()
+    rows.append(bad["lm_head"].T)  # a view: writes go to the head's columns
+  for r in rows:
+    r[PAD] = np.nan
+    r[UNUSED[0]] = np.inf
+    r[UNUSED[1]] = -np.inf
+    r[UNUSED[2], ::2] = np.nan
   return clean, bad
 
 
@@ -57,62 +61,138 @@ def _batch():
   return b
 
 
-@pytest.mark.parametrize("tie,excluded", [(False, False), (True, True)])
-def test_learner_scoring_path_equals_the_clean_model(tie, excluded):
-  """With a tied head, `SamplingConfig.excluded_ids` (the out-of-use ids) makes the poisoned
-  model score exactly as the clean one with the same exclusion."""
+@pytest.mark.parametrize("tie", [False, True])
+def test_learner_scoring_path_equals_the_clean_model(tie):
+  """By default (no setting), the poisoned model scores exactly as the clean one with the
+  poisoned ids excluded (`SamplingConfig.excluded_ids`): the non-finite head columns are found
+  and blocked (tied: the embedding rows are the head's columns; untied: the head's own)."""
   cfg, b = _cfg(tie), _batch()
   model = model_lib.as_model(cfg)
   real = jnp.asarray(b.segment_ids > 0)
-  sampling = logprobs.SamplingConfig(temperature=0.9, top_k=20,
-                                     excluded_ids=(PAD, *UNUSED) if excluded else ())
+  base = logprobs.SamplingConfig(temperature=0.9, top_k=20)
 
-  def score(params):
+  def score(params, sampling):
     h = model.hidden_states(params, b.tokens, b.positions, segment_ids_BT=b.segment_ids,
                             attention_block_len=4)
     lp, _ = logprobs.next_token_logprobs(h, model.output_head(params), b.tokens, sampling,
                                          chunk_len=4)
     return jnp.sum(jnp.where(real, lp, 0.0) * b.advantages), (h, lp)
 
-  loss_and_grad = jax.jit(jax.value_and_grad(score, has_aux=True))
+  loss_and_grad = jax.jit(jax.value_and_grad(score, has_aux=True), static_argnums=1)
   clean, bad = _params(tie)
-  (l0, (h0, lp0)), g0 = loss_and_grad(clean)
-  (l1, (h1, lp1)), g1 = loss_and_grad(bad)
+  (l0, (h0, lp0)), g0 = loss_and_grad(
+      clean, dataclasses.replace(base, excluded_ids=(PAD, *UNUSED)))
+  (l1, (h1, lp1)), g1 = loss_and_grad(bad, base)
   mask = np.asarray(real)
   np.testing.assert_array_equal(np.asarray(h1)[mask], np.asarray(h0)[mask])
-  # (A tied head without the exclusion cannot pass: row PAD is also the pad id's output column,
-  # so its NaN enters every position's softmax.)
   np.testing.assert_array_equal(np.asarray(lp1)[mask], np.asarray(lp0)[mask])
   assert np.isfinite(float(l0)) and float(l1) == float(l0)
   keep = np.ones(VOCAB, bool)
   keep[[PAD, *UNUSED]] = False
   for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(g0)[0], jax.tree.leaves(g1)):
     x, y = np.asarray(x), np.asarray(y)
-    if jax.tree_util.keystr(path) == "['embed']":
-      np.testing.assert_array_equal(y[~keep], 0.0)  # nothing flows into the poisoned rows
-      x, y = x[keep], y[keep]
+    if jax.tree_util.keystr(path) in ("['embed']", "['lm_head']"):
+      y_rows = y if y.shape[0] == VOCAB else y.T
+      x_rows = x if x.shape[0] == VOCAB else x.T
+      np.testing.assert_array_equal(y_rows[~keep], 0.0)  # nothing flows into the poisoned rows
+      x, y = x_rows[keep], y_rows[keep]
     np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
+@pytest.mark.parametrize("chunk_len", [None, 4])
+def test_clean_weights_score_bit_identically_to_the_unmasked_formula(chunk_len, monkeypatch):
+  """On finite weights the non-finite-column mask is all False and changes no bit: log-probs,
+  entropies and the gradients (hidden states and head) equal the plain formula
+  `processed_logprobs(h @ head)` at the target, which has no mask."""
+  cfg, b = _cfg(True), _batch()
+  model = model_lib.as_model(cfg)
+  clean, _ = _params(True)
+  sampling = logprobs.SamplingConfig(temperature=0.9, top_k=20)
+  h = model.hidden_states(clean, b.tokens, b.positions, segment_ids_BT=b.segment_ids)
+  head = model.output_head(clean)
+  w = jnp.asarray(b.advantages)
+
+  def masked(h, head):
+    lp, ent = logprobs.next_token_logprobs(h, head, b.tokens, sampling, chunk_len=chunk_len)
+    return jnp.sum(lp * w), (lp, ent)
+
+  def plain(h, head):
+    logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32), head.astype(jnp.float32))
+    logp_all = logprobs.processed_logprobs(logits[:, :-1], sampling)
+    hit = jnp.arange(VOCAB)[None, None, :] == jnp.asarray(b.tokens)[:, 1:, None]
+    zero = jnp.zeros((b.tokens.shape[0], 1), jnp.float32)
+    lp = jnp.concatenate([zero, jnp.sum(jnp.where(hit, logp_all, 0.0), axis=-1)], axis=1)
+    ent = jnp.concatenate([zero, logprobs.entropy(logp_all)], axis=1)
+    return jnp.sum(lp * w), (lp, ent)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+  if chunk_len is None:  # same program shape: every bit equal
+    (l1, aux1), g1 = grad(masked)(h, head)
+    (l0, aux0), g0 = grad(plain)(h, head)
+  else:  # chunked: compare with the unmasked chunked path (the mask forced off)
+    (l1, aux1), g1 = grad(masked)(h, head)
+    monkeypatch.setattr(logprobs, "nonfinite_columns", lambda head: None)
+    (l0, aux0), g0 = grad(masked)(h, head)
+  for x, y in zip(jax.tree.leaves(((l0, aux0), g0)), jax.tree.leaves(((l1, aux1), g1))):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_sample_is_bit_identical_with_an_all_false_mask_and_never_draws_a_blocked_id():
+  """`logprobs.sample` with the mask of finite weights (all False) equals the call without it;
+  with a NaN / inf logit column blocked, the rest equals the reference without those ids."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(64, VOCAB)).astype(np.float32) * 3)
+  key = jax.random.key(3)
+  for cfg in (logprobs.SamplingConfig(temperature=0.7, top_k=9),
+              logprobs.SamplingConfig(top_p=0.8)):
+    draw = jax.jit(logprobs.sample, static_argnums=2)
+    t0, lp0 = draw(key, logits, cfg)
+    t1, lp1 = draw(key, logits, cfg, jnp.zeros(VOCAB, bool))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t0))
+    np.testing.assert_array_equal(np.asarray(lp1), np.asarray(lp0))
+    blocked = np.zeros(VOCAB, bool)
+    blocked[[PAD, *UNUSED]] = True
+    poisoned = logits.at[:, PAD].set(jnp.nan).at[:, UNUSED[0]].set(jnp.inf)
+    t2, lp2 = draw(key, poisoned, cfg, jnp.asarray(blocked))
+    t3, lp3 = draw(key, logits, dataclasses.replace(cfg, excluded_ids=(PAD, *UNUSED)))
+    assert not np.isin(np.asarray(t2), [PAD, *UNUSED]).any() and np.isfinite(lp2).all()
+    np.testing.assert_array_equal(np.asarray(t2), np.asarray(t3))
+    np.testing.assert_array_equal(np.asarray(lp2), np.asarray(lp3))
+
+
+def test_nonfinite_columns_finds_each_kind():
+  head = np.ones((4, 6), np.float32)
+  head[1, 2], head[0, 3], head[3, 5] = np.nan, np.inf, -np.inf
+  np.testing.assert_array_equal(np.asarray(logprobs.nonfinite_columns(jnp.asarray(head))),
+                                [False, False, True, True, False, True])
+  with pytest.raises(ValueError, match="must be"):
+    logprobs.nonfinite_columns(jnp.ones(3))
+
+
+def test_sampler_behaviour_logprobs_equal_the_clean_model():
   """Prefill padding (short prompts in a 16-token bucket, padding rows), idle slots (more
-  slots than requests at the end) and decode: same tokens and behaviour log-probs. A tied head
-  needs the poisoned ids in `excluded_ids` (they are its output columns too)."""
-  cfg = _cfg(tie)
-  clean, bad = _params(tie)
+  slots than requests at the end) and decode: by default (no setting) the poisoned model gives
+  the same tokens and behaviour log-probs as the clean one with the poisoned ids excluded.
+
+  Tied head only: it covers the untied case's paths too (the poisoned embedding rows are read by
+  the input-side lookups, the same code untied; and they are the output-head columns, which the
+  mask finds through `model.output_head`, the untied head's code as well). The learner test
+  above runs both."""
+  cfg = _cfg(True)
+  clean, bad = _params(True)
   scfg = SamplerConfig(num_slots=4, page_size=4, num_pages=32, max_seq_len=24,
                        max_new_tokens=8, min_prefill_bucket=16, prefill_rows=2,
                        decode_steps_per_dispatch=4,
-                       sampling=logprobs.SamplingConfig(
-                           temperature=1.0, top_k=6, excluded_ids=(PAD, *UNUSED) if tie else ()))
+                       sampling=logprobs.SamplingConfig(temperature=1.0, top_k=6))
   rng = np.random.default_rng(1)
   requests = [Request(prompt_tokens=rng.integers(1, 40, n).astype(np.int32), sample_id=i,
                       max_new_tokens=int(m))
               for i, (n, m) in enumerate([(3, 8), (7, 5), (1, 8), (5, 3), (2, 6)])]
-  out = {}
-  for name, params in (("clean", clean), ("bad", bad)):
-    engine = SamplerEngine(cfg, scfg, jax.device_put(params))
+  excluded = dataclasses.replace(
+      scfg, sampling=dataclasses.replace(scfg.sampling, excluded_ids=(PAD, *UNUSED)))
+  out, engines = {}, {}
+  for name, params, sc in (("clean", clean, excluded), ("bad", bad, scfg)):
+    engines[name] = engine = SamplerEngine(cfg, sc, jax.device_put(params))
     for r in requests:
       engine.submit(r)
     out[name] = sorted(engine.run_to_completion(), key=lambda r: r.sample_id)
@@ -121,6 +201,12 @@ def test_sampler_behaviour_logprobs_equal_the_clean_model(tie):
     np.testing.assert_array_equal(p.completion_tokens, c.completion_tokens)
     np.testing.assert_array_equal(p.behavior_logprobs, c.behavior_logprobs)
     assert np.isfinite(c.behavior_logprobs).all()
-  if tie:
-    with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
-      SamplerEngine(cfg, dataclasses.replace(scfg, eos_id=UNUSED[0]), jax.device_put(clean))
+  # The mask belongs to a weight version: computed when it is installed, again at a swap.
+  poisoned = np.zeros(VOCAB, bool)
+  poisoned[[PAD, *UNUSED]] = True
+  engine = engines["bad"]
+  assert all((np.asarray(m) == poisoned).all() for m in engine.weights.masks)
+  engine.update_weights(WeightUpdate(1, jax.device_put(clean)))
+  assert engine.version == 1 and not any(np.asarray(m).any() for m in engine.weights.masks)
+  with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
+    SamplerEngine(cfg, dataclasses.replace(excluded, eos_id=UNUSED[0]), jax.device_put(clean))
