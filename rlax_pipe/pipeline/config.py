@@ -22,7 +22,7 @@ from rlax_pipe.tokenizer import PromptFormat
 
 BUILTIN_INIT = "builtin"
 
-DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
+from rlax_pipe.pipeline.rules import DRIVERS  # pylint: disable=unused-import
 MODES: tuple[str, ...] = ("reproducible", "threaded")
 LOST_SAMPLE_POLICIES: tuple[str, ...] = ("redispatch", "discard")
 
