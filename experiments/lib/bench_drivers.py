@@ -30,6 +30,7 @@ import numpy as np
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import driver as driver_lib
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.sim import calibration, distributions
 from rlax_pipe.sim import simulator as sim_lib
@@ -46,8 +47,8 @@ class StepClock:
     self.rows: list[dict] = []
 
   def on_step(self, job, result, time_s) -> None:
-    v = result.version - 1
-    lags = [v - int(r.policy_versions.min()) for r in result.rollouts
+    v = result.trained_at
+    lags = [rules.sample_lag(r.policy_versions, v) for r in result.rollouts
             if r.policy_versions.size and not np.isnan(r.reward)]
     now = time_s if job.reproducible else job.timeline.now()  # virtual t_l / perf_counter
     self.rows.append({"now": now, "time_s": time_s,

@@ -320,6 +320,10 @@ class Learner:
           ckpt.directory, keep=ckpt.keep, async_save=ckpt.async_save,
           active_processes=sorted({d.process_index for d in mesh.devices.flat}))
     self._pending = None  # device metrics of the last dispatched step, not yet checked
+    # Host copies of the state's counters (no device read on the step path): `_step` counts
+    # dispatched steps; `_version` is the version after the last step whose metrics were read
+    # (`train_step` reads the previous step's, `flush` the last one's).
+    self._step, self._version = 0, 0
     self._compiled: _Compiled | None = None
     self._accum = None  # (GradAccum, BatchStats) device buffers, zero between batches
     rep = sharding_lib.replicated(mesh)
@@ -396,13 +400,18 @@ class Learner:
 
   @property
   def version(self) -> int:
-    """Policy version of `params` (blocks until the latest dispatched step has finished)."""
-    return int(jax.device_get(self._state.version))
+    """Policy version of `params` (a host integer). Exact once the metrics of the last
+    dispatched step were read (`flush`, as the pipeline's `Trainer` does every step); while a
+    step's metrics are pending it waits for that step and reads its version (a device read;
+    the metrics stay pending for `train_step` / `flush`)."""
+    if self._pending is not None:
+      return int(jax.device_get(self._pending["version"]))
+    return self._version
 
   @property
   def step(self) -> int:
-    """Number of train_step calls so far, applied or skipped (blocks like `version`)."""
-    return int(jax.device_get(self._state.step))
+    """Number of train_step calls so far, applied or skipped (a host integer, no device read)."""
+    return self._step
 
   @property
   def checkpointer(self) -> checkpoint_lib.Checkpointer | None:
@@ -471,8 +480,14 @@ class Learner:
       self._state, acc, stats, metrics = fns.apply(self._state, acc, stats,
                                                    self._flags[j == len(micro) - 1])
     self._accum = (acc, stats)
+    self._step += 1
     previous, self._pending = self._pending, metrics
     return None if previous is None else self._check(previous)
+
+  def _read_counters(self) -> None:
+    """The host copies of the state's step and version, read once after a state was loaded."""
+    step, version = jax.device_get((self._state.step, self._state.version))
+    self._step, self._version = int(step), int(version)
 
   def _zeros(self, sharding, shape):
     """A cached device array of zeros (the placeholder proximal log-probs)."""
@@ -481,12 +496,14 @@ class Learner:
     return self._zeros_cache[shape]
 
   def flush(self) -> dict[str, np.ndarray] | None:
-    """Waits for the last dispatched step and returns (and checks) its host metrics."""
+    """Waits for the last dispatched step and returns (and checks) its host metrics (one
+    explicit device-to-host transfer)."""
     previous, self._pending = self._pending, None
     return None if previous is None else self._check(previous)
 
   def _check(self, device_metrics: dict) -> dict[str, np.ndarray]:
     m = jax.device_get(device_metrics)
+    self._version = int(m["version"])
     for name, count in train_step_lib.ABSENT_WITHOUT.items():
       if int(m[count]) == 0:  # nothing to describe: absent, never a fake 0
         m.pop(name, None)  # (MoE metrics exist only for MoE models)
@@ -537,6 +554,7 @@ class Learner:
     if want != got:
       raise ValueError(f"Learner.load_state_dict: state tree {got} differs from {want}.")
     self._state, self._pending = jax.device_put(state, self.state_shardings), None
+    self._read_counters()
 
   def save(self, extra: dict | None = None) -> int:
     """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
@@ -578,6 +596,7 @@ class Learner:
           "trained on another base than the params this learner was given: pass the same "
           "initial params (RunConfig.init) as the run that saved it.")
     self._state, self._pending = restored.state, None
+    self._read_counters()
     self.last_restore = restored._replace(state=None)  # step, skipped steps and why
     logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
                  self.version, self._checkpointer.directory,

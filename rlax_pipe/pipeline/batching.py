@@ -16,7 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from rlax_pipe.learner import learner as learner_lib
+from rlax_pipe.pipeline.rules import batch_rows, bucket_rows, micro_batch_plan  # pylint: disable=unused-import
+from rlax_pipe.pipeline.rules import packed_order, packing_plan  # pylint: disable=unused-import
 from rlax_pipe.types import Rollout, TrainBatch
 
 
@@ -41,89 +42,6 @@ class UnpackedSample:
   behavior_logprobs: np.ndarray
   policy_versions: np.ndarray
   advantage: float
-
-
-def packing_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-  """First-fit-decreasing assignment of items to rows of capacity `seq_len`.
-
-  O(n log n): the first row with room is found in a max-tree over the rows' free space (rows not
-  yet opened count as empty, and come after every opened row, so the leftmost row with room is
-  exactly first fit's choice).
-
-  Args:
-    lengths: token count of each item (>= 1).
-    seq_len: row capacity L.
-
-  Returns:
-    rows: lists of item indices; row order = order of creation, items in a row in placement
-      order (longest first). Deterministic (ties broken by index).
-
-  Raises:
-    ValueError: if an item is longer than `seq_len` or shorter than 1 (naming both lengths).
-  """
-  lengths = [int(n) for n in lengths]
-  for i, n in enumerate(lengths):
-    if n > seq_len or n < 1:
-      raise ValueError(
-          f"packing_plan: item {i} has {n} tokens; it must be between 1 and seq_len={seq_len}.")
-  if not lengths:
-    return []
-  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-  size = 1 << (len(lengths) - 1).bit_length()
-  tree = [seq_len] * (2 * size)  # tree[k] = max free space of the rows under node k
-  rows: list[list[int]] = []
-  for i in order:
-    n, k = lengths[i], 1
-    while k < size:  # leftmost leaf with room
-      k = 2 * k if tree[2 * k] >= n else 2 * k + 1
-    r = k - size
-    if r == len(rows):
-      rows.append([])
-    rows[r].append(i)
-    tree[k] -= n
-    k //= 2
-    while k:
-      tree[k] = max(tree[2 * k], tree[2 * k + 1])
-      k //= 2
-  return rows
-
-
-def packed_order(lengths: Sequence[int], seq_len: int) -> list[int]:
-  """Item indices in the order `pack_rollouts` lays them out: row by row, and within a row by
-  segment id (1, 2, ...); the order `unpack_batch` reads segments back. A permutation of
-  range(len(lengths)); first-fit decreasing puts longer items first, so it differs from the input
-  order whenever lengths differ.
-
-  Raises:
-    ValueError: as `packing_plan`.
-  """
-  return [i for row in packing_plan(lengths, seq_len) for i in row]
-
-
-def bucket_rows(needed: int) -> int:
-  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
-  return 1 << max(0, int(needed - 1).bit_length())
-
-
-def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
-  """Rows of the learner batch holding samples of these lengths (prompt + completion): the
-  first-fit-decreasing plan's row count rounded up by `bucket_rows` (the learner's batch shape
-  rule, shared with the simulator)."""
-  return bucket_rows(len(packing_plan(lengths, seq_len)))
-
-
-def micro_batch_plan(rows: int, micro_batch_rows: int | None = None, num_minibatches: int = 1
-                     ) -> tuple[int, int]:
-  """(micro-batches, rows processed) of a learner step on `rows` rows, by the learner's own
-  split (`learner.plan_micro_batches`: row r goes to minibatch r mod `num_minibatches`, each
-  minibatch is cut into micro-batches of exactly `micro_batch_rows` rows, the last padded), so
-  the step processes micro-batches x micro_batch_rows rows. Without `micro_batch_rows`: one
-  micro-batch per minibatch, `rows` rows processed."""
-  if not micro_batch_rows:
-    return num_minibatches, rows
-  micro = sum(len(m) for m in learner_lib.plan_micro_batches(rows, micro_batch_rows,
-                                                             num_minibatches))
-  return micro, micro * micro_batch_rows
 
 
 def _empty_batch(num_rows: int, seq_len: int) -> dict[str, np.ndarray]:

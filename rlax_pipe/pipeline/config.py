@@ -25,7 +25,7 @@ BUILTIN_INIT = "builtin"
 # The shipped SFT warm start upcycled to a tiny MoE (`model.moe.upcycle`; 4 experts, top-2).
 BUILTIN_MOE_INIT = "builtin_moe"
 
-DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
+from rlax_pipe.pipeline.rules import DRIVERS  # pylint: disable=unused-import
 MODES: tuple[str, ...] = ("reproducible", "threaded")
 LOST_SAMPLE_POLICIES: tuple[str, ...] = ("redispatch", "discard")
 

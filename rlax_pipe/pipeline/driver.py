@@ -135,7 +135,7 @@ class DeadlockError(RuntimeError):
 
 def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
   q, e = trainer.queue.stats(), worker.engine
-  return (f"no progress possible: the learner (version {trainer.learner.version}) waits for "
+  return (f"no progress possible: the learner (version {trainer.version}) waits for "
           f"{trainer.cfg.groups_per_step} ready groups but the queue has {q.ready_groups} ready, "
           f"{q.partial_groups} partial, {q.in_flight_groups} in flight; the sampler (version "
           f"{e.version}) has no running or waiting request and may not start another (driver "
@@ -237,7 +237,7 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
       while st.transit and st.transit[0][0] <= st.t_l:
         trainer.queue.put(heapq.heappop(st.transit)[2])
       deliver(st.t_s)
-      groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.learner.version)
+      groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.version)
       if groups is None:
         # t_l == t_s, every finished sample is queued, the sampler is stuck (and no group the
         # filter dropped released an admission) ...
@@ -381,7 +381,7 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
     for _ in range(num_steps):
       t0 = clock()
       try:
-        groups = trainer.queue.get_batch(cfg.groups_per_step, trainer.learner.version,
+        groups = trainer.queue.get_batch(cfg.groups_per_step, trainer.version,
                                          timeout=wait_timeout(cfg, intervals))
       except QueueClosed:
         if errors:

@@ -25,6 +25,7 @@ from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.model import Transformer, lora_hf, save_peft_adapter
 from rlax_pipe.pipeline import group_filter
 from rlax_pipe.pipeline.job import Job
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline.trainer import StepResult
 from rlax_pipe.run_dir import to_jsonable
 from rlax_pipe.sampler import SamplerEngine
@@ -63,8 +64,8 @@ def sample_lag_stats(result: StepResult) -> tuple[float, int]:
   oldest token, v - min(policy_versions), at the version v the batch was trained at
   (Applied Compute's definition; DESIGN.md "Staleness"). Samples without a reward (not trained)
   and without tokens are left out; (0.0, 0) when none is left."""
-  v = result.version - 1
-  lags = [v - int(r.policy_versions.min()) for r in result.rollouts
+  v = result.trained_at
+  lags = [rules.sample_lag(r.policy_versions, v) for r in result.rollouts
           if r.policy_versions.size and not np.isnan(r.reward)]
   return (float(np.mean(lags)), int(max(lags))) if lags else (0.0, 0)
 
@@ -181,13 +182,13 @@ class TrainLog:
                                 _evals_left(step, pcfg.num_steps, pcfg.eval_every))
     stats = job.queue.stats()
     row = {
-        "kind": "train", "step": step, "version": result.version,
+        "kind": "train", "step": step, "version": result.produced,
         **clock_rows(job, time_s, stats.trained_tokens),
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
         "completion_tokens": result.completion_tokens,
         "token_lag_mean": lag_mean, "token_lag_max": lag_max,
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
-        "token_lag_max_at_train": int(result.version - 1 - versions.min()) if versions.size else 0,
+        "token_lag_max_at_train": int(result.trained_at - versions.min()) if versions.size else 0,
         "sampler_version": job.worker.weights_version,
         "push_bytes": result.push_bytes,  # one version's weights (LoRA: the adapters only)
         "idle_sampler": sampler_idle(summary.idle),

@@ -418,11 +418,6 @@ class RolloutQueue:
           learner_version=self._learner_version, waste=self._waste,
           rejected_samples=self._rejected, filter_kept_groups=self._filter_kept)
 
-  def in_flight_group_ids(self) -> list[int]:
-    """Live groups not yet ready (admitted and not complete), oldest admission first; O(n)."""
-    with self._cond:
-      return [g for g, _ in self._admission.live() if g not in self._ready]
-
   # ------------------------------------------------------------------ resume
 
   def state_dict(self) -> dict[str, Any]:

@@ -1,11 +1,14 @@
-"""The drivers' scheduling rules as pure functions: one copy, two users.
+"""The pipeline's host rules as pure functions (numpy only, no JAX): one copy, two users.
 
-The real pipeline (`RolloutWorker`, `driver.run_reproducible`) and the simulator (`rlax_pipe.sim`)
-call these functions and nothing else to decide when a prompt group may start, when new weights
-may be installed and which side of the virtual-clock interleaving moves next; the staleness
-admission and the learner's batch rule are the pure functions of `staleness.py`. So the simulator
-cannot drift from what runs (tests/sim/test_same_schedule.py runs both on the same lengths and
-costs and compares the schedules).
+The real pipeline (`RolloutWorker`, `Trainer`, the drivers, the step hooks) and the simulator
+(`rlax_pipe.sim`) call these functions to compute a token's and a sample's lag (`token_lag`,
+`sample_lag`), the learner's batch shape (`packing_plan`, `batch_rows`, `micro_batch_plan`), the
+engine's refill point (`refill_at`), and to decide when a prompt group may start, when new
+weights may be installed and which side of the virtual-clock interleaving moves next; the
+staleness admission and the learner's batch rule are the pure functions of `staleness.py`. So the
+simulator cannot drift from what runs (tests/sim/test_same_schedule.py runs both on the same
+lengths and costs and compares the schedules), and it imports no JAX
+(tests/sim/test_sim_api.py).
 
 Drivers (DESIGN.md, "Drivers"):
   * "pipeline": keep every decode slot busy: a new group may start while the engine's free slots
@@ -26,6 +29,153 @@ lag 0: its learner cannot step before the replacements finish).
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+# The drivers (DESIGN.md, "Drivers"); PipelineConfig.driver and SimConfig.driver choose one.
+DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
+
+# ---- staleness: the lag formula ------------------------------------------------------------
+
+
+def token_lag(policy_versions: np.ndarray, learner_version: int) -> np.ndarray:
+  """Per-token lag, lag_t = v - policy_versions[t].
+
+  Args:
+    policy_versions: int[...] version that produced each token.
+    learner_version: v, the version whose gradient the tokens enter.
+
+  Returns:
+    int32[...] lags (>= 0).
+
+  Raises:
+    ValueError: if a token is newer than `learner_version` (the caller passed the wrong v).
+  """
+  lag = np.int64(learner_version) - np.asarray(policy_versions, dtype=np.int64)
+  if lag.size and lag.min() < 0:
+    raise ValueError(
+        f"token_lag: a token has policy version {int(np.max(policy_versions))} > learner "
+        f"version {learner_version}; pass the version the batch will be trained at.")
+  return lag.astype(np.int32)
+
+
+
+def sample_lag(policy_versions: np.ndarray, learner_version: int) -> int:
+  """A sample's staleness: the lag of its oldest token, v - min(policy_versions) (the Applied
+  Compute definition; DESIGN.md "Staleness").
+
+  Raises:
+    ValueError: as `token_lag`, or if the sample has no token.
+  """
+  if np.size(policy_versions) == 0:
+    raise ValueError("sample_lag: a sample without tokens has no staleness.")
+  return int(token_lag(policy_versions, learner_version).max())
+
+
+# ---- the learner's batch shape -------------------------------------------------------------
+
+
+def packing_plan(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+  """First-fit-decreasing assignment of items to rows of capacity `seq_len`.
+
+  O(n log n): the first row with room is found in a max-tree over the rows' free space (rows not
+  yet opened count as empty, and come after every opened row, so the leftmost row with room is
+  exactly first fit's choice).
+
+  Args:
+    lengths: token count of each item (>= 1).
+    seq_len: row capacity L.
+
+  Returns:
+    rows: lists of item indices; row order = order of creation, items in a row in placement
+      order (longest first). Deterministic (ties broken by index).
+
+  Raises:
+    ValueError: if an item is longer than `seq_len` or shorter than 1 (naming both lengths).
+  """
+  lengths = [int(n) for n in lengths]
+  for i, n in enumerate(lengths):
+    if n > seq_len or n < 1:
+      raise ValueError(
+          f"packing_plan: item {i} has {n} tokens; it must be between 1 and seq_len={seq_len}.")
+  if not lengths:
+    return []
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  size = 1 << (len(lengths) - 1).bit_length()
+  tree = [seq_len] * (2 * size)  # tree[k] = max free space of the rows under node k
+  rows: list[list[int]] = []
+  for i in order:
+    n, k = lengths[i], 1
+    while k < size:  # leftmost leaf with room
+      k = 2 * k if tree[2 * k] >= n else 2 * k + 1
+    r = k - size
+    if r == len(rows):
+      rows.append([])
+    rows[r].append(i)
+    tree[k] -= n
+    k //= 2
+    while k:
+      tree[k] = max(tree[2 * k], tree[2 * k + 1])
+      k //= 2
+  return rows
+
+
+def packed_order(lengths: Sequence[int], seq_len: int) -> list[int]:
+  """Item indices in the order `pack_rollouts` lays them out: row by row, and within a row by
+  segment id (1, 2, ...); the order `unpack_batch` reads segments back. A permutation of
+  range(len(lengths)); first-fit decreasing puts longer items first, so it differs from the input
+  order whenever lengths differ.
+
+  Raises:
+    ValueError: as `packing_plan`.
+  """
+  return [i for row in packing_plan(lengths, seq_len) for i in row]
+
+
+def bucket_rows(needed: int) -> int:
+  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
+  return 1 << max(0, int(needed - 1).bit_length())
+
+
+def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
+  """Rows of the learner batch holding samples of these lengths (prompt + completion): the
+  first-fit-decreasing plan's row count rounded up by `bucket_rows` (the learner's batch shape
+  rule, shared with the simulator)."""
+  return bucket_rows(len(packing_plan(lengths, seq_len)))
+
+
+def micro_batch_plan(rows: int, micro_batch_rows: int | None = None, num_minibatches: int = 1
+                     ) -> tuple[int, int]:
+  """(micro-batches, rows processed) of a learner step on `rows` rows, by the learner's own
+  split (`learner.plan_micro_batches`: row r goes to minibatch r mod m, m = `num_minibatches`;
+  each minibatch is cut into micro-batches of exactly `micro_batch_rows` rows, the last padded),
+  so the step processes micro-batches x micro_batch_rows rows. Minibatch j holds
+  ceil((rows - j) / m) rows, hence ceil(ceil((rows - j) / m) / micro_batch_rows) micro-batches
+  (none when it holds no row). Without `micro_batch_rows`: one micro-batch per minibatch, `rows`
+  rows processed. Pure arithmetic, so the simulator shares it without importing the learner
+  (tests/pipeline/test_rules.py checks it against the learner's split)."""
+  if not micro_batch_rows:
+    return num_minibatches, rows
+  per_minibatch = [max(0, -(-(rows - j) // num_minibatches)) for j in range(num_minibatches)]
+  micro = sum(-(-n // micro_batch_rows) for n in per_minibatch)
+  return micro, micro * micro_batch_rows
+
+
+# ---- the engine's refill rule --------------------------------------------------------------
+
+
+def refill_at(waiting: int, num_slots: int) -> int:
+  """Finishes that end a decode dispatch early: min(waiting requests, ceil(num_slots / 8)), so
+  freed slots are refilled in batches and a dispatch is not cut short by every single finish
+  (0 when nothing waits). The simulator's copy of the engine's rule
+  (`sampler.scheduler.refill_at`, which the sampler, a lower layer, cannot import from here);
+  tests/pipeline/test_rules.py checks that the two agree."""
+  return min(waiting, -(-num_slots // 8))
+
+
+# ---- the drivers' scheduling rules ---------------------------------------------------------
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,27 +88,6 @@ class StalenessConfig:
 # Per-token lag.
 
 
-def token_lag(policy_versions: np.ndarray, learner_version: int) -> np.ndarray:
-  """Per-token lag, lag_t = v - policy_versions[t].
-
-  Args:
-    policy_versions: int[...] version that produced each token.
-    learner_version: v, the version whose gradient the tokens enter.
-
-  Returns:
-    int32[...] lags (>= 0).
-
-  Raises:
-    ValueError: if a token is newer than `learner_version` (the caller passed the wrong v).
-  """
-  lag = np.int64(learner_version) - np.asarray(policy_versions, dtype=np.int64)
-  if lag.size and lag.min() < 0:
-    raise ValueError(
-        f"token_lag: a token has policy version {int(np.max(policy_versions))} > learner "
-        f"version {learner_version}; pass the version the batch will be trained at.")
-  return lag.astype(np.int32)
-
-
 def is_too_stale(oldest_version: int, learner_version: int, max_lag: int | None) -> bool:
   """True when a sample whose oldest token has `oldest_version` breaks the bound at version v.
 

@@ -25,7 +25,11 @@ class StepResult:
   """What one learner step consumed and produced (host numbers).
 
   Attributes:
-    version: learner version after the step (= the version pushed).
+    trained_at: the policy version the batch was trained at (the params before the step; the
+      lag of a token is trained_at - its version).
+    produced: the version after the step (= the version pushed): trained_at + 1 when the update
+      was applied, trained_at when it was not (a skipped non-finite step, a step without a
+      token in the loss).
     metrics: the learner's metrics of this step (numpy scalars / arrays).
     rollouts: the samples of the groups consumed (those without a reward, NaN, are not trained).
     completion_tokens: completion tokens trained on (real tokens, no padding).
@@ -41,7 +45,8 @@ class StepResult:
       of the train step (dispatch to metrics read back) and of the push.
   """
 
-  version: int
+  trained_at: int
+  produced: int
   metrics: dict
   rollouts: tuple[Rollout, ...]
   completion_tokens: int
@@ -84,6 +89,12 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
 class Trainer:
   """Thin shell: queue -> batch -> `Learner.train_step` -> `WeightChannel.push`.
 
+  The trainer owns the learner side's policy version, a host integer (`version`): read once
+  from the learner when built (0, or the restored checkpoint's), then advanced by each step from
+  the step's own metrics (whether its update was applied), read in the one device-to-host
+  transfer of the step. The push needs that fact (a skipped step pushes the same version), so
+  the step's metrics are read right after it, not one step late.
+
   Args:
     learner: the sharded learner.
     queue: the rollout queue.
@@ -94,6 +105,7 @@ class Trainer:
   def __init__(self, learner: Learner, queue: RolloutQueue, channel: WeightChannel,
                cfg: PipelineConfig):
     self.learner, self.queue, self.channel, self.cfg = learner, queue, channel, cfg
+    self.version = learner.version
     # Bytes of one pushed version (weights travel in the learner's param dtype), whatever the
     # channel: the in-process WeightChannel or a multi-process job's LearnerSender.
     self.push_bytes = int(sum(x.nbytes for x in jax.tree.leaves(learner.params)))
@@ -109,9 +121,15 @@ class Trainer:
     batch, trained = build_batch(groups, self.cfg)
     rollouts = [r for g in groups for r in g]
     t1 = time.perf_counter()
+    trained_at = self.version
     self.learner.train_step(batch)
-    metrics = self.learner.flush()
-    version = self.learner.version
+    metrics = self.learner.flush()  # the step's one device-to-host transfer
+    version = trained_at + int(int(metrics["updates_applied"]) > 0)
+    if int(metrics["version"]) != version:
+      raise RuntimeError(f"Trainer: the learner's state says version {int(metrics['version'])} "
+                         f"after a step from version {trained_at}, the trainer counted "
+                         f"{version} (a learner stepped outside its Trainer?).")
+    self.version = version
     t2 = time.perf_counter()
     self.queue.set_learner_version(version)
     self.channel.push(self.learner.params, version)
@@ -121,7 +139,7 @@ class Trainer:
     sample_metrics = grading.batch_metrics(rollouts)
     sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
-        version=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
+        trained_at=trained_at, produced=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),

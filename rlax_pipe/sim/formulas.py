@@ -15,7 +15,7 @@ Asynchronous RL Training", 2026; /work/shared/reference/papers.md, section 1b):
   rho      utilization v_rollout / v_train; rho < 1 rollout-bound, rho > 1 train-bound.
   q        queue factor: queue capacity / B (queue-drop), 1 is the authors' recommendation.
 Staleness of a sample = learner updates between the start of its generation and the step that
-trains it, i.e. the lag of its oldest token (`rlax_pipe.pipeline.staleness.token_lag`).
+trains it, i.e. the lag of its oldest token (`rlax_pipe.pipeline.rules.sample_lag`).
 """
 
 from __future__ import annotations

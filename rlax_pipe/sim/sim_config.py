@@ -11,7 +11,7 @@ from typing import Any
 from rlax_pipe.costs import CostModel
 from rlax_pipe.pipeline import staleness as staleness_lib
 from rlax_pipe.pipeline.group_filter import GroupFilterConfig
-from rlax_pipe.pipeline.config import DRIVERS
+from rlax_pipe.pipeline.rules import DRIVERS
 from rlax_pipe.sim import distributions
 
 

@@ -7,7 +7,7 @@ driver rules of `rlax_pipe.pipeline.rules` (when a group may start, when weights
 moves next), a real `RolloutQueue` (the staleness admission `staleness.AdmissionLedger`, drops,
 due groups and the learner's batch rule `staleness.batch_size`, waste counters) fed with
 synthetic `Rollout`s whose `policy_versions` are stamped per token, and the learner's batch
-shape rule (`batching.batch_rows`, `batching.micro_batch_plan`). Durations come from the same
+shape rule (`rules.batch_rows`, `rules.micro_batch_plan`). Durations come from the same
 `rlax_pipe.costs.CostModel` as the reproducible driver's virtual clock, with the same features,
 so on the same lengths and costs the simulator reproduces the driver's schedule exactly
 (tests/sim/test_same_schedule.py).
@@ -20,7 +20,7 @@ Model (what is simulated, what is assumed):
     only a group's first sample admitted under the current weights), then runs one decode
     dispatch of up to K steps, each advancing every active slot by one token; the dispatch
     stops early once min(waiting requests, ceil(slots / 8)) slots finished in it, or when every
-    slot is done (the engine's refill rule `sampler.scheduler.refill_at`, called here too, and
+    slot is done (`rules.refill_at`, the engine's refill rule `sampler.scheduler.refill_at`, and
     `sampler.device_loop.decode_dispatch`). The step costs
     `CostModel.engine_step` of one engine's share (ceil(x / num_engines) of the slot-steps, live
     tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
@@ -62,11 +62,9 @@ import numpy as np
 
 from rlax_pipe.costs import CostModel
 from rlax_pipe.costs import model as costs_model
-from rlax_pipe.pipeline import batching
 from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness as staleness_lib
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
-from rlax_pipe.sampler import scheduler as scheduler_lib
 from rlax_pipe.sim import distributions
 from rlax_pipe.sim.sim_config import SimConfig, SimDeadlock, SimResult
 from rlax_pipe.types import Rollout
@@ -306,7 +304,7 @@ class _Run:
       live = self.sum_prompt + n_active * self.step_idx - self.sum_start
       return k, n_active * k, k * live + n_active * k * (k - 1) // 2, 0
     left = sorted(f - self.step_idx + 1 for f, *_ in self.active)
-    refill_at = scheduler_lib.refill_at(len(self.waiting), cfg.slots_per_engine)
+    refill_at = rules.refill_at(len(self.waiting), cfg.slots_per_engine)
     n = min(k, left[-1], left[refill_at - 1] if refill_at > 0 else k)
     slot_steps = live_steps = finishing = 0
     for f, _, _, start, _, prompt, _ in self.active:
@@ -389,8 +387,8 @@ class _Run:
     lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
     if cfg.seq_len is None:
       return self.costs.train(sum(lengths), cfg.num_minibatches)
-    rows = batching.batch_rows(lengths, cfg.seq_len)
-    micro, processed = batching.micro_batch_plan(rows, cfg.micro_batch_rows,
+    rows = rules.batch_rows(lengths, cfg.seq_len)
+    micro, processed = rules.micro_batch_plan(rows, cfg.micro_batch_rows,
                                                  cfg.num_minibatches)
     return self.costs.train(processed * cfg.seq_len, micro)
 

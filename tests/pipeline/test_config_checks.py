@@ -208,7 +208,7 @@ def test_steps_without_learning_signal_are_measured_and_warned(caplog):
   half = flat[:2] + mixed[2:] + [dataclasses.replace(mixed[0], sample_id=9, group_id=7,
                                                      reward=float("nan"))]
   def result(rollouts):
-    return trainer_lib.StepResult(version=1, metrics={}, rollouts=tuple(rollouts),
+    return trainer_lib.StepResult(trained_at=0, produced=1, metrics={}, rollouts=tuple(rollouts),
                                   completion_tokens=0, reward_mean=0.0)
   assert hooks.signal_group_fraction(result(mixed)) == 1.0
   assert hooks.signal_group_fraction(result(flat)) == 0.0

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 
@@ -9,15 +10,44 @@ import pytest
 
 from rlax_pipe.pipeline import run as run_lib
 
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+# Wall-clock measurements: the only fields of a reproducible run's rows that may differ.
+WALL_CLOCK_FIELDS = ("wall_s", "eta_s", "eval_wall_s")
+
+
+def metrics_rows(run_dir) -> list[dict]:
+  """Every row of run_dir/metrics.jsonl without its wall-clock fields."""
+  rows = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl")]
+  return [{k: v for k, v in r.items() if k not in WALL_CLOCK_FIELDS} for r in rows]
+
+
+def write_golden(run_dir, path) -> None:
+  """Stores a run's rows as the golden (only to record a new golden on purpose)."""
+  pathlib.Path(path).write_text(json.dumps(metrics_rows(run_dir), indent=1, sort_keys=True))
+
+
+def _assert_matches_golden(run_dir, path) -> None:
+  got, want = metrics_rows(run_dir), json.loads(pathlib.Path(path).read_text())
+  assert len(got) == len(want), (len(got), len(want))
+  for i, (g, w) in enumerate(zip(got, want)):
+    assert sorted(g) == sorted(w), (i, set(g) ^ set(w))
+    # json text: exact for floats (shortest round-trip repr) and NaN equals NaN
+    diff = {k: (g[k], w[k]) for k in w if json.dumps(g[k]) != json.dumps(w[k])}
+    assert not diff, f"row {i} ({w['kind']}, step {w['step']}) differs from {path.name}: {diff}"
+
 
 @pytest.mark.parametrize("driver,policy", [("sync", "block"), ("async-batch", "block"),
                                            ("pipeline", "block"), ("async-batch", "learner-wait"),
                                            ("pipeline", "learner-wait")])
-def test_driver_runs_and_respects_lag_bound(tmp_path, tiny_init, driver, policy, tiny_config,
-                                            train_rows):
+def test_driver_runs_and_respects_lag_bound(tmp_path, driver, policy, tiny_config, train_rows):
+  """With the shipped SFT warm start (non-zero rewards, so non-zero gradients); under policy
+  block the metrics must equal, bit for bit, a golden recorded before the pipeline-floor
+  redesign (issue #25; tests/pipeline/golden/, written by `write_golden`)."""
   max_lag = 1
-  cfg = tiny_config(tmp_path, tiny_init, driver=driver, max_lag=max_lag, policy=policy)
+  cfg = tiny_config(tmp_path, "builtin", driver=driver, max_lag=max_lag, policy=policy)
   summary = run_lib.run(cfg)
+  if policy == "block":
+    _assert_matches_golden(cfg.run_dir, GOLDEN / f"{driver}_block.json")
   rows = train_rows(cfg.run_dir)
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert [r["version"] for r in rows] == [1, 2, 3]

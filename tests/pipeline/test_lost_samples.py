@@ -264,14 +264,14 @@ class _Trainer:
 
   def __init__(self, queue, cfg):
     self.queue, self.cfg = queue, cfg
-    self.learner = types.SimpleNamespace(version=0)
+    self.version = 0  # the trainer owns the version (a host integer)
     self.trained = []
 
   def train_on(self, groups):
-    self.learner.version += 1
+    self.version += 1
     self.trained += [g[0].group_id for g in groups]
     return types.SimpleNamespace(processed_rows=1, micro_batches=1, push_bytes=1,
-                                 version=self.learner.version)
+                                 trained_at=self.version - 1, produced=self.version)
 
 
 @pytest.mark.parametrize("policy", staleness.POLICIES)
@@ -281,7 +281,7 @@ def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy
   worker = _worker({"steps": 2}, policy=policy, max_lag=1, queue_cls=_DropsOnce)
   cfg = dataclasses.replace(worker.cfg, wait_timeout_s=0.2)  # delivery limit 0.1 virtual s
   trainer = _Trainer(worker.queue, cfg)
-  channel = types.SimpleNamespace(take=lambda timeout: trainer.learner.version)
+  channel = types.SimpleNamespace(take=lambda timeout: trainer.version)
   try:
     end = driver.run_reproducible(worker, trainer, channel, cfg, timeline_lib.Timeline(), 6,
                             on_step=lambda result, now: None)
@@ -292,7 +292,10 @@ def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy
     assert q.rejected_samples == 0  # nothing else was taken for lost
     # group 0 was trained or counted as waste: no longer waited for, and every group admitted
     # is trained, counted as waste, ready or in flight
-    assert worker.queue.missing_samples(0) is None and 0 not in worker.queue.in_flight_group_ids()
+    state = worker.queue.state_dict()  # (in flight = admitted, live and not ready)
+    ready = {r["group_id"] for g in state["ready"] for r in g["rollouts"]}
+    in_flight = [g for g, _ in state["admission"]["live"] if g not in ready]
+    assert worker.queue.missing_samples(0) is None and 0 not in in_flight
     assert q.admitted_groups == (q.trained_groups + q.waste.dropped_groups + q.ready_groups
                                  + q.in_flight_groups)
     if policy in ("block", "learner-wait"):
@@ -332,8 +335,8 @@ def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
   trainer = _SlowTrainer(worker.queue, cfg)
   engine = worker.engine
   channel = types.SimpleNamespace(
-      try_take=lambda: (trainer.learner.version
-                        if trainer.learner.version > engine.latest_version else None))
+      try_take=lambda: (trainer.version
+                        if trainer.version > engine.latest_version else None))
   try:
     t0 = time.monotonic()
     driver.run_threaded(worker, trainer, channel, cfg, timeline_lib.Timeline(), 25,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe.pipeline import rollout_queue as rq
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness as st
 from rlax_pipe.types import Rollout
 
@@ -61,7 +62,7 @@ def test_drop_policy_never_returns_stale_tokens():
   batch = q.try_get_batch(1, learner_version=3)  # group 0 (oldest 0, lag 3) is dropped now
   assert batch[0][0].group_id == 1
   for r in batch[0]:
-    assert st.token_lag(r.policy_versions, 3).max() <= 1
+    assert rules.token_lag(r.policy_versions, 3).max() <= 1
   w = q.stats().waste
   assert (w.stale_groups, w.stale_samples, w.stale_tokens, w.wasted_tokens) == (2, 4, 5, 5)
 
@@ -157,7 +158,7 @@ def test_block_admission_and_deterministic_loop():
     if batch is not None:
       for group in batch:
         for r in group:
-          assert st.token_lag(r.policy_versions, v).max() <= k
+          assert rules.token_lag(r.policy_versions, v).max() <= k
       v += 1
       steps += 1
       w = v  # immediate weight pick-up

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness as st
 
 
@@ -19,9 +20,9 @@ def test_config_validation():
 
 
 def test_token_lag_and_predicates():
-  np.testing.assert_array_equal(st.token_lag(np.array([3, 4, 5]), 5), [2, 1, 0])
+  np.testing.assert_array_equal(rules.token_lag(np.array([3, 4, 5]), 5), [2, 1, 0])
   with pytest.raises(ValueError, match="policy version 6 > learner version 5"):
-    st.token_lag(np.array([6]), 5)
+    rules.token_lag(np.array([6]), 5)
   assert st.is_too_stale(3, 5, 1) and not st.is_too_stale(4, 5, 1)
   assert not st.is_too_stale(0, 100, None)
   assert not st.is_too_stale(np.iinfo(np.int32).max, 0, 0)  # a sample with no tokens
@@ -125,7 +126,7 @@ def _simulate(cfg, seed, rule="ours", train_order="random", steps=30, slots=6):
       batch = [ready[i] for i in idx]
       ready = [r for i, r in enumerate(ready) if i not in set(idx)]
       for _, versions in batch:
-        max_seen = max(max_seen, int(st.token_lag(versions, v).max()))
+        max_seen = max(max_seen, int(rules.token_lag(versions, v).max()))
       if rule == "ours":
         state.retire([g for g, _ in batch], trained=True)
       v += 1
@@ -192,7 +193,7 @@ def _simulate_queue(cfg, seed, steps=30, slots=6):
       biggest = max(biggest, len(batch))
       for group in batch:
         for r in group:
-          max_seen = max(max_seen, int(st.token_lag(r.policy_versions, v).max()))
+          max_seen = max(max_seen, int(rules.token_lag(r.policy_versions, v).max()))
       v += 1
       q.set_learner_version(v)
       weight_delay.append(v)

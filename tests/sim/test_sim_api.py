@@ -1,5 +1,10 @@
 """The public surface of rlax_pipe.sim: every exported name is documented."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import rlax_pipe.sim as sim
 
 
@@ -9,8 +14,14 @@ def test_public_names_have_docstrings():
     assert obj.__doc__ and obj.__doc__.strip(), name
 
 
-def test_simulator_does_not_need_jax_compute():
-  # The simulator module's imports are numpy + the pipeline's pure policy code.
-  import rlax_pipe.sim.simulator as simulator  # pylint: disable=import-outside-toplevel
-  src = open(simulator.__file__).read()
-  assert "import jax" not in src and "jnp." not in src
+def test_simulator_imports_no_jax():
+  """In a fresh interpreter, importing the simulator loads no JAX: it shares only the
+  pipeline's host rules (`pipeline.rules`, staleness, queue), never the engine or the learner
+  (issue #25)."""
+  code = ("import sys; import rlax_pipe.sim, rlax_pipe.sim.simulator, rlax_pipe.sim.whatif; "
+          "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(pathlib.Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       check=True, timeout=300)
+  assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -167,7 +167,7 @@ class MultiprocessRecords:
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del time_s
     step = job.learner.step
-    self.log_push(job, result.version)
+    self.log_push(job, result.produced)
     self._drain(job, step)
     holders = self._proxy.forget(r.sample_id for r in result.rollouts)
     if not self._record:
@@ -178,7 +178,7 @@ class MultiprocessRecords:
         runs = [] if v.size == 0 else [[int(x), int(n)] for x, n in
                                        zip(*np.unique(v, return_counts=True))]
         f.write(json.dumps({
-            "step": step, "trained_at": result.version - 1, "sample_id": int(r.sample_id),
+            "step": step, "trained_at": result.trained_at, "sample_id": int(r.sample_id),
             "group_id": int(r.group_id), "replica": holders.get(int(r.sample_id), -1),
             "prompt_index": int(r.prompt_index), "finish_reason": r.finish_reason,
             "reward": None if np.isnan(r.reward) else float(r.reward),
@@ -201,7 +201,7 @@ def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
   for _ in range(todo):
     t0 = clock()
     try:
-      groups = job.queue.get_batch(pcfg.groups_per_step, job.learner.version,
+      groups = job.queue.get_batch(pcfg.groups_per_step, job.trainer.version,
                                    timeout=pcfg.wait_timeout_s)
     except QueueClosed:
       monitor.check()

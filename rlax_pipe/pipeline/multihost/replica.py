@@ -22,6 +22,7 @@ import numpy as np
 
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver, weights_kv
@@ -29,11 +30,6 @@ from rlax_pipe.sampler import SamplerEngine
 
 _FLUSH_S = 0.5   # spans, status and rng at least this often
 _IDLE_S = 0.002  # poll period while there is nothing to decode
-
-
-def may_install_weights(driver: str, has_work: bool) -> bool:
-  """The drivers' rule (pipeline: at any dispatch boundary; rounds: between rounds)."""
-  return driver == "pipeline" or not has_work
 
 
 def replica_keys(initial: Any, seed: int, replica: int, num_keys: int) -> list[np.ndarray]:
@@ -149,7 +145,7 @@ class ReplicaProcess:
           stopping = True
       if self._pending_update is None:
         self._pending_update = self.receiver.poll()
-      if self._pending_update is not None and may_install_weights(driver, e.has_work):
+      if self._pending_update is not None and rules.may_install_weights(driver, e.has_work):
         update, self._pending_update = self._pending_update, None
         e.update_weights(update)
         self._installed(update.version)
