@@ -27,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 OUT_OF_SUPPORT = -1e9
 
@@ -93,6 +94,19 @@ def nonfinite_columns(head_EV: jax.Array) -> jax.Array:
   if head_EV.ndim != 2:
     raise ValueError(f"nonfinite_columns: head {head_EV.shape} must be [E, V].")
   return ~jnp.all(jnp.isfinite(jax.lax.stop_gradient(head_EV)), axis=0)
+
+
+def nonfinite_ids(head_EV: jax.Array) -> tuple[int, ...]:
+  """The ids whose output-head column holds a NaN or an inf, read to the host (sorted).
+
+  One reduction over the [E, V] head and one [V] bool transfer: for set-up (the learner calls
+  it when its params are set), not for a step path.
+
+  Raises:
+    ValueError: if head_EV is not 2-D.
+  """
+  return tuple(int(i) for i in np.flatnonzero(np.asarray(jax.device_get(
+      nonfinite_columns(head_EV)))))
 
 
 def blocked_ids(vocab: int, cfg: SamplingConfig, nonfinite_V: jax.Array | None = None
@@ -263,7 +277,8 @@ def _chunked(h_BTE, head_EV, targets_BT, cfg, chunk_len, constrain, bias_V):
 
 def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Array,
                         cfg: SamplingConfig, *, chunk_len: int | None = None,
-                        batch_groups: int = 1, constrain=None) -> tuple[jax.Array, jax.Array]:
+                        batch_groups: int = 1, constrain=None,
+                        block_nonfinite: bool = True) -> tuple[jax.Array, jax.Array]:
   """log pi(token t | tokens < t) and the entropy at t - 1, from hidden states, in chunks.
 
   The logits at t - 1 (fp32: h @ head) go through `processed_logprobs`, exactly as in the
@@ -292,6 +307,10 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
       B, else 1 is used.
     constrain: optional `constrain(x, logical_axes) -> x` sharding hook (logical names
       batch, length, embed, vocab); None = no constraint.
+    block_nonfinite: find and block non-finite head columns in this call (default). The
+      learner passes False: it finds them once on the host when its params are set
+      (`Learner`, `nonfinite_ids`) and names them in `cfg.excluded_ids`, so on finite weights
+      its step program is exactly the unmasked one (no per-call reduction over the head).
 
   Returns:
     (logp_BT float32, differentiable; entropy_BT float32 nats, gradient stopped). Position 0
@@ -307,7 +326,8 @@ def next_token_logprobs(h_BTE: jax.Array, head_EV: jax.Array, tokens_BT: jax.Arr
     raise ValueError(f"chunk_len={chunk_len} must be >= 1 or None.")
   constrain = constrain or (lambda x, *_, **__: x)
   b, t, e = h_BTE.shape
-  blocked = blocked_ids(head_EV.shape[1], cfg, nonfinite_columns(head_EV))
+  blocked = blocked_ids(head_EV.shape[1], cfg,
+                       nonfinite_columns(head_EV) if block_nonfinite else None)
   bias = None
   if blocked is not None:  # once per call, outside the chunk loop: their columns never meet h
     # (no 0 * NaN in the backward pass), and their logits get OUT_OF_SUPPORT by an add

@@ -27,7 +27,7 @@ from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.model import Model, ModelLike, as_model
+from rlax_pipe.model import HiddenStatesModel, Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.model import hf_io
 from rlax_pipe.types import TrainBatch
@@ -366,6 +366,7 @@ class Learner:
     else:
       params = jax.device_put(params, self.state_shardings.params)
       self._state = _compiled_init(self.model, self._step_cfg, mesh, True)(params, seed)
+    self._block_nonfinite_head_columns()
     if objective_cfg.kl != "off" and kl_path is None:  # the initial params (default)
       # With LoRA the initial merged params are the base itself (fresh adapters have B = 0).
       init = self._frozen if self.lora is not None else self._state.params
@@ -488,6 +489,31 @@ class Learner:
     """The host copies of the state's step and version, read once after a state was loaded."""
     step, version = jax.device_get((self._state.step, self._state.version))
     self._step, self._version = int(step), int(version)
+    self._block_nonfinite_head_columns()
+
+  def _block_nonfinite_head_columns(self) -> None:
+    """Adds the ids whose output-head column is non-finite to `sampling_cfg.excluded_ids`.
+
+    A NaN / inf row of a tied embedding no real token uses (the padding id) is also that id's
+    output column and would poison every log-prob (#27 item 1). The sampler blocks such ids per
+    installed weight version; the learner finds them here, once, when its params are set (a
+    finite column stays finite under the optimizer: the row gets no gradient and a non-finite
+    step is skipped), so on finite weights its step programs are exactly the unmasked ones. A
+    change recompiles them. Forward-only models (no `output_head`) are not checked.
+    """
+    if not isinstance(self.model, HiddenStatesModel):
+      return
+    params = self._frozen if self.lora is not None else self._state.params
+    bad = logprobs_lib.nonfinite_ids(self.model.output_head(params))
+    if not bad or set(bad) <= set(self.sampling_cfg.excluded_ids):
+      return
+    logging.warning("Learner: output-head columns of ids %s hold NaN / inf; those ids are "
+                    "blocked (log-prob %g, as the sampler blocks them).", list(bad),
+                    logprobs_lib.OUT_OF_SUPPORT)
+    self.sampling_cfg = dataclasses.replace(
+        self.sampling_cfg,
+        excluded_ids=tuple(sorted(set(self.sampling_cfg.excluded_ids) | set(bad))))
+    self._compiled = None
 
   def _zeros(self, sharding, shape):
     """A cached device array of zeros (the placeholder proximal log-probs)."""

@@ -246,7 +246,8 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,
                                             chunk_len=learner_cfg.logits_chunk_len,
                                             batch_groups=learner_cfg.batch_shards,
-                                            constrain=constrain), moe_out
+                                            constrain=constrain,
+                                            block_nonfinite=False), moe_out
 
   def model_params(trainable, frozen):
     """What the model runs on: the trainable params, or the base merged with the adapters."""

@@ -210,3 +210,34 @@ def test_sampler_behaviour_logprobs_equal_the_clean_model():
   assert engine.version == 1 and not any(np.asarray(m).any() for m in engine.weights.masks)
   with pytest.raises(ValueError, match=r"excluded_ids=\(0, 45, 46, 47\) must be ids in"):
     SamplerEngine(cfg, dataclasses.replace(excluded, eos_id=UNUSED[0]), jax.device_put(clean))
+
+
+def test_learner_blocks_nonfinite_head_columns_found_when_its_params_are_set():
+  """The Learner finds the poisoned ids once on the host (not in every step program): they are
+  added to its SamplingConfig.excluded_ids, so a train step on the poisoned model gives exactly
+  the metrics of the clean model with those ids excluded; clean params leave the config as is."""
+  from rlax_pipe import learner as learner_lib
+  from rlax_pipe.objectives import ObjectiveConfig
+  cfg, b = _cfg(True), _batch()
+  clean, bad = _params(True)
+  sampling = logprobs.SamplingConfig(temperature=0.9, top_k=20)
+  lcfg = learner_lib.LearnerConfig(
+      mesh_axes=(("fsdp", 1), ("tp", 1)), micro_batch_rows=4,
+      optimizer=learner_lib.OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
+  dev = jax.devices()[:1]
+  learners = {
+      "bad": learner_lib.Learner(cfg, lcfg, ObjectiveConfig(), sampling, devices=dev, params=bad),
+      "clean": learner_lib.Learner(
+          cfg, lcfg, ObjectiveConfig(),
+          dataclasses.replace(sampling, excluded_ids=(PAD, *UNUSED)), devices=dev, params=clean),
+      "clean_default": learner_lib.Learner(cfg, lcfg, ObjectiveConfig(), sampling, devices=dev,
+                                           params=clean)}
+  assert learners["bad"].sampling_cfg.excluded_ids == (PAD, *UNUSED)
+  assert learners["clean_default"].sampling_cfg.excluded_ids == ()
+  metrics = {}
+  for name in ("bad", "clean"):
+    learners[name].train_step(b)
+    metrics[name] = learners[name].flush()
+  for key in ("loss", "grad_norm"):
+    assert np.isfinite(metrics["clean"][key]), key
+    assert float(metrics["bad"][key]) == float(metrics["clean"][key]), key
