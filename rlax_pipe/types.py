@@ -45,6 +45,9 @@ class Rollout:
     num_preemptions: how many times the sample lost its KV pages and was re-queued.
     prompt_index: index of the task prompt (for bookkeeping and resume).
     prompt_truncated: the prompt was cut to fit max_seq_len (`rlax_pipe.grading`, "truncate").
+    routes: mixture-of-experts models only: int8 / int16 [T, L_moe, k] the k experts each
+      completion token was routed to in each MoE layer by the sampler (`rlax_pipe.router_replay`:
+      dtype, memory cost); None for a dense model or when not recorded.
   """
 
   sample_id: int
@@ -61,6 +64,7 @@ class Rollout:
   num_preemptions: int = 0
   prompt_index: int = -1
   prompt_truncated: bool = False
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     t = self.completion_tokens.shape
@@ -72,6 +76,11 @@ class Rollout:
     if self.finish_reason not in FINISH_REASONS:
       raise ValueError(
           f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}.")
+    if self.routes is not None and (self.routes.ndim != 3 or self.routes.shape[0] != t[0]
+                                    or not np.issubdtype(self.routes.dtype, np.integer)):
+      raise ValueError(f"Rollout.routes has dtype {self.routes.dtype} and shape "
+                       f"{self.routes.shape}; expected integers [T, L_moe, k] with T = {t[0]} "
+                       "completion tokens (or None).")
 
   @property
   def num_completion_tokens(self) -> int:
@@ -106,6 +115,9 @@ class TrainBatch:
     behavior_logprobs: float32[B, L] log mu(tokens[b, t]) (0 where loss_mask is 0).
     policy_versions: int32[B, L] version that produced tokens[b, t] (0 where loss_mask is 0).
     advantages: float32[B, L] per-token advantage (sample advantage broadcast over its tokens).
+    routes: mixture-of-experts router replay only: int8 / int16 [B, L, L_moe, k] the sampler's
+      experts of each completion token, `router_replay.NO_ROUTE` (-1) at every other position
+      (the learner routes those itself); None otherwise.
 
   Alignment: every per-token array is aligned with `tokens`, so the learner scores token t with
   the logits at position t - 1 of the same segment (a completion token is never first in its
@@ -119,6 +131,7 @@ class TrainBatch:
   behavior_logprobs: np.ndarray
   policy_versions: np.ndarray
   advantages: np.ndarray
+  routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
