@@ -186,10 +186,11 @@ class LearnerConfig:
     if self.micro_batch_rows < 1:
       raise ValueError(f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be >= 1.")
     split = self.batch_shards
+    expert = " x expert" if "expert" in self.mesh_shape else ""
     if self.micro_batch_rows % split:
       raise ValueError(
           f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be a multiple of the "
-          f"batch-splitting mesh axes (data x fsdp x expert = {split} in mesh_axes="
+          f"batch-splitting mesh axes (data x fsdp{expert} = {split} in mesh_axes="
           f"{self.mesh_axes}) so "
           "every device holds an equal share of each micro-batch; round it up to a multiple "
           f"of {split}.")
