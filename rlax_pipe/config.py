@@ -11,6 +11,7 @@ import math
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 ROPE_TYPES: tuple[str, ...] = ("linear", "llama3", "yarn")
+ROUTER_SOFTMAX: tuple[str, ...] = ("all", "topk")  # `model.moe.route`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,23 @@ class ModelConfig:
     max_seq_len: longest sequence (tokens, prompt + completion) the model will be asked to run.
     eos_token_ids: token ids that end a completion (any of them), e.g. from an HF checkpoint's
       config.json and generation_config.json; () = none declared here.
+    n_experts: experts X per mixture-of-experts layer (`model.moe`); 0 = dense model (the
+      default: every layer a SwiGLU MLP of width d_ff); >= 2 otherwise.
+    n_experts_per_tok: experts k each token is routed to, 1 <= k <= n_experts (MoE only).
+    moe_d_ff: hidden width F of each expert's SwiGLU MLP (>= 1; MoE only; Qwen3-MoE's
+      moe_intermediate_size). Dense layers of a mixed model keep d_ff.
+    router_softmax: "all" (softmax over all experts, then top-k: Qwen3-MoE) or "topk" (top-k
+      logits, then softmax over those k: GPT-OSS).
+    norm_topk_prob: with router_softmax="all", renormalise the k selected probabilities to sum
+      to 1 (Qwen3-MoE's norm_topk_prob).
+    router_bias: the router has a bias [X] (GPT-OSS).
+    decoder_sparse_step: layer i is MoE iff (i + 1) % decoder_sparse_step == 0 and i is not in
+      mlp_only_layers (Qwen3-MoE's rule; >= 1; 1 = every layer).
+    mlp_only_layers: layer indices in [0, n_layers) that stay dense in an MoE model.
+    router_aux_loss_coef: learner weight of the Switch load-balancing loss (>= 0; 0 = off;
+      the loss is 1 at uniform routing; `model.moe.load_balance_loss`).
+    router_z_loss_coef: learner weight of the router z-loss (>= 0; 0 = off; ST-MoE uses 1e-3;
+      `model.moe.z_loss`).
   """
 
   vocab_size: int = 256
@@ -104,8 +122,20 @@ class ModelConfig:
   max_seq_len: int = 512
   rope_scaling: RopeScaling | None = None
   eos_token_ids: tuple[int, ...] = ()
+  n_experts: int = 0
+  n_experts_per_tok: int = 2
+  moe_d_ff: int = 256
+  router_softmax: str = "all"
+  norm_topk_prob: bool = True
+  router_bias: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0
+  router_z_loss_coef: float = 0.0
 
   def __post_init__(self):
+    if isinstance(self.mlp_only_layers, list):
+      object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:
@@ -128,6 +158,51 @@ class ModelConfig:
         isinstance(i, int) and 0 <= i < self.vocab_size for i in self.eos_token_ids):
       raise ValueError(f"ModelConfig.eos_token_ids={self.eos_token_ids!r} must be a tuple of "
                        f"token ids in [0, vocab_size={self.vocab_size}).")
+    self._validate_moe()
+
+  def _validate_moe(self):
+    """Raises a ValueError naming the `--config.model.` field of an invalid MoE setting."""
+    if not isinstance(self.n_experts, int) or self.n_experts < 0 or self.n_experts == 1:
+      raise ValueError(f"--config.model.n_experts={self.n_experts!r} must be 0 (dense) or an "
+                       "int >= 2.")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"--config.model.{name}={value} must be finite and >= 0 (0 = off).")
+    if self.router_softmax not in ROUTER_SOFTMAX:
+      raise ValueError(f"--config.model.router_softmax={self.router_softmax!r}; choose one of "
+                       f"{ROUTER_SOFTMAX}.")
+    if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
+      raise ValueError(f"--config.model.decoder_sparse_step={self.decoder_sparse_step!r} must "
+                       "be an int >= 1 (1 = every layer is MoE).")
+    bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not
+           0 <= i < self.n_layers]
+    if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
+      raise ValueError(f"--config.model.mlp_only_layers={self.mlp_only_layers!r} must be "
+                       f"distinct layer indices in [0, n_layers={self.n_layers}).")
+    if self.n_experts:
+      if not isinstance(self.n_experts_per_tok, int) or not (
+          1 <= self.n_experts_per_tok <= self.n_experts):
+        raise ValueError(f"--config.model.n_experts_per_tok={self.n_experts_per_tok!r} must be "
+                         f"in [1, n_experts={self.n_experts}].")
+      if not isinstance(self.moe_d_ff, int) or self.moe_d_ff < 1:
+        raise ValueError(f"--config.model.moe_d_ff={self.moe_d_ff!r} must be an int >= 1.")
+      if not any(self.layer_is_moe):
+        raise ValueError(f"--config.model.n_experts={self.n_experts} but no layer is MoE "
+                         f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                         f"{self.mlp_only_layers}); set n_experts=0 for a dense model.")
+
+  @property
+  def layer_is_moe(self) -> tuple[bool, ...]:
+    """Per layer, whether its feed-forward block is MoE (Qwen3-MoE's decoder_sparse_step and
+    mlp_only_layers rule); all False for a dense model."""
+    return tuple(self.n_experts > 0 and (i + 1) % self.decoder_sparse_step == 0
+                 and i not in self.mlp_only_layers for i in range(self.n_layers))
+
+  @property
+  def n_moe_layers(self) -> int:
+    """Number of MoE layers (L_moe, the third axis of router routes [B, T, L_moe, k])."""
+    return sum(self.layer_is_moe)
 
 
 # Weight matrices of the built-in model (`model.transformer`) that LoRA may adapt.

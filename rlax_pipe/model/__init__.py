@@ -1,5 +1,5 @@
 """Models behind one interface: `Model` (api), the built-in Llama-3 / Qwen2 / Qwen3 decoder
-(`Transformer`, pure functions in `transformer`), a flax NNX adapter (`NnxModel`), the KV-cache
+(`Transformer`, pure functions in `transformer`; mixture-of-experts layers in `moe`), a flax NNX adapter (`NnxModel`), the KV-cache
 interface and its dense reference cache, HF checkpoint import/export of the built-in model, LoRA
 adapters on any model (`LoraAdapters`, merged W + alpha/r B A) and their PEFT export.
 
@@ -15,13 +15,15 @@ from rlax_pipe.model.hf_io import (
 from rlax_pipe.model.kv_cache import DenseKVCache, KVCache, gqa_attention
 from rlax_pipe.model.lora import LoraAdapters, adapters_for
 from rlax_pipe.model.lora_hf import save_peft_adapter
+from rlax_pipe.model.moe import MoeOutputs
 from rlax_pipe.model.nnx_adapter import NnxModel
 from rlax_pipe.model.transformer import (
-    abstract_params, forward, hidden_states, init_params, param_axes, param_specs, rms_norm, rope)
+    abstract_params, forward, hidden_states, init_params, layer_segments, param_axes, param_specs,
+    rms_norm, rope)
 
 __all__ = [
     "HiddenStatesModel", "LoraAdapters", "Model", "ModelLike", "NnxModel", "Transformer",
-    "adapters_for", "as_model", "save_peft_adapter",
+    "adapters_for", "as_model", "save_peft_adapter", "MoeOutputs", "layer_segments",
     "attend_with_cache",
     "packed_causal_mask",
     "SUPPORTED_ARCHITECTURES", "architecture_for", "config_from_hf", "config_to_hf",

@@ -83,24 +83,37 @@ class Transformer:
     """`transformer.init_params` (truncated-normal matrices, unit norms, zero biases)."""
     return transformer.init_params(self.cfg, rng)
 
+  @property
+  def n_moe_layers(self) -> int:
+    """MoE layers L_moe (0 for a dense model): the third axis of routes [B, T, L_moe, k]."""
+    return self.cfg.n_moe_layers
+
   def hidden_states(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None,
-                    remat="none", constrain=None, attention_block_len=None):
-    """`transformer.hidden_states` (api.HiddenStatesModel): the learner's training path."""
+                    remat="none", constrain=None, attention_block_len=None, routes_BTLk=None,
+                    return_moe=False):
+    """`transformer.hidden_states` (api.HiddenStatesModel): the learner's training path.
+
+    MoE models also take `routes_BTLk` (router replay) and `return_moe` (see `forward`)."""
     return transformer.hidden_states(params, tokens_BT, positions_BT, self.cfg,
                                      segment_ids_BT=segment_ids_BT, remat=remat,
                                      constrain=constrain,
-                                     attention_block_len=attention_block_len)
+                                     attention_block_len=attention_block_len,
+                                     routes_BTLk=routes_BTLk, return_moe=return_moe)
 
   def output_head(self, params):
     """`transformer.output_head`: the [E, V] projection (the transposed embedding if tied)."""
     return transformer.output_head(params, self.cfg)
 
   def forward(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None, cache=None,
-              valid_BT=None, remat=False):
-    """`transformer.forward`: float32 logits [B, T, V] and the updated cache (api contract)."""
+              valid_BT=None, remat=False, routes_BTLk=None, return_moe=False):
+    """`transformer.forward`: float32 logits [B, T, V] and the updated cache (api contract).
+
+    MoE models (cfg.n_experts > 0) also take `routes_BTLk` (int32 [B, T, L_moe, k], router
+    replay) and, with `return_moe=True`, return a third element `moe.MoeOutputs` (routes used,
+    load-balance and z losses; None for a dense model)."""
     return transformer.forward(params, tokens_BT, positions_BT, self.cfg,
                                segment_ids_BT=segment_ids_BT, cache=cache, valid_BT=valid_BT,
-                               remat=remat)
+                               remat=remat, routes_BTLk=routes_BTLk, return_moe=return_moe)
 
 
 def as_model(model: ModelLike) -> api.Model:

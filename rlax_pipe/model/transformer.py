@@ -22,14 +22,16 @@ import numpy as np
 
 from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.model import kv_cache as kv_cache_lib
+from rlax_pipe.model import moe as moe_lib
 from rlax_pipe.model import rotary
 
 Params = dict[str, Any]
 
 
-def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-  e, h, k, d, f, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                      cfg.n_layers)
+def _layer_shapes(cfg: ModelConfig, n: int,
+                  moe: bool = False) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+  """(shape, logical axes) of a stack of n blocks: dense (SwiGLU MLP) or MoE (router, experts)."""
+  e, h, k, d, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   shapes = {
       "attn_norm": ((n, e), ("layers", "embed")),
       "wq": ((n, e, h, d), ("layers", "embed", "heads", "head_dim")),
@@ -37,10 +39,19 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
       "wv": ((n, e, k, d), ("layers", "embed", "kv_heads", "head_dim")),
       "wo": ((n, h, d, e), ("layers", "heads", "head_dim", "embed")),
       "mlp_norm": ((n, e), ("layers", "embed")),
-      "w_gate": ((n, e, f), ("layers", "embed", "mlp")),
-      "w_up": ((n, e, f), ("layers", "embed", "mlp")),
-      "w_down": ((n, f, e), ("layers", "mlp", "embed")),
   }
+  if moe:
+    x, fe = cfg.n_experts, cfg.moe_d_ff
+    shapes["router"] = ((n, e, x), ("layers", "embed", "expert"))
+    if cfg.router_bias:
+      shapes["router_bias"] = ((n, x), ("layers", "expert"))
+    shapes["experts_gate"] = ((n, x, e, fe), ("layers", "expert", "embed", "mlp"))
+    shapes["experts_up"] = ((n, x, e, fe), ("layers", "expert", "embed", "mlp"))
+    shapes["experts_down"] = ((n, x, fe, e), ("layers", "expert", "mlp", "embed"))
+  else:
+    shapes["w_gate"] = ((n, e, f), ("layers", "embed", "mlp"))
+    shapes["w_up"] = ((n, e, f), ("layers", "embed", "mlp"))
+    shapes["w_down"] = ((n, f, e), ("layers", "mlp", "embed"))
   if cfg.qkv_bias:
     shapes["bq"] = ((n, h, d), ("layers", "heads", "head_dim"))
     shapes["bk"] = ((n, k, d), ("layers", "kv_heads", "head_dim"))
@@ -51,18 +62,43 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
   return shapes
 
 
+def layer_segments(cfg: ModelConfig) -> tuple[tuple[str, int, int, int], ...]:
+  """Runs of consecutive layers of one kind, in model order, each scanned with one `lax.scan`.
+
+  Returns:
+    Tuples (stack, start, stop, first_layer): the blocks stack[start:stop] of params[stack]
+    ("layers" = dense blocks, "moe_layers" = MoE blocks) are the model's layers first_layer,
+    first_layer + 1, ... A dense model is one run ("layers", 0, n_layers, 0).
+  """
+  out, counts = [], {"layers": 0, "moe_layers": 0}
+  for i, is_moe in enumerate(cfg.layer_is_moe):
+    stack = "moe_layers" if is_moe else "layers"
+    if out and out[-1][0] == stack:
+      out[-1][2] += 1
+    else:
+      out.append([stack, counts[stack], counts[stack] + 1, i])
+    counts[stack] += 1
+  return tuple(tuple(seg) for seg in out)
+
+
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   """Tree of (shape, logical_axes) for every parameter, the single source of the layout.
 
   Returns:
-    {"embed": ((V, E), ("vocab", "embed")), "final_norm": ..., "layers": {name: (shape, axes)},
-    and "lm_head": ((E, V), ("embed", "vocab")) when embeddings are untied}.
+    {"embed": ((V, E), ("vocab", "embed")), "final_norm": ..., "layers": {name: (shape, axes)}
+    (the dense blocks, stacked; absent when every layer is MoE), "moe_layers": {...} (the MoE
+    blocks, stacked; only when cfg.n_experts > 0; order of execution: `layer_segments`), and
+    "lm_head": ((E, V), ("embed", "vocab")) when embeddings are untied}.
   """
   specs = {
       "embed": ((cfg.vocab_size, cfg.d_model), ("vocab", "embed")),
       "final_norm": ((cfg.d_model,), ("embed",)),
-      "layers": _layer_shapes(cfg),
   }
+  n_moe = cfg.n_moe_layers
+  if cfg.n_layers - n_moe:
+    specs["layers"] = _layer_shapes(cfg, cfg.n_layers - n_moe)
+  if n_moe:
+    specs["moe_layers"] = _layer_shapes(cfg, n_moe, moe=True)
   if not cfg.tie_embeddings:
     specs["lm_head"] = ((cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
   return specs
@@ -106,7 +142,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
     name = path[-1].key
     if name.endswith("norm"):
       leaves.append(jnp.ones(shape, dtype))
-    elif name in ("bq", "bk", "bv"):
+    elif name in ("bq", "bk", "bv", "router_bias"):
       leaves.append(jnp.zeros(shape, dtype))
     else:
       if name == "embed":
@@ -153,8 +189,12 @@ def _packed_mask(segment_ids_BT: jax.Array) -> jax.Array:
   return causal[None] & same
 
 
-def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend):
-  """One pre-norm transformer block. `attend(q, k, v)` returns ([B,T,H,D], cache_out)."""
+def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend, moe_in=None):
+  """One pre-norm transformer block. `attend(q, k, v)` returns ([B,T,H,D], cache_out).
+
+  A dense block (`moe_in` None) returns (h, cache_out); an MoE block (`moe_in` = (experts_BTk
+  or None, mask_BT)) returns (h, cache_out, (experts_BTk, load_balance_loss, z_loss)).
+  """
   cdt = jnp.dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda a: a.astype(cdt), lp)
   x = rms_norm(h_BTE, lp["attn_norm"], cfg.rms_eps)
@@ -171,36 +211,96 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend):
   attn, cache_out = attend(q, k, v)
   h_BTE = h_BTE + jnp.einsum("bthd,hde->bte", attn, lp["wo"])
   x = rms_norm(h_BTE, lp["mlp_norm"], cfg.rms_eps)
+  if moe_in is not None:
+    experts_BTk, mask_BT = moe_in
+    b, t, e = x.shape
+    kk = cfg.n_experts_per_tok
+    out, experts, lb, z = moe_lib.moe_block(
+        x.reshape(b * t, e), lp, k=kk, softmax_over=cfg.router_softmax,
+        norm_topk_prob=cfg.norm_topk_prob,
+        experts_Tk=None if experts_BTk is None else experts_BTk.reshape(b * t, kk),
+        mask_T=mask_BT.reshape(b * t))
+    return h_BTE + out.reshape(b, t, e), cache_out, (experts.reshape(b, t, kk), lb, z)
   gate = jnp.einsum("bte,ef->btf", x, lp["w_gate"])
   up = jnp.einsum("bte,ef->btf", x, lp["w_up"])
   h_BTE = h_BTE + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp["w_down"])
   return h_BTE, cache_out
 
 
-def _cached_layers(params: Params, h_BTE, positions_BT, cfg: ModelConfig, cache, valid_BT):
+def _check_routes(cfg: ModelConfig, routes_BTLk, shape_BT) -> None:
+  if routes_BTLk is None:
+    return
+  want = (*shape_BT, cfg.n_moe_layers, cfg.n_experts_per_tok)
+  if cfg.n_experts == 0 or tuple(routes_BTLk.shape) != want:
+    raise ValueError(f"routes_BTLk has shape {tuple(routes_BTLk.shape)}; this model needs "
+                     f"[B, T, L_moe, k] = {want}" + (" (it has no MoE layer: pass None)."
+                                                     if cfg.n_experts == 0 else "."))
+
+
+def _run_layers(params: Params, h_BTE, cfg: ModelConfig, carry_extra, step_fn, routes_BTLk,
+                wrap=lambda f: f):
+  """Runs every layer in model order: one `lax.scan` per run of `layer_segments`.
+
+  `step_fn(h, extra, lp, layer, stack, routes_BTk)` runs one block and returns
+  (h, extra, aux or None); `wrap` wraps the scanned body (remat). Returns (h, extra, MoeOutputs
+  or None): MoE layers' routes [B, T, L_moe, k] and their aux losses averaged over layers.
+  """
+  routes_LBTk = None if routes_BTLk is None else jnp.moveaxis(routes_BTLk, 2, 0)
+  aux_all = []
+  for stack, start, stop, first in layer_segments(cfg):
+    lps = params[stack]
+    n_stack = next(iter(lps.values())).shape[0]
+    if (start, stop) != (0, n_stack):
+      lps = jax.tree.map(lambda a, i=start, j=stop: a[i:j], lps)
+    layers = jnp.arange(first, first + stop - start, dtype=jnp.int32)
+    moe = stack == "moe_layers"
+    xs_routes = routes_LBTk[start:stop] if (moe and routes_LBTk is not None) else None
+
+    def body(carry, xs, stack=stack):
+      h, extra = carry
+      lp, layer, r = xs
+      h, extra, aux = step_fn(h, extra, lp, layer, stack, r)
+      return (h, extra), aux
+
+    (h_BTE, carry_extra), aux = jax.lax.scan(wrap(body), (h_BTE, carry_extra),
+                                             (lps, layers, xs_routes))
+    if moe:
+      aux_all.append(aux)
+  if not aux_all:
+    return h_BTE, carry_extra, None
+  routes = jnp.concatenate([a[0] for a in aux_all], axis=0)  # [L_moe, B, T, k]
+  lb = jnp.concatenate([a[1] for a in aux_all])
+  z = jnp.concatenate([a[2] for a in aux_all])
+  return h_BTE, carry_extra, moe_lib.MoeOutputs(
+      routes_BTLk=jnp.moveaxis(routes, 0, 2), load_balance_loss=jnp.mean(lb), z_loss=jnp.mean(z))
+
+
+def _cached_layers(params: Params, h_BTE, positions_BT, cfg: ModelConfig, cache, valid_BT,
+                   routes_BTLk=None):
   """The cache path: layers in a scan that CARRIES the cache, so XLA updates it in place.
 
   Each layer calls `cache.update_attend(layer_index, q, k, v, positions, valid)`, which writes
   the new tokens' K/V into the carried cache and attends over it. (Passing the cache as a scan
   input and collecting it as a scan output would copy the whole cache every call.)
+  Returns (h, cache, MoeOutputs or None).
   """
   valid = jnp.ones(positions_BT.shape, bool) if valid_BT is None else valid_BT
 
-  def body(carry, xs):
-    h, c = carry
-    lp, layer = xs
+  def step(h, c, lp, layer, stack, routes_BTk):
     attend = lambda q, k, v: c.update_attend(layer, q, k, v, positions_BT, valid)
+    if stack == "moe_layers":
+      h, c, aux = _block(cfg, h, lp, positions_BT, attend, (routes_BTk, valid))
+      return h, c, aux
     h, c = _block(cfg, h, lp, positions_BT, attend)
-    return (h, c), None
+    return h, c, None
 
-  layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-  (h_BTE, cache), _ = jax.lax.scan(body, (h_BTE, cache), (params["layers"], layers))
-  return h_BTE, cache
+  return _run_layers(params, h_BTE, cfg, cache, step, routes_BTLk)
 
 
 def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, *,
             segment_ids_BT: jax.Array | None = None, cache=None, valid_BT: jax.Array | None = None,
-            remat: bool = False, return_hidden: bool = False):
+            remat: bool = False, return_hidden: bool = False,
+            routes_BTLk: jax.Array | None = None, return_moe: bool = False):
   """Runs the transformer; returns float32 logits and the updated cache.
 
   Without a cache: full sequences, causal attention within equal `segment_ids_BT` (packing;
@@ -222,35 +322,41 @@ def forward(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array, cfg: 
     remat: rematerialise each block in the backward pass (no-cache mode; the learner calls
       `hidden_states` directly with a named remat policy).
     return_hidden: also return the final normalised hidden states [B, T, E].
+    routes_BTLk: MoE models only: optional int32 [B, T, L_moe, k] experts to use per token and
+      MoE layer (router replay; weights still from this model's router, `model.moe.route`);
+      None = each layer's own top-k.
+    return_moe: also return a `moe.MoeOutputs` (routes used, load-balance and z losses); None
+      for a dense model.
 
   Returns:
-    (logits float32 [B, T, V], cache or None), or (logits, cache, hidden) with return_hidden.
+    (logits float32 [B, T, V], cache or None), then hidden [B, T, E] if return_hidden, then
+    the MoeOutputs if return_moe.
 
   Raises:
-    ValueError: on rank/shape mismatches, or segment ids given together with a cache.
+    ValueError: on rank/shape mismatches (routes included), or segment ids given together
+      with a cache.
   """
   if tokens_BT.ndim != 2 or positions_BT.shape != tokens_BT.shape:
     raise ValueError(f"tokens {tokens_BT.shape} and positions {positions_BT.shape} must be [B, T].")
   if cache is not None and segment_ids_BT is not None:
     raise ValueError("segment_ids_BT (packing) is for cache-free forwards; pass valid_BT instead.")
+  _check_routes(cfg, routes_BTLk, tokens_BT.shape)
   if cache is None:  # the training path (packed full sequences), shared with the learner
-    h = hidden_states(params, tokens_BT, positions_BT, cfg, segment_ids_BT=segment_ids_BT,
-                      remat="full" if remat else "none")
-    logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32),
-                        output_head(params, cfg).astype(jnp.float32))
-    return (logits, None, h) if return_hidden else (logits, None)
-  cdt = jnp.dtype(cfg.compute_dtype)
-  h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
-  if valid_BT is not None:  # padding (prefill padding, idle decode slots): selected, not scaled
-    h = jnp.where(valid_BT[:, :, None], h, jnp.zeros((), cdt))
-  h, new_cache = _cached_layers(params, h, positions_BT, cfg, cache, valid_BT)
-
-  h = rms_norm(h, params["final_norm"], cfg.rms_eps)
+    h, moe = hidden_states(params, tokens_BT, positions_BT, cfg, segment_ids_BT=segment_ids_BT,
+                           remat="full" if remat else "none", routes_BTLk=routes_BTLk,
+                           return_moe=True)
+    new_cache = None
+  else:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
+    if valid_BT is not None:  # padding (prefill padding, idle decode slots): selected, not scaled
+      h = jnp.where(valid_BT[:, :, None], h, jnp.zeros((), cdt))
+    h, new_cache, moe = _cached_layers(params, h, positions_BT, cfg, cache, valid_BT,
+                                       routes_BTLk)
+    h = rms_norm(h, params["final_norm"], cfg.rms_eps)
   logits = jnp.einsum("bte,ev->btv", h.astype(jnp.float32),
                       output_head(params, cfg).astype(jnp.float32))
-  if return_hidden:
-    return logits, new_cache, h
-  return logits, new_cache
+  return (logits, new_cache) + ((h,) if return_hidden else ()) + ((moe,) if return_moe else ())
 
 
 # ---- the training path (no cache): packed sequences, sharding hooks, remat policies ----------
@@ -339,7 +445,8 @@ def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
 def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                   cfg: ModelConfig, *, segment_ids_BT: jax.Array | None = None,
                   remat: str = "none", constrain: Constrain | None = None,
-                  attention_block_len: int | None = None) -> jax.Array:
+                  attention_block_len: int | None = None, routes_BTLk: jax.Array | None = None,
+                  return_moe: bool = False):
   """Final normalised hidden states of packed full sequences (the training path, no cache).
 
   Causal attention within equal `segment_ids_BT`; padding (segment 0) gets a zero embedding
@@ -362,9 +469,12 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
     constrain: optional sharding hook `constrain(x, logical_axes, weight=False) -> x`;
       None = none.
     attention_block_len: queries per attention block (`blockwise_attention`); None = dense.
+    routes_BTLk: MoE only: optional int32 [B, T, L_moe, k] replayed experts (see `forward`).
+    return_moe: also return the `moe.MoeOutputs` (None for a dense model); its aux losses
+      average over real tokens (segment > 0).
 
   Returns:
-    [B, T, E] in cfg.compute_dtype.
+    [B, T, E] in cfg.compute_dtype, or (hidden, MoeOutputs or None) with return_moe.
 
   Raises:
     ValueError: on rank/shape mismatches or an unknown remat policy.
@@ -381,13 +491,21 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
     seg = segment_ids_BT
     h = jnp.where((seg > 0)[:, :, None], h, jnp.zeros((), cdt))
   h = c(h, ("batch", "length", "embed"))
-  layer_axes = {k: v[1:] for k, v in axes["layers"].items()}  # without the stacked L axis
+  _check_routes(cfg, routes_BTLk, tokens_BT.shape)
+  layer_axes = {stack: {k: v[1:] for k, v in axes[stack].items()}  # without the stacked L axis
+                for stack in ("layers", "moe_layers") if stack in axes}
+  attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
 
-  def body(h, lp):
-    lp = {k: c(v, layer_axes[k], weight=True) for k, v in lp.items()}
-    attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
-    h, _ = _block(cfg, h, lp, positions_BT, attend)
-    return c(h, ("batch", "length", "embed")), None
+  def step(h, extra, lp, layer, stack, routes_BTk):
+    del layer
+    lp = {k: c(v, layer_axes[stack][k], weight=True) for k, v in lp.items()}
+    if stack == "moe_layers":
+      h, _, aux = _block(cfg, h, lp, positions_BT, attend, (routes_BTk, seg > 0))
+    else:
+      (h, _), aux = _block(cfg, h, lp, positions_BT, attend), None
+    return c(h, ("batch", "length", "embed")), extra, aux
 
-  h, _ = jax.lax.scan(remat_block(body, remat), h, params["layers"])
-  return rms_norm(h, params["final_norm"], cfg.rms_eps)
+  h, _, moe = _run_layers(params, h, cfg, (), step, routes_BTLk,
+                          wrap=lambda f: remat_block(f, remat))
+  h = rms_norm(h, params["final_norm"], cfg.rms_eps)
+  return (h, moe) if return_moe else h
