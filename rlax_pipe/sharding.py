@@ -423,7 +423,8 @@ def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
     stored_rules: layout the parameters are stored in.
 
   Returns:
-    constrain(x, logical_axes, weight=False).
+    constrain(x, logical_axes, weight=False), with attribute `mesh` (the mesh): an MoE layer
+    reads it to run its experts split over the mesh's "expert" axis (`model.moe_parallel`).
   """
   def sharding(x, axes, table):
     return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, table))
@@ -446,4 +447,5 @@ def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
     if weight:
       return gather(x, tuple(logical_axes))
     return jax.lax.with_sharding_constraint(x, sharding(x, logical_axes, rules))
+  constrain.mesh = mesh  # for code that must name the mesh (MoE experts under shard_map)
   return constrain
