@@ -172,7 +172,9 @@ class ModelShape:
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
         n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.d_ff,
         tie_embeddings=cfg.tie_embeddings, param_bytes=_BYTES[cfg.param_dtype],
-        kv_bytes=_BYTES[kv_dtype or cfg.compute_dtype], name=name)
+        kv_bytes=_BYTES[kv_dtype or cfg.compute_dtype], n_experts=cfg.n_experts,
+        experts_per_tok=cfg.n_experts_per_tok, moe_d_ff=cfg.moe_d_ff,
+        moe_layers=cfg.n_moe_layers, name=name)
 
 
 # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32 heads, 8 kv heads, head_dim
@@ -182,6 +184,12 @@ LLAMA_3_8B = ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=3
                          param_dtype="bfloat16", compute_dtype="bfloat16", max_seq_len=8192)
 
 
+# Qwen/Qwen3-30B-A3B as a `ModelConfig` (the simulator's what-ifs and the AOT compiles take it).
+QWEN3_30B_A3B = ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                            n_kv_heads=4, head_dim=128, d_ff=6144, rope_theta=1e6, qk_norm=True,
+                            tie_embeddings=False, param_dtype="bfloat16",
+                            compute_dtype="bfloat16", max_seq_len=40960, n_experts=128,
+                            n_experts_per_tok=8, moe_d_ff=768, norm_topk_prob=True)
 # Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers (all MoE: decoder_sparse_step 1, no
 # mlp_only_layers), 32 heads, 4 kv heads, head_dim 128, 128 experts, 8 per token,
 # moe_intermediate_size 768, vocab 151936, untied embeddings; bf16. 30.5 B total, 3.3 B active.

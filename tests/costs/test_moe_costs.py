@@ -113,3 +113,10 @@ def test_whatif_on_an_moe_shape_sizes_the_learner_by_total_params():
   assert whatif.min_learner_devices(c) == want
   assert whatif.costs(c, 8).expert_step_s > 0
   assert whatif.engine_slots(c) >= 1
+
+
+def test_model_shape_of_an_moe_model_config_matches_the_published_dims():
+  got = costs.ModelShape.of(costs.QWEN3_30B_A3B, "qwen3-30b-a3b")
+  assert got == costs.QWEN3_30B_A3B_SHAPE
+  c = whatif.Cluster(num_devices=64, chip="H200", model=costs.QWEN3_30B_A3B)
+  assert c.shape.expert_bytes == costs.QWEN3_30B_A3B_SHAPE.expert_bytes
