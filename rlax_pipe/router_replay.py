@@ -16,11 +16,15 @@ marker: int8 when n_experts <= 127, else int16 (`routes_dtype`). Memory per toke
 L_moe * k * itemsize bytes (`route_bytes_per_token`): 96 B for gpt-oss-20b (24 x 4 x int8),
 768 B for Qwen3-30B-A3B (48 x 8 x int16), against 12 bytes for the token, log-prob and version.
 
-Which tokens are replayed: the completion tokens (the sampler records each decode step's routes
-beside its log-prob and version). Prompt tokens are routed by the learner's own router
-(`NO_ROUTE` in the packed batch): the sampler's prefill routes are not recorded, so a prompt
-token's K/V (which later tokens attend to) may come from other experts than in the sampler.
-Padding is `NO_ROUTE` too.
+Which tokens are replayed. A decode step feeds the pending token at position p and samples the
+token at p + 1, so the routes it records, stored as routes[t] beside completion token t's
+log-prob and version, are those of the token *before* t (position P - 1 + t for a P-token
+prompt): the routing that produced token t. The packed batch puts them at those positions, so
+the learner replays every decode step exactly: the last prompt token and every completion token
+but the last (which is never fed, and scores nothing). The other prompt tokens were prefilled;
+their routes are not recorded and the learner routes them with its own router (`NO_ROUTE` in
+the packed batch), so their K/V (which later tokens attend to) may come from other experts than
+in the sampler. Padding is `NO_ROUTE` too.
 """
 
 from __future__ import annotations
@@ -74,13 +78,13 @@ def pack_routes(routes_TLk, n_experts: int) -> np.ndarray:
 
 def batch_routes(completion_routes: Sequence[np.ndarray | None], placements, num_rows: int,
                  seq_len: int) -> np.ndarray | None:
-  """The packed batch's routes [B, L, L_moe, k]: each sample's completion routes at its
-  completion positions, `NO_ROUTE` everywhere else; None when no sample has routes (a dense
-  model, or recording off).
+  """The packed batch's routes [B, L, L_moe, k]: each sample's recorded routes at the positions
+  of the tokens fed to produce its completion (module docstring), `NO_ROUTE` everywhere else;
+  None when no sample has routes (a dense model, or recording off).
 
   Args:
     completion_routes: per sample, [T_i, L_moe, k] or None.
-    placements: per sample, (row, first completion column).
+    placements: per sample, (row, column of its last prompt token).
     num_rows, seq_len: B, L.
 
   Returns:

@@ -45,9 +45,10 @@ class Rollout:
     num_preemptions: how many times the sample lost its KV pages and was re-queued.
     prompt_index: index of the task prompt (for bookkeeping and resume).
     prompt_truncated: the prompt was cut to fit max_seq_len (`rlax_pipe.grading`, "truncate").
-    routes: mixture-of-experts models only: int8 / int16 [T, L_moe, k] the k experts each
-      completion token was routed to in each MoE layer by the sampler (`rlax_pipe.router_replay`:
-      dtype, memory cost); None for a dense model or when not recorded.
+    routes: mixture-of-experts models only: int8 / int16 [T, L_moe, k], per completion token t
+      and MoE layer, the k experts of the sampler's decode step that produced t (the routing of
+      the token fed at that step, the one before t; `rlax_pipe.router_replay`: dtype, memory
+      cost); None for a dense model or when not recorded.
   """
 
   sample_id: int
@@ -116,8 +117,9 @@ class TrainBatch:
     policy_versions: int32[B, L] version that produced tokens[b, t] (0 where loss_mask is 0).
     advantages: float32[B, L] per-token advantage (sample advantage broadcast over its tokens).
     routes: mixture-of-experts router replay only: int8 / int16 [B, L, L_moe, k] the sampler's
-      experts of each completion token, `router_replay.NO_ROUTE` (-1) at every other position
-      (the learner routes those itself); None otherwise.
+      recorded experts at the positions of the tokens it fed to produce each completion token
+      (the last prompt token and every completion token but the last), `router_replay.NO_ROUTE`
+      (-1) elsewhere (the learner routes those itself); None otherwise.
 
   Alignment: every per-token array is aligned with `tokens`, so the learner scores token t with
   the logits at position t - 1 of the same segment (a completion token is never first in its

@@ -49,11 +49,13 @@ def test_packing_places_routes_at_completion_tokens_only():
   batch = batching.pack_rollouts(rollouts, np.zeros(3), seq_len=12)
   assert batch.routes.dtype == np.int8 and batch.routes.shape == (
       batch.tokens.shape + (3, 2))
-  mask = batch.loss_mask > 0
-  assert np.all(batch.routes[~mask] == rr.NO_ROUTE)
+  # routes[t] sit at the token fed to produce completion token t: one position earlier
+  fed = np.concatenate([batch.loss_mask[:, 1:] > 0, np.zeros((batch.tokens.shape[0], 1), bool)],
+                       axis=1)
+  assert np.all(batch.routes[~fed] == rr.NO_ROUTE)
   by_id = {r.completion_tokens.size: r for r in rollouts}
   for s in batching.unpack_batch(batch):
-    idx = np.nonzero((batch.segment_ids[s.row] == s.segment) & mask[s.row])[0]
+    idx = np.nonzero((batch.segment_ids[s.row] == s.segment) & fed[s.row])[0]
     np.testing.assert_array_equal(batch.routes[s.row, idx], by_id[idx.size].routes)
   padded = batching.pad_rows_to_multiple(batch, 4)
   assert padded.routes.shape[0] == 4 and np.all(padded.routes[batch.tokens.shape[0]:] == -1)

@@ -194,7 +194,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
       out["policy_versions"][b, comp] = r.policy_versions
       out["advantages"][b, comp] = advantages[i]
       placed.append(i)
-      placements.append((b, offset + p))
+      placements.append((b, offset + p - 1))  # routes[t]: the fed token before token t
       offset += p + t
   out["routes"] = router_replay.batch_routes([rollouts[i].routes for i in placed], placements,
                                              out["tokens"].shape[0], seq_len)
