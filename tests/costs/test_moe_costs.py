@@ -120,3 +120,11 @@ def test_model_shape_of_an_moe_model_config_matches_the_published_dims():
   assert got == costs.QWEN3_30B_A3B_SHAPE
   c = whatif.Cluster(num_devices=64, chip="H200", model=costs.QWEN3_30B_A3B)
   assert c.shape.expert_bytes == costs.QWEN3_30B_A3B_SHAPE.expert_bytes
+
+
+def test_learner_mfu_counts_active_params_of_an_moe():
+  from rlax_pipe.learner import flops  # pylint: disable=g-import-not-at-top
+  q = costs.QWEN3_30B_A3B
+  assert flops.matmul_params(q) == costs.QWEN3_30B_A3B_SHAPE.matmul_params
+  assert flops.matmul_params(costs.LLAMA_3_8B) == costs.ModelShape.of(
+      costs.LLAMA_3_8B).matmul_params  # dense: unchanged
