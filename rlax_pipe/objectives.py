@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from rlax_pipe import kl_penalty
 from rlax_pipe import offpolicy
+from rlax_pipe.router_replay import ROUTER_REPLAY_MODES
 
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "sequence_mean", "constant")
 IS_MASK_RATIOS: tuple[str, ...] = ("behavior", "proximal")
@@ -100,6 +101,11 @@ class ObjectiveConfig:
     kl_is_weight: with kl="loss", multiply each KL term by the held-constant importance weight
       pi_theta / mu, so that k1 / k3 estimate KL(pi_theta || pi_ref) although tokens come from
       mu (DeepSeek-V3.2's correction); default False (GRPO: no weight).
+    router_replay: mixture-of-experts models: "off" (default: the learner routes every token
+      with its own router) or "replay" (each completion token goes to the experts the sampler
+      routed it to, recorded in `Rollout.routes`; the routing weights stay the learner's, so
+      the router gets gradients; prompt tokens keep the learner's routing:
+      `rlax_pipe.router_replay`). One of `router_replay.ROUTER_REPLAY_MODES`.
   """
 
   name: str = "tis_pg"
@@ -121,8 +127,12 @@ class ObjectiveConfig:
   kl_coef: float = 0.04
   kl_reference: str | None = None
   kl_is_weight: bool = False
+  router_replay: str = "off"
 
   def __post_init__(self):
+    if self.router_replay not in ROUTER_REPLAY_MODES:
+      raise ValueError(f"--config.objective.router_replay={self.router_replay!r}; choose one of "
+                       f"{ROUTER_REPLAY_MODES}.")
     if self.name not in OBJECTIVES:
       raise ValueError(f"ObjectiveConfig.name={self.name!r}; choose one of {tuple(OBJECTIVES)}.")
     if not (math.isfinite(self.truncation) and self.truncation > 0):

@@ -54,18 +54,23 @@ LOGICAL_AXES: tuple[str, ...] = (
 DATA = "data"  # independent replicas (batch split, weights replicated)
 FSDP = "fsdp"  # fully sharded data parallel (batch and weights split)
 TP = "tp"      # tensor parallel (Megatron: heads / mlp / vocab split)
+EXPERT_AXIS = "expert"  # expert parallel (MoE experts split; tokens exchanged by all-to-all)
 
 # Logical axis name -> ordered mesh axes it may be split over (first = major). An empty tuple
 # means "always replicated". Mesh axes missing from a given mesh are skipped. A logical name the
 # table does not list is an error (so a cache axis cannot silently be mapped by a weight table).
 Rules = Mapping[str, tuple[str, ...]]
 
-# FSDP x tensor parallel (Megatron): weights split over fsdp on the embed dim and over tp on the
-# head / mlp / vocab dims; activations split over (data, fsdp) on the batch dim.
+# FSDP x tensor parallel (Megatron) x expert parallel: weights split over fsdp on the embed dim
+# and over tp on the head / mlp / vocab dims; MoE expert weights split over "expert" on their
+# expert dim (`model.moe_parallel`); activations split over (data, fsdp, expert) on the batch
+# dim. Outside the experts the "expert" axis acts as one more FSDP axis (dense weights' embed
+# dim is split over fsdp x expert; an expert weight's embed dim takes fsdp only, as "expert"
+# already splits its expert dim), so a mesh without "expert" is laid out as before.
 LEARNER_RULES: Rules = types.MappingProxyType({
-    BATCH: (DATA, FSDP),
+    BATCH: (DATA, FSDP, EXPERT_AXIS),
     LENGTH: (),
-    EMBED: (FSDP,),
+    EMBED: (FSDP, EXPERT_AXIS),
     MLP: (TP,),
     HEADS: (TP,),
     KV_HEADS: (TP,),
@@ -73,18 +78,22 @@ LEARNER_RULES: Rules = types.MappingProxyType({
     VOCAB: (TP,),
     LAYERS: (),
     LORA_RANK: (),
-    EXPERT: (),
+    EXPERT: (EXPERT_AXIS,),
 })
 
 # How the learner computes (FSDP = ZeRO-3, plus data and Megatron tensor parallelism): inside the
 # forward pass a weight is used with the embed dim whole (its fsdp shards all-gathered, one layer
 # at a time inside the layer scan; the backward reduce-scatters its gradient back to the stored
 # `LEARNER_RULES` layout) and tp splits heads / mlp / vocab; activations are split over the
-# batch axes (data, fsdp) only, so no activation ever needs a collective over fsdp.
+# batch axes (data, fsdp, expert) only, so no activation ever needs a collective over fsdp.
+# Expert weights stay split over "expert" (each device computes its own experts; tokens travel
+# to them by all-to-all, `model.moe_parallel`).
 LEARNER_COMPUTE_RULES: Rules = types.MappingProxyType({**LEARNER_RULES, EMBED: ()})
 
-# Data replicas x tensor parallel: weights replicated over data and split over tp; decode slots
-# (batch) split over data. The KV pool has its own table, `CACHE_RULES`.
+# Data replicas x tensor parallel x expert parallel: weights replicated over data and split over
+# tp; MoE expert weights split over "expert" on their expert dim (decode tokens stay whole on
+# every device of a replica); decode slots (batch) split over data. The KV pool has its own
+# table, `CACHE_RULES`.
 SAMPLER_RULES: Rules = types.MappingProxyType({
     BATCH: (DATA,),
     LENGTH: (),
@@ -96,7 +105,7 @@ SAMPLER_RULES: Rules = types.MappingProxyType({
     VOCAB: (TP,),
     LAYERS: (),
     LORA_RANK: (),
-    EXPERT: (),
+    EXPERT: (EXPERT_AXIS,),
 })
 
 # The paged KV pool (`rlax_pipe.sampler.page_pool`: layers folded into pages, [K, L*P, S, D] k
@@ -414,7 +423,8 @@ def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
     stored_rules: layout the parameters are stored in.
 
   Returns:
-    constrain(x, logical_axes, weight=False).
+    constrain(x, logical_axes, weight=False), with attribute `mesh` (the mesh): an MoE layer
+    reads it to run its experts split over the mesh's "expert" axis (`model.moe_parallel`).
   """
   def sharding(x, axes, table):
     return NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, table))
@@ -437,4 +447,5 @@ def compute_constraint(mesh: Mesh, rules: Rules = LEARNER_COMPUTE_RULES,
     if weight:
       return gather(x, tuple(logical_axes))
     return jax.lax.with_sharding_constraint(x, sharding(x, logical_axes, rules))
+  constrain.mesh = mesh  # for code that must name the mesh (MoE experts under shard_map)
   return constrain

@@ -51,6 +51,10 @@ class Rollout:
       trained on). An environment token has behaviour log-prob 0.0 and the policy version of
       the model token before it, so `oldest_version` and per-token lags are unchanged by it.
     num_turns: model turns in the episode (1 for a single-turn sample).
+    routes: mixture-of-experts models only: int8 / int16 [T, L_moe, k], per completion token t
+      and MoE layer, the k experts of the sampler's decode step that produced t (the routing of
+      the token fed at that step, the one before t; `rlax_pipe.router_replay`: dtype, memory
+      cost); None for a dense model or when not recorded.
   """
 
   sample_id: int
@@ -69,6 +73,7 @@ class Rollout:
   prompt_truncated: bool = False
   loss_mask: np.ndarray | None = None
   num_turns: int = 1
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     t = self.completion_tokens.shape
@@ -86,6 +91,11 @@ class Rollout:
     if self.finish_reason not in FINISH_REASONS:
       raise ValueError(
           f"finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}.")
+    if self.routes is not None and (self.routes.ndim != 3 or self.routes.shape[0] != t[0]
+                                    or not np.issubdtype(self.routes.dtype, np.integer)):
+      raise ValueError(f"Rollout.routes has dtype {self.routes.dtype} and shape "
+                       f"{self.routes.shape}; expected integers [T, L_moe, k] with T = {t[0]} "
+                       "completion tokens (or None).")
 
   @property
   def num_completion_tokens(self) -> int:
@@ -136,6 +146,10 @@ class TrainBatch:
     behavior_logprobs: float32[B, L] log mu(tokens[b, t]) (0 where loss_mask is 0).
     policy_versions: int32[B, L] version that produced tokens[b, t] (0 where loss_mask is 0).
     advantages: float32[B, L] per-token advantage (sample advantage broadcast over its tokens).
+    routes: mixture-of-experts router replay only: int8 / int16 [B, L, L_moe, k] the sampler's
+      recorded experts at the positions of the tokens it fed to produce each completion token
+      (the last prompt token and every completion token but the last), `router_replay.NO_ROUTE`
+      (-1) elsewhere (the learner routes those itself); None otherwise.
 
   Alignment: every per-token array is aligned with `tokens`, so the learner scores token t with
   the logits at position t - 1 of the same segment (a completion token is never first in its
@@ -149,6 +163,7 @@ class TrainBatch:
   behavior_logprobs: np.ndarray
   policy_versions: np.ndarray
   advantages: np.ndarray
+  routes: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

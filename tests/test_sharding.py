@@ -103,7 +103,8 @@ def test_cache_rules_split_kv_heads_like_the_sampler_weights_and_keep_pages_whol
   # Every role table only uses declared logical and mesh axis names.
   for rules in (LEARNER, SAMPLER, CACHE):
     assert set(rules) <= set(shd.LOGICAL_AXES)
-    assert {a for axes in rules.values() for a in axes} <= {shd.DATA, shd.FSDP, shd.TP}
+    assert {a for axes in rules.values() for a in axes} <= {shd.DATA, shd.FSDP, shd.TP,
+                                                               shd.EXPERT_AXIS}
 
 
 def test_logical_to_sharding_tree():

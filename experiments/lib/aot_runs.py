@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from lib import sampler_presets as presets
 from rlax_pipe import aot
+from rlax_pipe import costs
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -22,8 +23,11 @@ from rlax_pipe.sampler.paged_cache import uses_combined_layout
 TINY = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=128, d_ff=256, max_seq_len=256, param_dtype="bfloat16",
                    compute_dtype="bfloat16")
-MODELS: dict[str, ModelConfig] = {"tiny": TINY, **presets.PRESETS,
-                                  "llama-3.1-8b": presets.LLAMA_3_1_8B}
+# A tiny mixture of experts (8 experts, top-2, every layer MoE) for the expert-parallel learner.
+TINY_MOE = dataclasses.replace(TINY, n_experts=8, n_experts_per_tok=2, moe_d_ff=128)
+MODELS: dict[str, ModelConfig] = {"tiny": TINY, "tiny-moe": TINY_MOE, **presets.PRESETS,
+                                  "llama-3.1-8b": presets.LLAMA_3_1_8B,
+                                  "qwen3-30b-a3b": costs.QWEN3_30B_A3B}
 
 
 def parse_mesh(spec: list[str]) -> dict[str, int]:

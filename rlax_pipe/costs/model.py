@@ -14,10 +14,16 @@ Operations and their features (all counts are integers):
       + dispatch_s * dispatches                        decode dispatches (launch + read-back)
       + max(decode_step_s * decode_steps               weights read once per decode step
             + slot_step_s * slot_steps                 per active slot per step
-            + token_step_s * live_token_steps,         KV read: live tokens per step
+            + token_step_s * live_token_steps          KV read: live tokens per step
+            + expert_step_s * decode_steps * hit(b),   MoE: the experts the step routes to
             flop_slot_step_s * slot_steps)             compute-bound floor (roofline)
     A dispatch runs K >= 1 decode steps; slot_steps = generated tokens; live_token_steps = sum
     over steps of the tokens held in KV by the active slots. The fit never looks at K.
+    Mixture of experts (`expert_step_s` > 0): a step of b active slots reads the fraction
+    hit(b) = 1 - (1 - k/X)^b of the X experts (k per token; `costs.accelerator.
+    expected_experts_hit` / X, uniform routing), with b = slot_steps / decode_steps, the
+    dispatch's mean (exact when no slot finishes inside it; otherwise hit is concave, so the
+    mean over-estimates, by Jensen's inequality, never under-estimates).
   learner step:  train_step_s + train_token_s * tokens + micro_batch_s * micro_batches
                  + learner_host_s   (tokens = rows x row length processed, padding included)
   weight push:   push_s + push_byte_s * bytes
@@ -83,6 +89,10 @@ class CostModel:
       building, step hooks).
     push_s: weight push, fixed part.
     push_byte_s: per byte pushed.
+    expert_step_s: mixture of experts: per decode step that reads every routed expert of every
+      MoE layer once (0 = a dense model; the module docstring's hit(b) scales it).
+    moe_experts: X, routed experts per MoE layer (0 = dense; else >= moe_top_k).
+    moe_top_k: k, experts each token is routed to (0 = dense; else >= 1).
     source: where the numbers come from ("measured: <run>", "analytic: <chip> ...", "default:
       hand-set, not a measurement").
   """
@@ -102,6 +112,9 @@ class CostModel:
   learner_host_s: float = 0.0
   push_s: float = 0.005
   push_byte_s: float = 0.0
+  expert_step_s: float = 0.0
+  moe_experts: float = 0.0
+  moe_top_k: float = 0.0
   source: str = "default: hand-set, not a measurement"
 
   def __post_init__(self):
@@ -112,6 +125,9 @@ class CostModel:
       if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
         raise ValueError(f"CostModel.{f.name}={v!r} must be a finite number >= 0 (seconds).")
       object.__setattr__(self, f.name, float(v))
+    if self.expert_step_s and not 1 <= self.moe_top_k <= self.moe_experts:
+      raise ValueError(f"CostModel: expert_step_s={self.expert_step_s} needs 1 <= moe_top_k "
+                       f"({self.moe_top_k}) <= moe_experts ({self.moe_experts}).")
 
   # ---- operations ---------------------------------------------------------------------------
   def prefill(self, calls: int, tokens: int) -> float:
@@ -123,6 +139,10 @@ class CostModel:
     order) for Python numbers and numpy arrays, so both round identically."""
     memory = (self.decode_step_s * steps + self.slot_step_s * slot_steps
               + self.token_step_s * live_token_steps)
+    if self.expert_step_s:  # MoE: the fraction of experts the step's tokens route to
+      per_step = np.divide(slot_steps, np.maximum(steps, 1), dtype=np.float64)
+      hit = 1.0 - (1.0 - self.moe_top_k / self.moe_experts) ** per_step
+      memory = memory + self.expert_step_s * steps * hit
     return (self.engine_step_s + self.install_s * installs + self.dispatch_s * dispatches
             + np.maximum(memory, self.flop_slot_step_s * slot_steps))
 

@@ -11,7 +11,7 @@ from rlax_pipe.config import LoraConfig
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
 # Mesh axes that split batch rows (data parallelism); weights are split over fsdp only.
-BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp")
+BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,8 @@ class LearnerConfig:
 
   Attributes:
     mesh_axes: ordered (mesh axis, size) pairs of the learner mesh, major axis first, among
-      "data", "fsdp", "tp"; the product is the number of learner devices, e.g.
+      "data", "fsdp", "expert", "tp" ("expert" splits MoE experts and, elsewhere, acts as one
+      more fsdp axis: `sharding.LEARNER_RULES`); the product is the number of learner devices, e.g.
       (("fsdp", 2), ("tp", 2)) for 4 devices. Default: 1 x 1 (a single device). () means "chosen
       by the RL job from the devices present" (`rlax_pipe.pipeline.devices`); a `Learner` needs
       explicit axes.
@@ -112,7 +113,7 @@ class LearnerConfig:
       compiled forward/backward). A batch of any B rows is split into ceil(B / R) micro-batches
       per minibatch (the last padded with empty rows) whose gradients are accumulated by one
       compiled program, so batches of any size reuse the same executables (zero recompiles).
-      Must be a multiple of the batch-splitting mesh axes' product (data x fsdp).
+      Must be a multiple of the batch-splitting mesh axes' product (data x fsdp x expert).
     num_minibatches: m >= 1 optimizer updates per learner batch (PPO-style epochs of one pass):
       row r goes to minibatch r mod m. The behaviour log-probs stay the sampler's; the proximal
       log-probs (decoupled PPO) are those of the params before the batch's first update; the
@@ -185,10 +186,12 @@ class LearnerConfig:
     if self.micro_batch_rows < 1:
       raise ValueError(f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be >= 1.")
     split = self.batch_shards
+    expert = " x expert" if "expert" in self.mesh_shape else ""
     if self.micro_batch_rows % split:
       raise ValueError(
           f"LearnerConfig.micro_batch_rows={self.micro_batch_rows} must be a multiple of the "
-          f"batch-splitting mesh axes (data x fsdp = {split} in mesh_axes={self.mesh_axes}) so "
+          f"batch-splitting mesh axes (data x fsdp{expert} = {split} in mesh_axes="
+          f"{self.mesh_axes}) so "
           "every device holds an equal share of each micro-batch; round it up to a multiple "
           f"of {split}.")
     if self.num_minibatches < 1:
@@ -200,7 +203,8 @@ class LearnerConfig:
 
   @property
   def batch_shards(self) -> int:
-    """Number of devices batch rows are split over (product of the data and fsdp axes)."""
+    """Number of devices batch rows are split over (product of the data, fsdp and expert
+    axes)."""
     return math.prod(size for name, size in self.mesh_axes if name in BATCH_MESH_AXES)
 
   @property

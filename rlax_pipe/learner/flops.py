@@ -14,10 +14,15 @@ from rlax_pipe.costs import chips
 def matmul_params(cfg: ModelConfig) -> int:
   """N: parameters that take part in a matmul per token (attention and MLP projections of every
   layer, plus the output projection E x V, counted once even when tied to the embedding). The
-  embedding lookup and norm scales do no multiply-adds and are left out."""
+  embedding lookup and norm scales do no multiply-adds and are left out. A mixture-of-experts
+  layer counts its *active* parameters: the router E x X and the k experts a token is routed
+  to, k x 3 E Fe (the other X - k experts do no work for that token)."""
   e, h, k, d, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-  per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
-  return cfg.n_layers * per_layer + e * cfg.vocab_size
+  attn = e * h * d + 2 * e * k * d + h * d * e
+  moe = cfg.n_moe_layers
+  per_moe = e * cfg.n_experts + cfg.n_experts_per_tok * 3 * e * cfg.moe_d_ff if moe else 0
+  return (cfg.n_layers * attn + (cfg.n_layers - moe) * 3 * e * f + moe * per_moe
+          + e * cfg.vocab_size)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

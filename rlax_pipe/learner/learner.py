@@ -67,6 +67,9 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   rows = (step_cfg.micro_batch_rows, seq_len)
   tok_sh = sharding_lib.batch_sharding(mesh, rows)
   micro_sh = {name: tok_sh for name in train_step_lib.BATCH_FIELDS}
+  if objective_cfg.router_replay == "replay":  # [R, L, L_moe, k]: rows split like the tokens
+    micro_sh[train_step_lib.ROUTES_FIELD] = NamedSharding(mesh, jax.sharding.PartitionSpec(
+        *tok_sh.spec, None, None))
   rep = sharding_lib.replicated(mesh)
   abstract = space.abstract_params()
   bins = objective_cfg.hist_bins
@@ -110,6 +113,10 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
   mb = {name: jax.ShapeDtypeStruct(shape, train_step_lib.BATCH_DTYPES[name],
                                    sharding=fns.micro_sharding[name])
         for name in train_step_lib.BATCH_FIELDS}
+  if objective_cfg.router_replay == "replay":
+    mb[train_step_lib.ROUTES_FIELD] = jax.ShapeDtypeStruct(
+        shape + _routes_tail(model), train_step_lib.ROUTES_DTYPE,
+        sharding=fns.micro_sharding[train_step_lib.ROUTES_FIELD])
   prox = jax.ShapeDtypeStruct(shape, np.float32, sharding=fns.micro_sharding["tokens"])
   ref = () if objective_cfg.kl == "off" else (abstract_reference(model, mesh),)
   return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_),
@@ -206,8 +213,21 @@ def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.
   """The given rows of every field; index -1 gives an all-zero row (padding, no loss)."""
   pad = rows < 0
   idx = np.where(pad, 0, rows)
-  return {name: np.where(pad[:, None], np.zeros((), x.dtype), x[idx])
+  return {name: np.where(pad.reshape((-1,) + (1,) * (x.ndim - 1)), np.zeros((), x.dtype), x[idx])
           for name, x in arrays.items()}
+
+
+def _routes_tail(model) -> tuple[int, int]:
+  """(L_moe, k) of a model's router routes.
+
+  Raises:
+    ValueError: for a model without MoE layers (router replay has nothing to replay).
+  """
+  cfg = getattr(model, "cfg", None)
+  if cfg is None or not getattr(cfg, "n_experts", 0):
+    raise ValueError("--config.objective.router_replay='replay' needs a mixture-of-experts "
+                     "model (ModelConfig.n_experts > 0); set it to 'off' for a dense model.")
+  return cfg.n_moe_layers, cfg.n_experts_per_tok
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,12 +261,26 @@ def _compiled_init(model: Model | lora_lib.LoraAdapters, step_cfg: LearnerConfig
                  in_shardings=(rep,), out_shardings=state_sh, compiler_options=opts)
 
 
-def batch_arrays(batch: TrainBatch | dict) -> dict[str, np.ndarray]:
+def batch_arrays(batch: TrainBatch | dict, routes: bool = False) -> dict[str, np.ndarray]:
   """TrainBatch (or dict) -> dict of host [B, L] arrays in the contract dtypes (device arrays
-  are fetched explicitly: the batch is cut into micro-batches on the host)."""
+  are fetched explicitly: the batch is cut into micro-batches on the host); with `routes`
+  (router replay) also the [B, L, L_moe, k] routes as int16.
+
+  Raises:
+    ValueError: on a missing field, or `routes` without routes in the batch.
+  """
   if isinstance(batch, TrainBatch):
     batch = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   out = {}
+  if routes:
+    r = batch.get(train_step_lib.ROUTES_FIELD)
+    if r is None:
+      raise ValueError("router_replay='replay' but the batch has no routes: the sampler must "
+                       "record them (an MoE model's Rollout.routes); or set "
+                       "--config.objective.router_replay=off.")
+    out[train_step_lib.ROUTES_FIELD] = np.asarray(
+        jax.device_get(r) if isinstance(r, jax.Array) else r,
+        np.dtype(train_step_lib.ROUTES_DTYPE))
   for name, dtype in train_step_lib.BATCH_DTYPES.items():
     if name not in batch:
       raise ValueError(f"batch lacks {name!r}; fields are {train_step_lib.BATCH_FIELDS}.")
@@ -454,7 +488,7 @@ class Learner:
       NonFiniteError: when the previous step made `max_consecutive_nonfinite` skipped steps
         in a row (a checkpoint is saved first when a checkpoint directory is configured).
     """
-    arrays = batch_arrays(batch)
+    arrays = batch_arrays(batch, routes=self.objective_cfg.router_replay == "replay")
     num_rows, seq_len = arrays["tokens"].shape
     fns = _compiled_step(self.model, self._step_cfg, self.objective_cfg,
                          self.sampling_cfg, self.mesh, seq_len)

@@ -49,6 +49,10 @@ BATCH_FIELDS: tuple[str, ...] = (
 INT_FIELDS: tuple[str, ...] = ("tokens", "positions", "segment_ids", "policy_versions")
 # Contract dtypes of the batch fields (DESIGN.md, TrainBatch).
 BATCH_DTYPES = {name: (jnp.int32 if name in INT_FIELDS else jnp.float32) for name in BATCH_FIELDS}
+# Router replay (`ObjectiveConfig.router_replay="replay"`): one more field, [B, L, L_moe, k]
+# expert ids (`router_replay.NO_ROUTE` = the learner routes that token), int16 on the way in.
+ROUTES_FIELD = "routes"
+ROUTES_DTYPE = jnp.int16
 
 
 def check_batch(batch: Batch) -> tuple[int, int]:
@@ -58,9 +62,15 @@ def check_batch(batch: Batch) -> tuple[int, int]:
     ValueError: on a missing or extra field, or an array that is not [B, L] like the tokens.
     TypeError: on an integer field that is not integer, or a float field that is not floating.
   """
-  if set(batch) != set(BATCH_FIELDS):
-    raise ValueError(f"batch fields {sorted(batch)} != expected {sorted(BATCH_FIELDS)}.")
+  if set(batch) - {ROUTES_FIELD} != set(BATCH_FIELDS):
+    raise ValueError(f"batch fields {sorted(batch)} != expected {sorted(BATCH_FIELDS)} (and "
+                     f"{ROUTES_FIELD!r} with router replay).")
   shape = tuple(batch["tokens"].shape)
+  if ROUTES_FIELD in batch:
+    r = batch[ROUTES_FIELD]
+    if r.ndim != 4 or tuple(r.shape[:2]) != shape or not jnp.issubdtype(r.dtype, jnp.integer):
+      raise ValueError(f"batch routes must be integer [B, L, L_moe, k] with [B, L] = {shape}; "
+                       f"got {r.dtype} {tuple(r.shape)}.")
   if len(shape) != 2:
     raise ValueError(f"batch tokens must be [B, L]; got shape {shape}.")
   for name in BATCH_FIELDS:
@@ -230,17 +240,21 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
 
   def token_logprobs(params, mb):
     """((logp, entropy), MoeOutputs or None)."""
+    # router replay: the sampler's experts for the recorded tokens (`rlax_pipe.router_replay`)
+    replay = ({} if ROUTES_FIELD not in mb else
+              {"routes_BTLk": mb[ROUTES_FIELD].astype(jnp.int32)})
     if not isinstance(model, HiddenStatesModel):  # forward only: full logits
       logits, _ = model.forward(params, mb["tokens"], mb["positions"],
                                 segment_ids_BT=mb["segment_ids"],
-                                remat=learner_cfg.remat != "none")
+                                remat=learner_cfg.remat != "none", **replay)
       return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"],
                                                           sampling_cfg), None
     moe_kw = {} if moe_coefs is None else {"return_moe": True}
     h = model.hidden_states(params, mb["tokens"], mb["positions"],
                             segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
                             constrain=constrain,
-                            attention_block_len=learner_cfg.attention_block_len, **moe_kw)
+                            attention_block_len=learner_cfg.attention_block_len, **replay,
+                            **moe_kw)
     h, moe_out = h if moe_coefs is not None else (h, None)
     head = c(model.output_head(params), ("embed", "vocab"), weight=True)
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,

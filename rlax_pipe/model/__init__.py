@@ -16,6 +16,7 @@ from rlax_pipe.model.kv_cache import DenseKVCache, KVCache, gqa_attention
 from rlax_pipe.model.lora import LoraAdapters, adapters_for
 from rlax_pipe.model.lora_hf import save_peft_adapter
 from rlax_pipe.model.moe import MoeOutputs
+from rlax_pipe.model.moe_parallel import expert_parallel_swiglu
 from rlax_pipe.model.nnx_adapter import NnxModel
 from rlax_pipe.model.transformer import (
     abstract_params, forward, hidden_states, init_params, layer_segments, param_axes, param_specs,
@@ -29,5 +30,5 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES", "architecture_for", "config_from_hf", "config_to_hf",
     "eos_token_ids", "load_hf_checkpoint", "save_hf_checkpoint", "hidden_states",
     "DenseKVCache", "KVCache", "abstract_params", "forward", "gqa_attention", "init_params",
-    "param_axes", "param_specs", "rms_norm", "rope",
+    "param_axes", "param_specs", "rms_norm", "rope", "expert_parallel_swiglu",
 ]

@@ -71,7 +71,9 @@ def route(logits_TX: jax.Array, k: int, *, softmax_over: str = "all", norm_topk_
     softmax_over: "all" or "topk" (ROUTER_SOFTMAX).
     norm_topk_prob: renormalise the k selected probabilities to sum to 1 ("all" only).
     experts_Tk: optional int32 [T, k] experts to use instead of the top-k (router replay); the
-      weights are then this router's, gathered at those ids by the same rule.
+      weights are then this router's, gathered at those ids by the same rule. A token whose
+      row holds a negative id (`router_replay.NO_ROUTE`: a prompt or padding token) is routed
+      by its own top-k.
 
   Returns:
     (experts_Tk int32 [T, k], weights_Tk float32 [T, k]).
@@ -91,6 +93,10 @@ def route(logits_TX: jax.Array, k: int, *, softmax_over: str = "all", norm_topk_
     _, experts_Tk = jax.lax.top_k(z, k)  # softmax is monotone: top-k of z == top-k of p
   elif experts_Tk.shape != (t, k):
     raise ValueError(f"experts_Tk has shape {experts_Tk.shape}; expected [T, k] = {(t, k)}.")
+  else:  # a token whose replayed ids are negative (router_replay.NO_ROUTE) uses its own top-k
+    _, own_Tk = jax.lax.top_k(z, k)
+    experts_Tk = jnp.where(jnp.all(experts_Tk >= 0, axis=-1, keepdims=True),
+                           experts_Tk.astype(jnp.int32), own_Tk)
   experts_Tk = experts_Tk.astype(jnp.int32)
   if softmax_over == "all":
     w = jnp.take_along_axis(jax.nn.softmax(z, axis=-1), experts_Tk, axis=-1)
@@ -213,7 +219,7 @@ def grouped_swiglu(x_TE: jax.Array, experts_Tk: jax.Array, weights_Tk: jax.Array
 def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str = "all",
               norm_topk_prob: bool = True, experts_Tk: jax.Array | None = None,
               mask_T: jax.Array | None = None, activation: str = "swiglu",
-              alpha: float = 1.702, limit: float = 7.0):
+              alpha: float = 1.702, limit: float = 7.0, experts_fn=None):
   """One MoE feed-forward layer on T tokens: route, grouped SwiGLU experts, aux losses.
 
   Args:
@@ -226,6 +232,9 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
     activation, alpha, limit: the experts' gated activation (`expert_glu`).
     experts_Tk: optional int32 [T, k] replayed experts (see `route`); None = top-k.
     mask_T: optional [T] real-token mask for the aux losses (routing itself is per token).
+    experts_fn: optional `experts_fn(x_TE, experts_Tk, weights_Tk, p) -> [T, E]` computing the
+      experts instead of `grouped_swiglu` (same result), e.g. with the experts split over an
+      "expert" mesh axis (`model.moe_parallel.expert_parallel_swiglu`).
 
   Returns:
     (out [T, E] in x's dtype, experts_Tk int32 [T, k] used, load_balance_loss float32 scalar,
@@ -240,9 +249,17 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
                         experts_Tk=experts_Tk)
   biases = (p["experts_gate_bias"], p["experts_up_bias"], p["experts_down_bias"]) if (
       "experts_gate_bias" in p) else None
-  out = grouped_swiglu(x_TE, experts_Tk, w, p["experts_gate"], p["experts_up"],
-                       p["experts_down"], biases=biases, activation=activation, alpha=alpha,
-                       limit=limit)
+  if experts_fn is None:
+    out = grouped_swiglu(x_TE, experts_Tk, w, p["experts_gate"], p["experts_up"],
+                         p["experts_down"], biases=biases, activation=activation, alpha=alpha,
+                         limit=limit)
+  elif biases is not None or activation != "swiglu":
+    raise NotImplementedError(
+        "expert parallelism (an 'expert' mesh axis) runs plain SwiGLU experts without biases; "
+        f"this model has activation={activation!r}, expert biases={biases is not None} (GPT-OSS): "
+        "drop the 'expert' axis from the learner mesh (--config.learner.mesh_axes).")
+  else:  # e.g. expert parallelism (`model.moe_parallel`)
+    out = experts_fn(x_TE, experts_Tk, w, p)
   return (out, experts_Tk, load_balance_loss(logits, experts_Tk, mask_T),
           z_loss(logits, mask_T))
 

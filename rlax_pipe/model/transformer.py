@@ -23,6 +23,7 @@ import numpy as np
 from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.model import kv_cache as kv_cache_lib
 from rlax_pipe.model import moe as moe_lib
+from rlax_pipe.model import moe_parallel
 from rlax_pipe.model import rotary
 
 Params = dict[str, Any]
@@ -230,15 +231,20 @@ def _block(cfg: ModelConfig, h_BTE, lp, positions_BT, attend, moe_in=None):
     h_BTE = h_BTE + lp["bo"][None, None]
   x = rms_norm(h_BTE, lp["mlp_norm"], cfg.rms_eps)
   if moe_in is not None:
-    experts_BTk, mask_BT = moe_in
+    experts_BTk, mask_BT = moe_in[:2]
+    mesh = moe_in[2] if len(moe_in) > 2 else None
     b, t, e = x.shape
     kk = cfg.n_experts_per_tok
+    experts_fn = None
+    if moe_parallel.uses_expert_parallelism(mesh):  # experts split over the "expert" axis
+      experts_fn = lambda x_TE, ids, w, p: moe_parallel.expert_parallel_swiglu(
+          x_TE, ids, w, moe_parallel.expert_params_of(p), mesh)
     out, experts, lb, z = moe_lib.moe_block(
         x.reshape(b * t, e), lp, k=kk, softmax_over=cfg.router_softmax,
         norm_topk_prob=cfg.norm_topk_prob,
         experts_Tk=None if experts_BTk is None else experts_BTk.reshape(b * t, kk),
         mask_T=mask_BT.reshape(b * t), activation=cfg.expert_activation,
-        alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, experts_fn=experts_fn)
     return h_BTE + out.reshape(b, t, e), cache_out, (experts.reshape(b, t, kk), lb, z)
   gate = jnp.einsum("bte,ef->btf", x, lp["w_gate"])
   up = jnp.einsum("bte,ef->btf", x, lp["w_up"])
@@ -545,7 +551,8 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
         q, k, v, seg, attention_block_len, window=window, sinks_H=sinks), None)
     lp = {k: c(v, layer_axes[stack][k], weight=True) for k, v in lp.items()}
     if stack == "moe_layers":
-      h, _, aux = _block(cfg, h, lp, positions_BT, attend, (routes_BTk, seg > 0))
+      h, _, aux = _block(cfg, h, lp, positions_BT, attend,
+                         (routes_BTk, seg > 0, getattr(c, "mesh", None)))
     else:
       (h, _), aux = _block(cfg, h, lp, positions_BT, attend), None
     return c(h, ("batch", "length", "embed")), extra, aux

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from rlax_pipe import router_replay
 from rlax_pipe.pipeline.rules import batch_rows, bucket_rows, micro_batch_plan  # pylint: disable=unused-import
 from rlax_pipe.pipeline.rules import packed_order, packing_plan  # pylint: disable=unused-import
 from rlax_pipe.types import Rollout, TrainBatch
@@ -96,6 +97,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
     raise ValueError(f"pack_rollouts: {len(rollouts)} samples need {len(rows)} rows of "
                      f"{seq_len} tokens but num_rows={num_rows}.")
   out = _empty_batch(len(rows) if num_rows is None else num_rows, seq_len)
+  placed: list[int] = []  # rollout indices in packed order
+  placements: list[tuple[int, int]] = []  # (row, first completion column) of each
   for b, row in enumerate(rows):
     offset = 0
     for seg, i in enumerate(row, start=1):
@@ -110,7 +113,11 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
       out["behavior_logprobs"][b, comp] = np.where(mask > 0, r.behavior_logprobs, 0.0)
       out["policy_versions"][b, comp] = np.where(mask > 0, r.policy_versions, 0)
       out["advantages"][b, comp] = np.where(mask > 0, advantages[i], 0.0)
+      placed.append(i)
+      placements.append((b, offset + p - 1))  # routes[t]: the fed token before token t
       offset += p + t
+  out["routes"] = router_replay.batch_routes([rollouts[i].routes for i in placed], placements,
+                                             out["tokens"].shape[0], seq_len)
   return TrainBatch(**out)
 
 
@@ -126,11 +133,13 @@ def pad_rows_to_multiple(batch: TrainBatch, multiple: int) -> TrainBatch:
   extra = -rows % multiple
   if not extra:
     return batch
-  return TrainBatch(**{
-      f.name: np.concatenate(
-          [getattr(batch, f.name),
-           np.zeros((extra,) + getattr(batch, f.name).shape[1:], getattr(batch, f.name).dtype)])
-      for f in dataclasses.fields(TrainBatch)})
+  def pad(name, x):
+    if x is None:
+      return None
+    fill = router_replay.NO_ROUTE if name == "routes" else 0
+    return np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)])
+  return TrainBatch(**{f.name: pad(f.name, getattr(batch, f.name))
+                       for f in dataclasses.fields(TrainBatch)})
 
 
 def split_rows(batch: TrainBatch, rows_per_micro_batch: int) -> list[TrainBatch]:
@@ -143,7 +152,8 @@ def split_rows(batch: TrainBatch, rows_per_micro_batch: int) -> list[TrainBatch]
   if rows_per_micro_batch < 1 or rows % rows_per_micro_batch:
     raise ValueError(f"split_rows: {rows} rows are not a multiple of rows_per_micro_batch="
                      f"{rows_per_micro_batch}; pad with pad_rows_to_multiple first.")
-  return [TrainBatch(**{f.name: getattr(batch, f.name)[s:s + rows_per_micro_batch]
+  cut = lambda x, s: None if x is None else x[s:s + rows_per_micro_batch]
+  return [TrainBatch(**{f.name: cut(getattr(batch, f.name), s)
                         for f in dataclasses.fields(TrainBatch)})
           for s in range(0, rows, rows_per_micro_batch)]
 

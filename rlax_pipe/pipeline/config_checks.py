@@ -28,8 +28,8 @@ from rlax_pipe import advantages as advantages_lib
 from rlax_pipe.config_dict import ConfigError
 
 # Mesh axes each role's rules table splits over (rlax_pipe.sharding).
-SAMPLER_MESH_AXES: tuple[str, ...] = ("data", "tp")
-LEARNER_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tp")
+SAMPLER_MESH_AXES: tuple[str, ...] = ("data", "expert", "tp")
+LEARNER_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tp")
 # Tasks whose config names the user's file (no usable default).
 FILE_TASKS: tuple[str, ...] = ("jsonl", "dataset_file")
 

@@ -113,6 +113,10 @@ def rollout_from_dict(d: dict[str, Any]) -> Rollout:
   for name, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
                       ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
     kw[name] = np.asarray(kw[name], dtype=dtype)
+  if kw.get("routes") is not None:  # expert ids: kept as stored (int8 / int16), a list as int16
+    routes = np.asarray(kw["routes"])
+    small = np.issubdtype(routes.dtype, np.integer) and routes.dtype.itemsize <= 2
+    kw["routes"] = routes if small else routes.astype(np.int16)
   return Rollout(**kw)
 
 

@@ -170,11 +170,19 @@ def head_mask_program(model: Model, replicated) -> Callable[[Any], jax.Array] | 
 
 def _decode_one(params, pools, tables, state: SlotState, nonfinite_V, *, model, sampling, layout,
                 impl, chunk_pages, mesh, interpret, stop_ids):
-  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B]).
+  """One decode step of every active slot: (pools, state, tokens [B], logps [B], done [B],
+  routes int32 [B, L_moe, k] of the fed tokens for an MoE model, else None).
   `nonfinite_V`: bool [V] ids never drawn (`head_nonfinite_ids`), or None."""
   cache = _cache(pools, tables, layout, impl, chunk_pages, mesh, interpret)
-  logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
-                                valid_BT=state.active[:, None])
+  routes = None
+  if getattr(model, "n_moe_layers", 0):  # record the experts each fed token was routed to
+    logits, cache, moe = model.forward(params, state.token[:, None], state.pos[:, None],
+                                       cache=cache, valid_BT=state.active[:, None],
+                                       return_moe=True)
+    routes = moe.routes_BTLk[:, 0]
+  else:
+    logits, cache = model.forward(params, state.token[:, None], state.pos[:, None], cache=cache,
+                                  valid_BT=state.active[:, None])
   rng, draw = jax.random.split(jax.random.wrap_key_data(state.rng_data))
   tokens, logps = logprobs_lib.sample(draw, logits[:, 0], sampling, nonfinite_V)
   live = state.active
@@ -185,7 +193,7 @@ def _decode_one(params, pools, tables, state: SlotState, nonfinite_V, *, model, 
   state = state.replace(token=jnp.where(live, tokens, state.token),
                         pos=jnp.where(live, state.pos + 1, state.pos),
                         active=live & ~done, rng_data=jax.random.key_data(rng))
-  return cache.pools, state, tokens, logps, done
+  return cache.pools, state, tokens, logps, done, routes
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -212,10 +220,12 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
       sharding (pool), replicated: static.
 
   Returns:
-    (pools, state, ints int32 [steps + 2, B], logps float32 [steps, B]): ints rows 0..steps-1
-    are the tokens drawn at each step (valid for the first count[b] steps of slot b), row steps
-    is count [B] (tokens slot b generated), row steps + 1 holds the number of steps run (every
-    entry); logps are the behaviour log-probs of those tokens.
+    (pools, state, ints int32 [steps + 2, B], logps float32 [steps, B], routes): ints rows
+    0..steps-1 are the tokens drawn at each step (valid for the first count[b] steps of slot b),
+    row steps is count [B] (tokens slot b generated), row steps + 1 holds the number of steps
+    run (every entry); logps are the behaviour log-probs of those tokens; routes (MoE models;
+    None otherwise) int16 [steps, B, L_moe, k] the experts of the token each step fed, i.e.
+    the routing that produced that step's token (`rlax_pipe.router_replay`).
   """
   state = apply_slot_updates(state, updates_XB)
   b = state.token.shape[0]
@@ -234,20 +244,27 @@ def decode_dispatch(params, pools, tables_BW, state: SlotState, updates_XB, refi
     return (step < steps) & go
 
   def body(carry):
-    step, _, pools, state, toks, logps, count, finished = carry
+    step, _, pools, state, toks, logps, count, finished, routes = carry
     live = state.active
-    pools, state, t, lp, done = one(params, pools, tables_BW, state)
+    pools, state, t, lp, done, r = one(params, pools, tables_BW, state)
     toks = toks.at[step].set(jnp.where(live, t, 0))
     logps = logps.at[step].set(jnp.where(live, lp, 0.0))
+    if routes is not None:
+      routes = routes.at[step].set(r.astype(routes.dtype))
     count = count + live.astype(jnp.int32)
     finished = finished + jnp.sum(done, dtype=jnp.int32)
     go = can_continue(state) & ((refill_at <= 0) | (finished < refill_at))
-    return step + 1, go, pools, state, toks, logps, count, finished
+    return step + 1, go, pools, state, toks, logps, count, finished, routes
 
+  n_moe = getattr(model, "n_moe_layers", 0)
+  routes0 = None if not n_moe else jnp.zeros(
+      (steps, b, n_moe, model.cfg.n_experts_per_tok), jnp.int16)
   init = (jnp.int32(0), can_continue(state), pools, state, jnp.zeros((steps, b), jnp.int32),
-          jnp.zeros((steps, b), jnp.float32), jnp.zeros(b, jnp.int32), jnp.int32(0))
-  n, _, pools, state, toks, logps, count, _ = jax.lax.while_loop(cond, body, init)
+          jnp.zeros((steps, b), jnp.float32), jnp.zeros(b, jnp.int32), jnp.int32(0), routes0)
+  n, _, pools, state, toks, logps, count, _, routes = jax.lax.while_loop(cond, body, init)
   ints = jnp.concatenate([toks, count[None], jnp.broadcast_to(n, (1, b))], axis=0)
+  if routes is not None:
+    routes = jax.lax.with_sharding_constraint(routes, replicated)
   return (_constrain(pools, sharding), _constrain(state, replicated),
           jax.lax.with_sharding_constraint(ints, replicated),
-          jax.lax.with_sharding_constraint(logps, replicated))
+          jax.lax.with_sharding_constraint(logps, replicated), routes)

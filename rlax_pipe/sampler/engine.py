@@ -61,6 +61,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from rlax_pipe import router_replay
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.sampler import device_loop, engine_state, episodes, page_pool, weight_check
@@ -462,13 +463,14 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     """One blocking read of `replicas`' dispatches; appends finished rollouts. Returns the
     seconds spent waiting for the device."""
     t0 = time.perf_counter()
-    results = jax.device_get([(r.inflight.ints, r.inflight.logps) for r in replicas])
+    results = jax.device_get([(r.inflight.ints, r.inflight.logps, r.inflight.routes)
+                              for r in replicas])
     waited = time.perf_counter() - t0
     now = self.clock()
     tokens = n_done = live_steps = 0
-    for r, (ints, logps) in zip(replicas, results):
+    for r, (ints, logps, routes) in zip(replicas, results):
       launched, r.inflight = r.inflight, None
-      done, st = r.collect(launched, ints, logps, now)
+      done, st = r.collect(launched, ints, logps, now, routes)
       r.steps_total += st["steps"]
       tokens += st["tokens"]
       live_steps += round(st["live_token_steps"])
@@ -605,4 +607,17 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
         num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index,
         loss_mask=np.asarray(seq.mask, np.float32) if episode else None,
         num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1)
-        if episode else 1)
+        if episode else 1,
+        routes=None if episode else self._routes(seq))
+
+  def _routes(self, seq: SequenceState) -> np.ndarray | None:
+    """An MoE model's recorded routes [T, L_moe, k] (compact dtype), None for a dense one.
+
+    Multi-turn episodes (`rlax_pipe.envs`) carry no routes: their environment tokens are
+    prefilled, not decoded, so router replay does not cover them yet."""
+    cfg = getattr(self.model, "cfg", None)
+    if not getattr(self.model, "n_moe_layers", 0) or cfg is None:
+      return None
+    shape = (len(seq.routes), cfg.n_moe_layers, cfg.n_experts_per_tok)
+    dtype = router_replay.routes_dtype(cfg.n_experts)
+    return np.asarray(seq.routes, dtype).reshape(shape)

@@ -49,6 +49,8 @@ def _rollout_from_dict(d: dict) -> Rollout:
   for k, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
                    ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
     d[k] = np.asarray(d[k], dtype)
+  if d.get("routes") is not None:  # MoE router replay: expert ids (lists here) fit int16
+    d["routes"] = np.asarray(d["routes"], np.int16)
   return Rollout(**d)
 
 

@@ -60,6 +60,7 @@ class Launched:
   lengths: np.ndarray  # sequence length of each slot at launch (0 = empty)
   used_tokens: int  # capacity of the pages in use at launch
   order: int = 0  # launch counter of the engine (the oldest dispatch is read back first)
+  routes: Any = None  # MoE: int16 [K, B, L_moe, k] device routes of the dispatch, else None
   params: Any = None  # the weights passed to the compiled dispatch (the engine's weight check)
 
 
@@ -237,7 +238,7 @@ class EngineReplica:
     if deltas is not None:
       self.tables = self._call(lambda: device_loop.write_tables(
           self.tables, *jax.device_put(deltas, self.replicated), replicated=self.replicated))
-    self.pools, self.state, ints, logps = self._call(lambda: device_loop.decode_dispatch(
+    self.pools, self.state, ints, logps, routes = self._call(lambda: device_loop.decode_dispatch(
         params, self.pools, self.tables, self.state,
         *jax.device_put((upd[:FLAG_ROW], upd[FLAG_ROW, 0]), self.replicated), nonfinite_V,
         model=self.model, sampling=model_sampling, stop_ids=self.cfg.stop_ids,
@@ -245,11 +246,13 @@ class EngineReplica:
         replicated=self.replicated, **self.static))
     lengths = np.array([0 if s is None else len(s.tokens) for s in slots], np.int64)
     used = max(self.alloc.num_used, 1) * self.cfg.page_size
-    return Launched(ints, logps, slots, self.version, lengths, used, params=params)
+    return Launched(ints, logps, slots, self.version, lengths, used, params=params,
+                    routes=routes)
 
-  def collect(self, launched: Launched, ints: np.ndarray, logps: np.ndarray, now: float
-              ) -> tuple[list[tuple[SequenceState, str]], dict]:
-    """Appends a dispatch's tokens (read back by the caller in one transfer).
+  def collect(self, launched: Launched, ints: np.ndarray, logps: np.ndarray, now: float,
+              routes: np.ndarray | None = None) -> tuple[list[tuple[SequenceState, str]], dict]:
+    """Appends a dispatch's tokens (read back by the caller in one transfer), and with an MoE
+    model their routes [K, B, L_moe, k] (`rlax_pipe.router_replay`).
 
     Returns:
       ([(sequence, finish reason)] of the sequences that stopped, per-dispatch counters).
@@ -263,6 +266,8 @@ class EngineReplica:
       first = seq.num_generated == 0
       seq.tokens.extend(ints[:c, i].tolist())
       seq.logprobs.extend(logps[:c, i].tolist())
+      if routes is not None:
+        seq.routes.extend(routes[:c, i])
       seq.versions.extend([launched.version] * c)
       seq.mask.extend([1] * c)
       seq.num_cached = len(seq.tokens) - 1

@@ -53,6 +53,8 @@ class SequenceState:
     tokens: prompt + generated token ids.
     logprobs: behaviour log-prob of each generated token.
     versions: policy version of each generated token.
+    routes: MoE models: per generated token, int [L_moe, k] the experts of the decode step
+      that produced it (`rlax_pipe.router_replay`); empty for a dense model.
     t_submit, t_admit, t_first_token: clock readings in seconds (NaN until they happen;
       t_admit is the first admission).
     num_preemptions: times the sequence lost its pages.
@@ -75,6 +77,7 @@ class SequenceState:
   budget: int = 0
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
+  routes: list = dataclasses.field(default_factory=list)  # MoE: [L_moe, k] per token
   t_submit: float = math.nan
   t_admit: float = math.nan
   t_first_token: float = math.nan
@@ -120,6 +123,7 @@ class SequenceState:
         "uid": self.uid, "max_new": self.max_new, "budget": self.budget,
         "tokens": [int(t) for t in self.tokens], "prompt": self.prompt.tolist(),
         "logprobs": [float(x) for x in self.logprobs], "versions": [int(v) for v in self.versions],
+        "routes": [np.asarray(r).tolist() for r in self.routes],
         "t_submit": num(self.t_submit), "t_admit": num(self.t_admit),
         "t_first_token": num(self.t_first_token), "num_preemptions": self.num_preemptions,
         "slot": self.slot, "num_cached": self.num_cached, "admit_order": self.admit_order,
@@ -140,6 +144,7 @@ class SequenceState:
         uid=d["uid"], request=Request(**rq), prompt=np.asarray(d["prompt"], np.int32),
         max_new=d["max_new"], budget=d["budget"], tokens=list(d["tokens"]),
         logprobs=list(d["logprobs"]), versions=list(d["versions"]),
+        routes=[np.asarray(r, np.int16) for r in d.get("routes", [])],
         t_submit=nan(d["t_submit"]), t_admit=nan(d["t_admit"]),
         t_first_token=nan(d["t_first_token"]), num_preemptions=d["num_preemptions"],
         slot=d["slot"], num_cached=d["num_cached"], admit_order=d["admit_order"],

@@ -57,7 +57,7 @@ def compile_replica(r: EngineReplica, params, cfg: SamplerConfig,
       pages = jax.device_put(np.full(n, cfg.num_pages, np.int32), rep)
       r.pools = device_loop.zero_pages(r.pools, pages, layout=r.layout, sharding=r.pool_sharding)
   upd = np.zeros((FLAG_ROW, b), np.int32)  # nothing changed: every slot stays idle, 0 steps
-  r.pools, r.state, ints, _ = device_loop.decode_dispatch(
+  r.pools, r.state, ints, _, _ = device_loop.decode_dispatch(
       params, r.pools, r.tables, r.state, jax.device_put(upd, rep),
       jax.device_put(np.int32(0), rep), nonfinite_V, model=r.model, sampling=cfg.sampling,
       stop_ids=cfg.stop_ids, steps=cfg.decode_steps_per_dispatch, sharding=r.pool_sharding,

@@ -75,7 +75,8 @@ class Cluster:
   Attributes:
     num_devices: chips shared by sampler and learner.
     chip: a `costs.chips` name.
-    model: the model (`ModelConfig`; weights in its param dtype, KV in its compute dtype).
+    model: the model: a `ModelConfig` (weights in its param dtype, KV in its compute dtype)
+      or a `costs.ModelShape` (e.g. `costs.QWEN3_30B_A3B_SHAPE`, a mixture of experts).
     workload: batch and lengths.
     sampler_tp: chips per sampler engine.
     max_slots: cap of an engine's slots.
@@ -88,7 +89,7 @@ class Cluster:
 
   num_devices: int = 64
   chip: str = "H100"
-  model: ModelConfig = costs_lib.LLAMA_3_8B
+  model: ModelConfig | costs_lib.ModelShape = costs_lib.LLAMA_3_8B
   workload: Workload = Workload()
   sampler_tp: int = 1
   max_slots: int = 512
@@ -101,7 +102,16 @@ class Cluster:
   @property
   def shape(self) -> costs_lib.ModelShape:
     """The model's shape for the cost model."""
+    if isinstance(self.model, costs_lib.ModelShape):
+      return self.model
     return costs_lib.ModelShape.of(self.model, "model")
+
+
+def _params_label(shape: costs_lib.ModelShape) -> str:
+  total = shape.stored_matmul_params / 1e9
+  if shape.n_experts:
+    return f"{total:.1f}B params ({shape.matmul_params / 1e9:.1f}B active)"
+  return f"{total:.1f}B params"
 
 
 def engine_slots(c: Cluster) -> int:
@@ -114,7 +124,7 @@ def engine_slots(c: Cluster) -> int:
 
 def min_learner_devices(c: Cluster) -> int:
   """Fewest learner chips holding weights + gradients + Adam state (FSDP)."""
-  return math.ceil(c.learner_state_bytes_per_param * c.shape.matmul_params
+  return math.ceil(c.learner_state_bytes_per_param * c.shape.stored_matmul_params
                    / (c.learner_hbm_fraction * costs_lib.chip(c.chip).hbm_bytes))
 
 
@@ -271,7 +281,7 @@ def report(c: Cluster = Cluster(), settings: Sequence[Setting] = DEFAULT_SETTING
   sync = [r for r in best if r["driver"] == "sync"]
   if png_path:
     plot(rows, png_path, title=f"{c.num_devices} x {c.chip}, "
-                               f"{c.shape.matmul_params / 1e9:.1f}B params, "
+                               f"{_params_label(c.shape)}, "
                                f"B={c.workload.groups_per_step * c.workload.group_size}")
   return {"assumptions": _jsonable(dataclasses.asdict(c)), "engine_slots": engine_slots(c),
           "cost_model": costs(c, lo).to_dict(),

@@ -69,10 +69,10 @@ def test_issue_input_seq_len_below_sampler_max_seq_len():
      r"RunConfig.pipeline.advantage='ppo_gae'; choose one of \('grpo', 'dr_grpo', 'rloo'\)"),
     ({"sampler_mesh_axes": (("fsdp", 2),)},
      r"RunConfig.sampler_mesh_axes=\(\('fsdp', 2\),\): axes must be distinct names among "
-     r"\('data', 'tp'\)"),
+     r"\('data', 'expert', 'tp'\)"),
     ({"learner": {"mesh_axes": (("model", 2),)}},
      r"RunConfig.learner.mesh_axes=\(\('model', 2\),\): axes must be distinct names among "
-     r"\('data', 'fsdp', 'tp'\)"),
+     r"\('data', 'fsdp', 'expert', 'tp'\)"),
     ({"jsonl_path": "x.jsonl"}, r"RunConfig.jsonl_path='x.jsonl' is only read by task 'jsonl'"),
     ({"task": "dataset_file"}, r"task='dataset_file' needs its file: set "
                                r"RunConfig.task_config.path"),

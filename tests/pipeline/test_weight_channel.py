@@ -247,3 +247,45 @@ def test_threaded_push_and_poll():
   assert taken == sorted(taken) and taken[-1] == 5
   s = channel.stats()
   assert s.takes + s.superseded == 6
+
+
+MOE_AXES = {"moe_layers": {"experts_gate": ("layers", "expert", "embed", "mlp"),
+                           "experts_down": ("layers", "expert", "mlp", "embed"),
+                           "router": ("layers", "embed", "expert")},
+            "embed": ("vocab", "embed")}
+
+
+@pytest.mark.parametrize("sampler_axes", [{"tp": 4}, {"expert": 2, "tp": 2}, {"data": 2,
+                                                                              "expert": 2}],
+                         ids=["tp4", "expert2_tp2", "data2_expert2"])
+def test_expert_sharded_learner_weights_reach_another_sampler_layout(host_reads, sampler_axes):
+  """MoE weights stored split over expert x fsdp on the learner land on a sampler mesh laid
+  out otherwise (experts whole and split over tp, or split over its own expert axis), device
+  to device and bit for bit."""
+  f32 = np.float32
+  abstract = {"moe_layers": {"experts_gate": jax.ShapeDtypeStruct((2, 4, 8, 12), f32),
+                             "experts_down": jax.ShapeDtypeStruct((2, 4, 12, 8), f32),
+                             "router": jax.ShapeDtypeStruct((2, 8, 4), f32)},
+              "embed": jax.ShapeDtypeStruct((16, 8), f32)}
+  lmesh = sh_lib.make_mesh(jax.devices()[:4], {"expert": 2, "fsdp": 2}, sh_lib.LEARNER_RULES)
+  smesh = sh_lib.make_mesh(jax.devices()[4:], sampler_axes, sh_lib.SAMPLER_RULES)
+  lsh = sh_lib.logical_to_sharding(MOE_AXES, lmesh, sh_lib.LEARNER_RULES, abstract)
+  ssh = sh_lib.logical_to_sharding(MOE_AXES, smesh, sh_lib.SAMPLER_RULES, abstract)
+  assert lsh["moe_layers"]["experts_gate"].spec == jax.sharding.PartitionSpec(
+      None, "expert", "fsdp", None)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, ssh)
+  rng = np.random.default_rng(0)
+  values = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), abstract)
+  params = jax.block_until_ready(jax.device_put(values, lsh))
+  channel = wc.WeightChannel(target)
+  host_reads.clear()
+  channel.push(params, version=3)
+  got = channel.take(timeout=10)
+  jax.block_until_ready(got.params)
+  assert host_reads == [], f"host round trip for leaves of shape {host_reads}"
+  for leaf, sh in zip(jax.tree.leaves(got.params), jax.tree.leaves(ssh)):
+    assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+  for got_leaf, want in zip(jax.tree.leaves(got.params), jax.tree.leaves(values)):
+    np.testing.assert_array_equal(np.asarray(got_leaf), want)
+  channel.close()
