@@ -27,7 +27,8 @@ TINY = ModelConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_head
 TINY_MOE = dataclasses.replace(TINY, n_experts=8, n_experts_per_tok=2, moe_d_ff=128)
 MODELS: dict[str, ModelConfig] = {"tiny": TINY, "tiny-moe": TINY_MOE, **presets.PRESETS,
                                   "llama-3.1-8b": presets.LLAMA_3_1_8B,
-                                  "qwen3-30b-a3b": costs.QWEN3_30B_A3B}
+                                  "qwen3-30b-a3b": costs.QWEN3_30B_A3B,
+                                  "gpt-oss-20b": costs.GPT_OSS_20B}
 
 
 def parse_mesh(spec: list[str]) -> dict[str, int]:

@@ -9,6 +9,7 @@
 from rlax_pipe.costs.accelerator import analytic_cost_model
 from rlax_pipe.costs.accelerator import Assumptions
 from rlax_pipe.costs.accelerator import expected_experts_hit
+from rlax_pipe.costs.accelerator import GPT_OSS_20B
 from rlax_pipe.costs.accelerator import GPT_OSS_20B_SHAPE
 from rlax_pipe.costs.accelerator import kv_limited_slots
 from rlax_pipe.costs.accelerator import LLAMA_3_8B
@@ -30,7 +31,7 @@ from rlax_pipe.costs.model import load_cost_model
 
 __all__ = (
     "Assumptions", "CHIPS", "Chip", "CostFit", "CostModel", "CostRecord", "CostRecorder",
-    "EngineStep", "GPT_OSS_20B_SHAPE", "LLAMA_3_8B", "ModelShape", "QWEN3_30B_A3B",
+    "EngineStep", "GPT_OSS_20B", "GPT_OSS_20B_SHAPE", "LLAMA_3_8B", "ModelShape", "QWEN3_30B_A3B",
     "QWEN3_30B_A3B_SHAPE",
     "analytic_cost_model", "chip", "chip_for_device", "expected_experts_hit", "fit_cost_model",
     "kv_limited_slots", "load_cost_model", "read_records",

@@ -43,7 +43,7 @@ import dataclasses
 
 import numpy as np
 
-from rlax_pipe.config import ModelConfig
+from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.costs import chips as chips_lib
 from rlax_pipe.costs.model import CostModel
 
@@ -174,7 +174,9 @@ class ModelShape:
         tie_embeddings=cfg.tie_embeddings, param_bytes=_BYTES[cfg.param_dtype],
         kv_bytes=_BYTES[kv_dtype or cfg.compute_dtype], n_experts=cfg.n_experts,
         experts_per_tok=cfg.n_experts_per_tok, moe_d_ff=cfg.moe_d_ff,
-        moe_layers=cfg.n_moe_layers, name=name)
+        moe_layers=cfg.n_moe_layers,
+        sliding_layers=sum(t == "sliding_attention" for t in cfg.layer_types),
+        sliding_window=cfg.sliding_window or 0, name=name)
 
 
 # meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, 32 heads, 8 kv heads, head_dim
@@ -203,6 +205,23 @@ QWEN3_30B_A3B_SHAPE = ModelShape.from_dims(
 # weights are stored in MXFP4 on the Hub; this shape prices them in bf16 (as the learner and a
 # bf16 sampler hold them after import). 20.9 B total, 3.6 B active (N: the unembedding counted,
 # the embedding lookup not; the model card's counts).
+# openai/gpt-oss-20b as a `ModelConfig` (the AOT compiles and the what-ifs take it; the same
+# config `model.hf_config.config_from_hf` reads from its config.json, tests/costs check that):
+# YaRN rope (factor 32 over 4096 tokens, beta 32 / 1, not truncated), theta 150000, attention
+# and router and expert biases, one sink per head, the clamped SwiGLU experts (alpha 1.702,
+# limit 7), softmax over the top-4 router logits, layers alternating sliding (128) / full.
+GPT_OSS_20B = ModelConfig(
+    vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+    d_ff=2880, rope_theta=150000.0, rms_eps=1e-5, qkv_bias=True, o_bias=True,
+    tie_embeddings=False, param_dtype="bfloat16", compute_dtype="bfloat16",
+    max_seq_len=131072,
+    rope_scaling=RopeScaling(rope_type="yarn", factor=32.0,
+                             original_max_position_embeddings=4096, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False),
+    attention_sinks=True, sliding_window=128,
+    layer_types=("sliding_attention", "full_attention") * 12, n_experts=32,
+    n_experts_per_tok=4, moe_d_ff=2880, router_softmax="topk", router_bias=True,
+    expert_bias=True, expert_activation="gpt_oss", swiglu_alpha=1.702, swiglu_limit=7.0)
 GPT_OSS_20B_SHAPE = ModelShape.from_dims(
     vocab_size=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
     d_ff=2880, tie_embeddings=False, param_bytes=2, kv_bytes=2, n_experts=32,

@@ -128,3 +128,29 @@ def test_learner_mfu_counts_active_params_of_an_moe():
   assert flops.matmul_params(q) == costs.QWEN3_30B_A3B_SHAPE.matmul_params
   assert flops.matmul_params(costs.LLAMA_3_8B) == costs.ModelShape.of(
       costs.LLAMA_3_8B).matmul_params  # dense: unchanged
+
+
+def test_gpt_oss_20b_preset_is_its_config_json_and_has_the_cost_shape():
+  """costs.GPT_OSS_20B equals what the HF reader makes of gpt-oss-20b's config.json fields (as
+  published: MXFP4 experts, YaRN, sinks, alternating windows), and its cost shape is
+  GPT_OSS_20B_SHAPE (active / total params, windowed KV) field for field."""
+  import dataclasses
+  from rlax_pipe.model import hf_config
+  hf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "attention_bias": True,
+        "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072, "initial_context_length": 4096,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "torch_dtype": "bfloat16", "hidden_act": "silu", "router_aux_loss_coef": 0.9}
+  got = hf_config.config_from_hf(hf, param_dtype="bfloat16")
+  want = costs.GPT_OSS_20B
+  assert dataclasses.replace(got, compute_dtype=want.compute_dtype,
+                             eos_token_ids=want.eos_token_ids) == want
+  shape = costs.ModelShape.of(costs.GPT_OSS_20B, "gpt-oss-20b")
+  assert shape == costs.GPT_OSS_20B_SHAPE
