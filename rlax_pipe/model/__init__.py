@@ -16,6 +16,8 @@ from rlax_pipe.model.kv_cache import DenseKVCache, KVCache, gqa_attention
 from rlax_pipe.model.lora import LoraAdapters, adapters_for
 from rlax_pipe.model.lora_hf import save_peft_adapter
 from rlax_pipe.model.nnx_adapter import NnxModel
+from rlax_pipe.model.train_attention import (
+    TRAIN_ATTENTION_IMPLS, flash_attention, resolve_train_attention)
 from rlax_pipe.model.transformer import (
     abstract_params, forward, hidden_states, init_params, param_axes, param_specs, rms_norm, rope)
 
@@ -28,4 +30,5 @@ __all__ = [
     "eos_token_ids", "load_hf_checkpoint", "save_hf_checkpoint", "hidden_states",
     "DenseKVCache", "KVCache", "abstract_params", "forward", "gqa_attention", "init_params",
     "param_axes", "param_specs", "rms_norm", "rope",
+    "TRAIN_ATTENTION_IMPLS", "flash_attention", "resolve_train_attention",
 ]

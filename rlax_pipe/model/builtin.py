@@ -84,12 +84,14 @@ class Transformer:
     return transformer.init_params(self.cfg, rng)
 
   def hidden_states(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None,
-                    remat="none", constrain=None, attention_block_len=None):
+                    remat="none", constrain=None, attention_block_len=None,
+                    attention_impl="blockwise"):
     """`transformer.hidden_states` (api.HiddenStatesModel): the learner's training path."""
     return transformer.hidden_states(params, tokens_BT, positions_BT, self.cfg,
                                      segment_ids_BT=segment_ids_BT, remat=remat,
                                      constrain=constrain,
-                                     attention_block_len=attention_block_len)
+                                     attention_block_len=attention_block_len,
+                                     attention_impl=attention_impl)
 
   def output_head(self, params):
     """`transformer.output_head`: the [E, V] projection (the transposed embedding if tied)."""

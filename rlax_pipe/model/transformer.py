@@ -23,6 +23,7 @@ import numpy as np
 from rlax_pipe.config import ModelConfig, RopeScaling
 from rlax_pipe.model import kv_cache as kv_cache_lib
 from rlax_pipe.model import rotary
+from rlax_pipe.model import train_attention
 
 Params = dict[str, Any]
 
@@ -339,7 +340,8 @@ def blockwise_attention(q_BTHD: jax.Array, k_BTKD: jax.Array, v_BTKD: jax.Array,
 def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                   cfg: ModelConfig, *, segment_ids_BT: jax.Array | None = None,
                   remat: str = "none", constrain: Constrain | None = None,
-                  attention_block_len: int | None = None) -> jax.Array:
+                  attention_block_len: int | None = None,
+                  attention_impl: str | Callable[..., jax.Array] = "blockwise") -> jax.Array:
   """Final normalised hidden states of packed full sequences (the training path, no cache).
 
   Causal attention within equal `segment_ids_BT`; padding (segment 0) gets a zero embedding
@@ -362,6 +364,11 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
     constrain: optional sharding hook `constrain(x, logical_axes, weight=False) -> x`;
       None = none.
     attention_block_len: queries per attention block (`blockwise_attention`); None = dense.
+    attention_impl: "blockwise" (`blockwise_attention`) or a fused kernel of
+      `train_attention.KERNELS` ("pallas_tpu", "pallas_gpu", their "_interpret" forms; same
+      outputs, no fp32 scores in memory; `train_attention.resolve_train_attention` picks one),
+      or a callable attend(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT) -> [B, T, H, D] (e.g.
+      `train_attention.sharded_flash_attention` for a sharded learner).
 
   Returns:
     [B, T, E] in cfg.compute_dtype.
@@ -385,7 +392,13 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
 
   def body(h, lp):
     lp = {k: c(v, layer_axes[k], weight=True) for k, v in lp.items()}
-    attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
+    if callable(attention_impl):
+      attend = lambda q, k, v: (attention_impl(q, k, v, seg), None)
+    elif attention_impl == "blockwise":
+      attend = lambda q, k, v: (blockwise_attention(q, k, v, seg, attention_block_len), None)
+    else:
+      attend = lambda q, k, v: (train_attention.flash_attention(
+          q, k, v, seg, attention_impl, attention_block_len), None)
     h, _ = _block(cfg, h, lp, positions_BT, attend)
     return c(h, ("batch", "length", "embed")), None
 
