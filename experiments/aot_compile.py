@@ -11,6 +11,7 @@ compiled or the compiler's error, bytes per device against the chip's HBM, cost,
 Compiled for TPU, not run: no number printed is a timing.
 """
 
+import dataclasses
 import json
 import os
 
@@ -28,6 +29,9 @@ from rlax_pipe.sampler.config import SamplerConfig
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice to compile for (v5e:2x2, "
                                 "v5e:2x4, v5p:2x2x1, v6e:2x2, v4:2x2x1, ...).")
 _MODEL = flags.DEFINE_enum("model", "tiny", sorted(aot_runs.MODELS), "Model shape preset.")
+_NLAYERS = flags.DEFINE_integer("n_layers", 0, "Override the preset's layer count (0 = the "
+                                "preset's; the layer scan compiles one body, so a few layers "
+                                "show the per-layer memory at a fraction of the compile time).")
 _ROLES = flags.DEFINE_list("roles", ["sampler", "learner", "reshard"],
                            "sampler, learner and/or reshard (the learner->sampler weight push).")
 _IMPLS = flags.DEFINE_list("impls", list(aot.SAMPLER_IMPLS), "Sampler attention impls.")
@@ -54,6 +58,9 @@ _ATTN = flags.DEFINE_enum("attention_impl", "blockwise", ["blockwise", "flash", 
 def main(argv):
   del argv
   name, model_cfg = _MODEL.value, aot_runs.MODELS[_MODEL.value]
+  if _NLAYERS.value:
+    model_cfg = dataclasses.replace(model_cfg, n_layers=_NLAYERS.value)
+    name = f"{name}[{_NLAYERS.value} layers]"
   records = []
   if "sampler" in _ROLES.value:
     cfg = SamplerConfig(num_slots=_SLOTS.value, page_size=_PAGE.value, num_pages=_PAGES.value,

@@ -108,8 +108,17 @@ def _single(name):
   # Where the time goes, each part alone (warm, median of --repeats): the learner-side
   # checksums the push starts, and the copy itself (hop 1 reshard + device_put [+ hop 3]).
   leaves = jax.tree.leaves(params)
+  plans, hop1, _ = channel._plan(leaves)  # pylint: disable=protected-access
+  idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+  staged = list(leaves)
+  if hop1:
+    for i, y in zip(idx1, hop1([leaves[i] for i in idx1])):
+      staged[i] = y
   parts = {"checksum_s": lambda: param_checksum.checksum(leaves),
-           "transfer_s": lambda: channel._transfer(leaves)}  # pylint: disable=protected-access
+           "transfer_s": lambda: channel._transfer(leaves),  # pylint: disable=protected-access
+           "learner_reshard_s": lambda: hop1([leaves[i] for i in idx1]) if hop1 else [],
+           "device_put_s": lambda: jax.device_put(staged, [p.landing for p in plans],
+                                                  may_alias=False)}
   split = {}
   for key, fn in parts.items():
     ts = []
