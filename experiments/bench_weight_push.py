@@ -27,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -200,13 +201,16 @@ def _multi(name):
   args = [sys.executable, __file__, "--mode=multi", f"--models={name}",
           f"--devices_per_process={_PER_PROC.value}", f"--warmup={_WARMUP.value}",
           f"--repeats={_REPEATS.value}", f"--coordinator={coord}"]
+  logs = [tempfile.NamedTemporaryFile("w+", prefix=f"push_p{p}_", suffix=".log", delete=False)
+          for p in range(2)]
   procs = [subprocess.Popen(args + [f"--process_id={p}"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for p in range(2)]
-  outs = [p.communicate(timeout=1800) for p in procs]
-  for p, (out, err) in zip(procs, outs):
+                            stderr=log, text=True) for p, log in enumerate(logs)]
+  outs = [p.communicate(timeout=1800)[0] for p in procs]
+  for i, p in enumerate(procs):
     if p.returncode:
-      raise RuntimeError(f"multi-process push bench failed (rc {p.returncode}):\n{err[-3000:]}")
-  lines = [ln for out, _ in outs for ln in out.splitlines() if ln.startswith("{")]
+      raise RuntimeError(f"multi-process push bench: process {i} failed (rc {p.returncode}); "
+                         f"its log: {logs[i].name}")
+  lines = [ln for out in outs for ln in out.splitlines() if ln.startswith("{")]
   return json.loads(lines[-1])
 
 
