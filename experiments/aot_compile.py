@@ -5,10 +5,13 @@ compiled or the compiler's error, bytes per device against the chip's HBM, cost,
   python3 experiments/aot_compile.py --topology=v5e:2x2 --model=tiny
   python3 experiments/aot_compile.py --topology=v5e:2x4 --model=qwen3-0.6b --sampler_tp=1
   python3 experiments/aot_compile.py --topology=v5p:2x2x1 --model=llama-3.1-8b --roles=learner
+  python3 experiments/aot_compile.py --topology=v5e:2x4 --model=qwen3-0.6b --roles=reshard \
+      --reshard_learner_mesh=fsdp:4 --reshard_sampler_mesh=tp:4
 
 Compiled for TPU, not run: no number printed is a timing.
 """
 
+import dataclasses
 import json
 import os
 
@@ -26,7 +29,11 @@ from rlax_pipe.sampler.config import SamplerConfig
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU slice to compile for (v5e:2x2, "
                                 "v5e:2x4, v5p:2x2x1, v6e:2x2, v4:2x2x1, ...).")
 _MODEL = flags.DEFINE_enum("model", "tiny", sorted(aot_runs.MODELS), "Model shape preset.")
-_ROLES = flags.DEFINE_list("roles", ["sampler", "learner"], "sampler and/or learner.")
+_NLAYERS = flags.DEFINE_integer("n_layers", 0, "Override the preset's layer count (0 = the "
+                                "preset's; the layer scan compiles one body, so a few layers "
+                                "show the per-layer memory at a fraction of the compile time).")
+_ROLES = flags.DEFINE_list("roles", ["sampler", "learner", "reshard"],
+                           "sampler, learner and/or reshard (the learner->sampler weight push).")
 _IMPLS = flags.DEFINE_list("impls", list(aot.SAMPLER_IMPLS), "Sampler attention impls.")
 _TP = flags.DEFINE_integer("sampler_tp", 1, "Devices (tp) of one sampler replica.")
 _SLOTS = flags.DEFINE_integer("slots", 64, "Decode slots.")
@@ -36,15 +43,24 @@ _LEN = flags.DEFINE_integer("max_seq_len", 2048, "Sampler max sequence length.")
 _STEPS = flags.DEFINE_integer("steps", 8, "Decode steps per dispatch.")
 _MESHES = flags.DEFINE_multi_string("learner_mesh", ["fsdp:4", "fsdp:2,tp:2"],
                                     "Learner meshes (repeat the flag), name:size,...")
+_RESHARD_L = flags.DEFINE_string("reshard_learner_mesh", "fsdp:2",
+                                 "Reshard: learner mesh on the first chips, name:size,...")
+_RESHARD_S = flags.DEFINE_string("reshard_sampler_mesh", "tp:2",
+                                 "Reshard: sampler mesh on the chips after the learner's.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Learner row length.")
 _ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Learner micro-batch rows.")
 _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Learner remat policy.")
 _BLOCK = flags.DEFINE_integer("attention_block_len", 512, "Learner attention block length.")
+_ATTN = flags.DEFINE_enum("attention_impl", "blockwise", ["blockwise", "flash", "auto"],
+                          "Learner training attention (LearnerConfig.attention_impl).")
 
 
 def main(argv):
   del argv
   name, model_cfg = _MODEL.value, aot_runs.MODELS[_MODEL.value]
+  if _NLAYERS.value:
+    model_cfg = dataclasses.replace(model_cfg, n_layers=_NLAYERS.value)
+    name = f"{name}[{_NLAYERS.value} layers]"
   records = []
   if "sampler" in _ROLES.value:
     cfg = SamplerConfig(num_slots=_SLOTS.value, page_size=_PAGE.value, num_pages=_PAGES.value,
@@ -56,7 +72,11 @@ def main(argv):
     meshes = [aot_runs.parse_mesh(m.split(",")) for m in _MESHES.value]
     records.append(aot_runs.learner_records(name, model_cfg, _TOPOLOGY.value, meshes,
                                             _SEQ.value, _ROWS.value, _REMAT.value,
-                                            _BLOCK.value))
+                                            _BLOCK.value, _ATTN.value))
+  if "reshard" in _ROLES.value:
+    records.append(aot_runs.reshard_records(
+        name, model_cfg, _TOPOLOGY.value, aot_runs.parse_mesh(_RESHARD_L.value.split(",")),
+        aot_runs.parse_mesh(_RESHARD_S.value.split(","))))
   for gen in records:
     for rec in gen:
       print(json.dumps(to_jsonable(rec, strict=True)), flush=True)

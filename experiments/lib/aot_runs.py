@@ -8,6 +8,9 @@ import dataclasses
 import time
 from typing import Any, Iterator
 
+import jax
+import numpy as np
+
 from lib import sampler_presets as presets
 from rlax_pipe import aot
 from rlax_pipe import costs
@@ -82,8 +85,10 @@ def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topol
 
 def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: list[dict],
                     seq_len: int, micro_batch_rows: int, remat: str,
-                    block_len: int) -> Iterator[dict[str, Any]]:
-  """One record per learner mesh: the micro-batch step (fp32 master params, bf16 compute)."""
+                    block_len: int,
+                    attention_impl: str = "blockwise") -> Iterator[dict[str, Any]]:
+  """One record per learner mesh: the micro-batch step (fp32 master params, bf16 compute) with
+  training attention `attention_impl` (`LearnerConfig.attention_impl`)."""
   devices = aot.topology_devices(topology)
   learner_model = dataclasses.replace(model_cfg, param_dtype="float32",
                                       compute_dtype="bfloat16", max_seq_len=max(
@@ -95,11 +100,13 @@ def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: li
     mesh = sharding_lib.make_mesh(devices[:n], axes)
     cfg = LearnerConfig(mesh_axes=tuple(axes.items()), micro_batch_rows=micro_batch_rows,
                         remat=remat, logits_chunk_len=min(256, seq_len),
-                        attention_block_len=min(block_len, seq_len))
+                        attention_block_len=min(block_len, seq_len),
+                        attention_impl=attention_impl)
     t0 = time.time()
     base = dict(model=name, topology=topology, role="learner", mesh=axes,
                 device_kind=devices[0].device_kind, seq_len=seq_len,
                 micro_batch_rows=micro_batch_rows, remat=remat, program="train_step",
+                attention_impl=attention_impl,
                 label="compiled for TPU, not run")
     try:
       rep = aot.learner_report(learner_model, cfg, mesh, seq_len)
@@ -108,3 +115,48 @@ def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: li
       continue
     rep.pop("activation_collectives_over_fsdp_detail", None)
     yield dict(base, compiled=True, compile_s=round(time.time() - t0, 1), **rep)
+
+
+def reshard_records(name: str, model_cfg: ModelConfig, topology: str, learner_axes: dict,
+                    sampler_axes: dict) -> Iterator[dict[str, Any]]:
+  """The weight push (`WeightChannel.lower_transfer`, the product's own plan) from a learner
+  mesh on the first topology devices to a sampler mesh on the next ones: one record per
+  compiled hop, plus the bytes the cross-mesh copy moves."""
+  # pylint: disable=import-outside-toplevel  (pipeline is above aot's layer; only this run needs it)
+  from rlax_pipe.learner import sharding as learner_sharding
+  from rlax_pipe.pipeline.weight_channel import WeightChannel
+  devices = aot.topology_devices(topology)
+  n_l = int(np.prod(list(learner_axes.values())))
+  n_s = int(np.prod(list(sampler_axes.values())))
+  if n_l + n_s > len(devices):
+    raise ValueError(f"reshard: learner {learner_axes} + sampler {sampler_axes} need "
+                     f"{n_l + n_s} chips; {topology} has {len(devices)}.")
+  l_mesh = sharding_lib.make_mesh(devices[:n_l], learner_axes, sharding_lib.LEARNER_RULES)
+  s_mesh = sharding_lib.make_mesh(devices[n_l:n_l + n_s], sampler_axes,
+                                  sharding_lib.SAMPLER_RULES)
+  model = as_model(model_cfg)
+  abstract = model.abstract_params()
+  learner_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract, learner_sharding.param_shardings(model, l_mesh))
+  t0 = time.time()
+  lowered = WeightChannel(aot.sampler_params(model_cfg, s_mesh)).lower_transfer(learner_params)
+  total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+              for a in jax.tree.leaves(abstract))
+  base = dict(model=name, topology=topology, role="reshard", learner_mesh=learner_axes,
+              sampler_mesh=sampler_axes, device_kind=devices[0].device_kind,
+              params_bytes=total, leaves_resharded=lowered["leaves_resharded"],
+              leaves_refined=lowered["leaves_refined"],
+              device_put_bytes=lowered["device_put_bytes"],
+              device_put_bytes_max_per_device=lowered["device_put_bytes_max_per_device"],
+              label="compiled for TPU, not run")
+  for program, mesh in (("learner_hop", l_mesh), ("sampler_hop", s_mesh)):
+    if lowered[program] is None:
+      yield dict(base, program=program, compiled=None, note="no leaf needs this hop")
+      continue
+    try:
+      rep = aot.program_report(lowered[program].compile(), mesh)
+    except Exception as e:  # pylint: disable=broad-except  (the compiler's error is the finding)
+      yield dict(base, program=program, compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
+      continue
+    yield dict(base, program=program, compiled=True, compile_s=round(time.time() - t0, 1),
+               **rep)

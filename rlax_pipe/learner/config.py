@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from rlax_pipe.config import LoraConfig
+from rlax_pipe.model.train_attention import TRAIN_ATTENTION_IMPLS
 
 SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots_saveable")
@@ -124,7 +125,14 @@ class LearnerConfig:
       at once (the naive computation, for comparison).
     attention_block_len: queries per attention block in the training forward (the fp32
       scores of one block, [rows, heads, block, L], are the largest attention temporary instead
-      of [rows, heads, L, L]; `transformer.blockwise_attention`), >= 1; None = dense.
+      of [rows, heads, L, L]; `transformer.blockwise_attention`), >= 1; None = dense. With a
+      flash kernel it is the TPU kernel's query/key block (rounded down to a multiple of 128).
+    attention_impl: training attention, one of TRAIN_ATTENTION_IMPLS: "blockwise" (default;
+      `transformer.blockwise_attention`, fp32 scores of one block in memory), "flash" (JAX's
+      Pallas flash-attention kernel: TPU (Mosaic) or GPU (Triton) by the learner mesh's
+      platform, the TPU kernel interpreted on CPU (slow, for checks); same outputs, scores and
+      probabilities never leave the chip's fast memory; rows must be a multiple of the kernel
+      block), "auto" (flash on TPU / GPU when the row length fits the kernel, else blockwise).
     remat: transformer-block rematerialisation policy, one of REMAT_POLICIES: "none" (keep all
       activations), "full" (recompute each block in the backward pass: least memory, ~1/3 more
       compute), "dots_saveable" (keep matmul outputs, recompute elementwise ops). True / False
@@ -150,6 +158,7 @@ class LearnerConfig:
   num_minibatches: int = 1
   logits_chunk_len: int | None = 256
   attention_block_len: int | None = 512
+  attention_impl: str = "blockwise"
   remat: str = "none"
   max_consecutive_nonfinite: int = 3
   seed: int = 0
@@ -196,6 +205,9 @@ class LearnerConfig:
           f"of {split}.")
     if self.num_minibatches < 1:
       raise ValueError(f"LearnerConfig.num_minibatches={self.num_minibatches} must be >= 1.")
+    if self.attention_impl not in TRAIN_ATTENTION_IMPLS:
+      raise ValueError(f"--config.learner.attention_impl={self.attention_impl!r}; choose one of "
+                       f"{TRAIN_ATTENTION_IMPLS}.")
     for name in ("logits_chunk_len", "attention_block_len"):
       value = getattr(self, name)
       if value is not None and value < 1:

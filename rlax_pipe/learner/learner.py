@@ -30,6 +30,7 @@ from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import HiddenStatesModel, Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.model import hf_io
+from rlax_pipe.model import train_attention
 from rlax_pipe.types import TrainBatch
 
 # Checkpoint extra key of a LoRA learner: the checksums of the frozen base the adapters belong to.
@@ -62,8 +63,14 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
   space = lora or model
   state_sh = train_state_lib.state_shardings(space, tx, mesh)
   frozen_sh = None if lora is None else sharding_lib.param_shardings(model, mesh)
+  kernel = train_attention.resolve_train_attention(
+      step_cfg.attention_impl, mesh.devices.flat[0].platform, seq_len,
+      step_cfg.attention_block_len)
+  attention = kernel if kernel == "blockwise" else train_attention.sharded_flash_attention(
+      kernel, step_cfg.attention_block_len, mesh)
   fns = train_step_lib.make_step_fns(model, step_cfg, objective_cfg, sampling_cfg, tx,
-                                     sharding_lib.compute_constraint(mesh), lora=lora)
+                                     sharding_lib.compute_constraint(mesh), lora=lora,
+                                     attention_kernel=attention)
   rows = (step_cfg.micro_batch_rows, seq_len)
   tok_sh = sharding_lib.batch_sharding(mesh, rows)
   micro_sh = {name: tok_sh for name in train_step_lib.BATCH_FIELDS}

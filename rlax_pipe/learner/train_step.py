@@ -193,7 +193,8 @@ def _schedule_step(opt_state: Any) -> jax.Array | None:
 def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
                   objective_cfg: ObjectiveConfig, sampling_cfg: logprobs_lib.SamplingConfig,
                   tx: optax.GradientTransformation, constrain: Any = None,
-                  lora: LoraAdapters | None = None) -> StepFns:
+                  lora: LoraAdapters | None = None,
+                  attention_kernel: Any = "blockwise") -> StepFns:
   """Builds the step's pure functions for one configuration.
 
   Args:
@@ -215,6 +216,10 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
       as their last argument `frozen`; the forward runs on `lora.merge(frozen, state.params)`
       and the gradient is taken with respect to the adapters only. None = full fine-tuning
       (`frozen` is then None).
+    attention_kernel: the training attention of a `HiddenStatesModel`: "blockwise", a fused
+      kernel name (`train_attention.KERNELS`) or an attend callable
+      (`train_attention.sharded_flash_attention`, what the learner passes when
+      `learner_cfg.attention_impl` resolves to a kernel on its mesh's platform).
 
   Returns:
     StepFns(prox, accumulate, apply):
@@ -250,11 +255,13 @@ def make_step_fns(model: ModelLike, learner_cfg: LearnerConfig,
       return logprobs_lib.next_token_logprobs_from_logits(logits, mb["tokens"],
                                                           sampling_cfg), None
     moe_kw = {} if moe_coefs is None else {"return_moe": True}
+    fused = ({} if isinstance(attention_kernel, str) and attention_kernel == "blockwise"
+             else {"attention_impl": attention_kernel})
     h = model.hidden_states(params, mb["tokens"], mb["positions"],
                             segment_ids_BT=mb["segment_ids"], remat=learner_cfg.remat,
                             constrain=constrain,
                             attention_block_len=learner_cfg.attention_block_len, **replay,
-                            **moe_kw)
+                            **moe_kw, **fused)
     h, moe_out = h if moe_coefs is not None else (h, None)
     head = c(model.output_head(params), ("embed", "vocab"), weight=True)
     return logprobs_lib.next_token_logprobs(h, head, mb["tokens"], sampling_cfg,

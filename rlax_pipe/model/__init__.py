@@ -18,6 +18,8 @@ from rlax_pipe.model.lora_hf import save_peft_adapter
 from rlax_pipe.model.moe import MoeOutputs
 from rlax_pipe.model.moe_parallel import expert_parallel_swiglu
 from rlax_pipe.model.nnx_adapter import NnxModel
+from rlax_pipe.model.train_attention import (
+    TRAIN_ATTENTION_IMPLS, flash_attention, resolve_train_attention)
 from rlax_pipe.model.transformer import (
     abstract_params, forward, hidden_states, init_params, layer_segments, param_axes, param_specs,
     rms_norm, rope)
@@ -31,4 +33,5 @@ __all__ = [
     "eos_token_ids", "load_hf_checkpoint", "save_hf_checkpoint", "hidden_states",
     "DenseKVCache", "KVCache", "abstract_params", "forward", "gqa_attention", "init_params",
     "param_axes", "param_specs", "rms_norm", "rope", "expert_parallel_swiglu",
+    "TRAIN_ATTENTION_IMPLS", "flash_attention", "resolve_train_attention",
 ]

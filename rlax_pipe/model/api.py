@@ -104,12 +104,15 @@ class HiddenStatesModel(Model, Protocol):
   def hidden_states(self, params: Any, tokens_BT: jax.Array, positions_BT: jax.Array, *,
                     segment_ids_BT: jax.Array | None = None, remat: str = "none",
                     constrain: Any = None,
-                    attention_block_len: int | None = None) -> jax.Array:
+                    attention_block_len: int | None = None,
+                    attention_impl: str = "blockwise") -> jax.Array:
     """Final normalised hidden states [B, T, E] of the cache-free forward.
 
     `remat` is one of "none", "full", "dots_saveable"; `constrain(x, logical_axes, weight=False)`
     is a sharding hook called on each weight (weight=True) and on activations;
-    `attention_block_len` bounds the queries attended at once (None = all)."""
+    `attention_block_len` bounds the queries attended at once (None = all); `attention_impl`
+    is "blockwise" or a fused kernel name (`train_attention.KERNELS`), passed only when not
+    "blockwise" (a model without the keyword trains with its own attention)."""
     ...
 
   def output_head(self, params: Any) -> jax.Array:

@@ -90,7 +90,7 @@ class Transformer:
 
   def hidden_states(self, params, tokens_BT, positions_BT, *, segment_ids_BT=None,
                     remat="none", constrain=None, attention_block_len=None, routes_BTLk=None,
-                    return_moe=False):
+                    return_moe=False, attention_impl="blockwise"):
     """`transformer.hidden_states` (api.HiddenStatesModel): the learner's training path.
 
     MoE models also take `routes_BTLk` (router replay) and `return_moe` (see `forward`)."""
@@ -98,7 +98,8 @@ class Transformer:
                                      segment_ids_BT=segment_ids_BT, remat=remat,
                                      constrain=constrain,
                                      attention_block_len=attention_block_len,
-                                     routes_BTLk=routes_BTLk, return_moe=return_moe)
+                                     routes_BTLk=routes_BTLk, return_moe=return_moe,
+                                     attention_impl=attention_impl)
 
   def output_head(self, params):
     """`transformer.output_head`: the [E, V] projection (the transposed embedding if tied)."""

@@ -25,6 +25,7 @@ from rlax_pipe.model import kv_cache as kv_cache_lib
 from rlax_pipe.model import moe as moe_lib
 from rlax_pipe.model import moe_parallel
 from rlax_pipe.model import rotary
+from rlax_pipe.model import train_attention
 
 Params = dict[str, Any]
 
@@ -496,7 +497,8 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                   cfg: ModelConfig, *, segment_ids_BT: jax.Array | None = None,
                   remat: str = "none", constrain: Constrain | None = None,
                   attention_block_len: int | None = None, routes_BTLk: jax.Array | None = None,
-                  return_moe: bool = False):
+                  return_moe: bool = False,
+                  attention_impl: str | Callable[..., jax.Array] = "blockwise"):
   """Final normalised hidden states of packed full sequences (the training path, no cache).
 
   Causal attention within equal `segment_ids_BT`; padding (segment 0) gets a zero embedding
@@ -522,6 +524,12 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
     routes_BTLk: MoE only: optional int32 [B, T, L_moe, k] replayed experts (see `forward`).
     return_moe: also return the `moe.MoeOutputs` (None for a dense model); its aux losses
       average over real tokens (segment > 0).
+    attention_impl: "blockwise" (`blockwise_attention`) or a fused kernel of
+      `train_attention.KERNELS` ("pallas_tpu", "pallas_gpu", their "_interpret" forms; same
+      outputs, no fp32 scores in memory; `train_attention.resolve_train_attention` picks one),
+      or a callable attend(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT) -> [B, T, H, D] (e.g.
+      `train_attention.sharded_flash_attention` for a sharded learner). The fused kernels
+      take no attention sinks and no sliding windows: such models (GPT-OSS) need "blockwise".
 
   Returns:
     [B, T, E] in cfg.compute_dtype, or (hidden, MoeOutputs or None) with return_moe.
@@ -545,10 +553,23 @@ def hidden_states(params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
   layer_axes = {stack: {k: v[1:] for k, v in axes[stack].items()}  # without the stacked L axis
                 for stack in ("layers", "moe_layers") if stack in axes}
 
+  fused = callable(attention_impl) or attention_impl != "blockwise"
+  if fused and (cfg.attention_sinks or cfg.sliding_window is not None):
+    raise ValueError(
+        f"attention_impl={attention_impl!r}: the fused training kernels take no attention sinks "
+        "and no sliding windows (this model has them, e.g. GPT-OSS); set "
+        "--config.learner.attention_impl=blockwise.")
+
   def step(h, extra, lp, layer, stack, routes_BTk):
     window = None if windows is None else windows[layer]
-    attend = lambda q, k, v, sinks: (blockwise_attention(
-        q, k, v, seg, attention_block_len, window=window, sinks_H=sinks), None)
+    if callable(attention_impl):
+      attend = lambda q, k, v, sinks: (attention_impl(q, k, v, seg), None)
+    elif attention_impl == "blockwise":
+      attend = lambda q, k, v, sinks: (blockwise_attention(
+          q, k, v, seg, attention_block_len, window=window, sinks_H=sinks), None)
+    else:
+      attend = lambda q, k, v, sinks: (train_attention.flash_attention(
+          q, k, v, seg, attention_impl, attention_block_len), None)
     lp = {k: c(v, layer_axes[stack][k], weight=True) for k, v in lp.items()}
     if stack == "moe_layers":
       h, _, aux = _block(cfg, h, lp, positions_BT, attend,

@@ -168,6 +168,50 @@ class WeightChannel:
           jax.jit(_identity, out_shardings=hop3) if hop3 else None)
     return self._plans[key]
 
+  def lower_transfer(self, params: Any) -> dict[str, Any]:
+    """The push's device programs lowered from abstract learner-side params (deviceless AOT).
+
+    The same plan and jitted programs as `push` (nothing is copied): hop 1, the learner-mesh
+    reshard into the sampler-congruent layout; the per-shard `device_put` between the meshes
+    (not an XLA program: its bytes are counted from the plan); hop 3, the sampler-mesh
+    refinement (only when the learner has fewer devices than the sampler has shards).
+
+    Args:
+      params: pytree of `jax.ShapeDtypeStruct` matching the manifest, each with its learner
+        `NamedSharding` (e.g. on a TPU topology's devices).
+
+    Returns:
+      {"learner_hop": jax.stages.Lowered or None (no leaf needs a learner-side reshard),
+       "sampler_hop": Lowered or None, "leaves_resharded": leaves through hop 1,
+       "leaves_refined": leaves through hop 3, "device_put_bytes": bytes written onto the
+       sampler devices by the copy (every landing shard, replicas included),
+       "device_put_bytes_max_per_device": the most one sampler device receives}.
+
+    Raises:
+      ManifestError: when `params` does not match the manifest.
+    """
+    check_manifest(self._manifest, params, what="abstract params")
+    leaves = jax.tree_util.tree_leaves(params)
+    plans, hop1, hop3 = self._plan(leaves)
+    abstract = lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
+    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+    idx3 = [i for i, p in enumerate(plans) if p.refine]
+    per_device: dict[Any, int] = {}
+    for leaf, plan in zip(leaves, plans):
+      itemsize = np.dtype(leaf.dtype).itemsize
+      for device, index in plan.landing.devices_indices_map(tuple(leaf.shape)).items():
+        size = int(np.prod([len(range(*s.indices(d))) for s, d in zip(index, leaf.shape)],
+                           dtype=np.int64))
+        per_device[device] = per_device.get(device, 0) + size * itemsize
+    return {
+        "learner_hop": hop1.lower([leaves[i] for i in idx1]) if hop1 else None,
+        "sampler_hop": hop3.lower([abstract(leaves[i], plans[i].landing) for i in idx3])
+                       if hop3 else None,
+        "leaves_resharded": len(idx1), "leaves_refined": len(idx3),
+        "device_put_bytes": sum(per_device.values()),
+        "device_put_bytes_max_per_device": max(per_device.values(), default=0),
+    }
+
   def _transfer(self, leaves: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
     """Dispatches the copies; returns (sampler leaves, intermediates to delete later)."""
     plans, hop1, hop3 = self._plan(leaves)
