@@ -33,9 +33,13 @@ def test_environment_task_trains_multi_turn_episodes(tmp_path, tiny_init, tiny_c
   cfg = tiny_config(tmp_path, tiny_init, steps=1)
   tok = default_tokenizer()
   stops = (tok.eos_id,) + tuple(range(5, 120))  # random weights: a turn ends every few tokens
+  # The fewest devices and programs that run the whole job: one device per role (no SPMD
+  # partitioning to compile), one evaluation problem.
   cfg = dataclasses.replace(
       cfg, task="echo_arithmetic", env=envs.EnvConfig(max_turns=2, tool_timeout_s=10.0),
-      sampler=dataclasses.replace(cfg.sampler, eos_id=stops))
+      sampler=dataclasses.replace(cfg.sampler, eos_id=stops), sampler_mesh_axes=(("tp", 1),),
+      learner=dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1))),
+      pipeline=dataclasses.replace(cfg.pipeline, eval_problems=1))
   hook = Inspect()
   summary = run_lib.run(cfg, hooks=[hook])
   assert summary["steps"] == 1 and [r["step"] for r in train_rows(cfg.run_dir)] == [1]

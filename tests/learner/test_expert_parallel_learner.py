@@ -3,6 +3,8 @@ expert=2 x fsdp=4): the compiled micro-batch program exchanges tokens by all-to-
 stores its half of the experts, and the model's loss and gradients under the learner's
 sharding hook equal those of the unsharded model."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,9 +60,10 @@ def test_expert_parallel_forward_and_gradient_equal_the_unsharded_model():
 
   grad = lambda c: jax.value_and_grad(loss, has_aux=True)(params, c)
   shardings = learner_lib.param_shardings(MOE, mesh)
-  (v_ep, routes_ep), g_ep = jax.jit(lambda p: jax.value_and_grad(loss, has_aux=True)(
+  jit = functools.partial(jax.jit, compiler_options=dict(_cfg(EP_AXES).compiler_options))
+  (v_ep, routes_ep), g_ep = jit(lambda p: jax.value_and_grad(loss, has_aux=True)(
       p, sharding_lib.compute_constraint(mesh)))(jax.device_put(params, shardings))
-  (v, routes), g = jax.jit(lambda: grad(None))()
+  (v, routes), g = jit(lambda: grad(None))()
   np.testing.assert_array_equal(np.asarray(routes_ep), np.asarray(routes))
   np.testing.assert_allclose(float(v_ep), float(v), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_ep), jax.tree.leaves(g)):

@@ -40,9 +40,12 @@ def test_router_terms_enter_the_loss_with_their_coefficients():
   on = _run(dataclasses.replace(MOE, router_aux_loss_coef=0.5, router_z_loss_coef=0.1),
             params, batch)
   # The metrics are the model's own aux terms on this (single) micro-batch.
-  _, moe_out = transformer.hidden_states(
-      params, jnp.asarray(batch.tokens), jnp.asarray(batch.positions), MOE,
-      segment_ids_BT=jnp.asarray(batch.segment_ids), return_moe=True)
+  _, moe_out = jax.jit(  # one program, not eager op by op
+      lambda p, t, q, s: transformer.hidden_states(p, t, q, MOE, segment_ids_BT=s,
+                                                   return_moe=True),
+      compiler_options={"xla_backend_optimization_level": 0})(
+          params, jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+          jnp.asarray(batch.segment_ids))
   for m in (off, on):
     np.testing.assert_allclose(m["moe_load_balance_loss"], moe_out.load_balance_loss, rtol=1e-5)
     np.testing.assert_allclose(m["moe_z_loss"], moe_out.z_loss, rtol=1e-5)

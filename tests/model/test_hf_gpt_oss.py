@@ -1,6 +1,7 @@
 """GPT-OSS parity with transformers' GptOssForCausalLM on a tiny random config: import (dense and
 MXFP4 experts), export reloaded by transformers, cached decode == full forward, YaRN rope."""
 
+import functools
 import json
 
 import jax
@@ -13,6 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from rlax_pipe.model import hf_io, mxfp4, rotary, transformer  # noqa: E402
 from rlax_pipe.model.kv_cache import DenseKVCache  # noqa: E402
+
+# The tests' programs are tiny and compile-bound: LLVM at -O0 compiles them faster and
+# computes the same values (no fast-math either way).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 HF_CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
@@ -40,7 +45,7 @@ def _hf_logits(model, tokens):
 
 def _ours(params, cfg, tokens):
   pos = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).astype(np.int32)
-  logits, _ = jax.jit(lambda p, t: transformer.forward(p, t, jnp.asarray(pos), cfg))(
+  logits, _ = jit(lambda p, t: transformer.forward(p, t, jnp.asarray(pos), cfg))(
       params, jnp.asarray(tokens, jnp.int32))
   return np.asarray(logits)
 
@@ -59,7 +64,7 @@ def test_import_matches_transformers_and_cached_decode_matches_full_forward(tmp_
   assert err <= 1e-4, err
   cache = DenseKVCache.init(cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
-  step = jax.jit(lambda p, t, q, c: transformer.forward(p, t, q, cfg, cache=c))
+  step = jit(lambda p, t, q, c: transformer.forward(p, t, q, cfg, cache=c))
   logits, cache = step(params, jnp.asarray(TOKENS[:, :4]), pos[:, :4], cache)
   outs = [logits]
   for t in range(4, T):

@@ -2,6 +2,7 @@
 layers (mixed dense / MoE layout, cached decode == full forward, router replay, dense unchanged)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,10 @@ from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import moe
 from rlax_pipe.model import transformer
+
+# The tests' own programs are tiny and compile-bound: LLVM at -O0 compiles them faster and
+# computes the same values (no fast-math either way).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                       head_dim=8, d_ff=48, qk_norm=True, n_experts=4, n_experts_per_tok=2,
@@ -97,7 +102,8 @@ def test_moe_block_matches_numpy_and_replay_keeps_router_gradients():
        "experts_up": jax.random.normal(keys[2], (x, e, f)) / 3,
        "experts_down": jax.random.normal(keys[3], (x, f, e)) / 3}
   xs = jax.random.normal(keys[4], (t, e))
-  block = jax.jit(lambda xs, p, r=None: moe.moe_block(xs, p, k=k, experts_Tk=r))
+  raw = lambda xs, p, r=None: moe.moe_block(xs, p, k=k, experts_Tk=r)
+  block = jit(raw)
   out, experts, lb, z = block(xs, p)
   logits = np.asarray(xs, np.float64) @ np.asarray(p["router"], np.float64)
   ref_e, ref_w = _np_route(logits, k, "all", True)
@@ -111,7 +117,7 @@ def test_moe_block_matches_numpy_and_replay_keeps_router_gradients():
   out2, experts2, _, _ = block(xs, p, experts)
   np.testing.assert_array_equal(experts2, experts)
   np.testing.assert_allclose(out2, out, rtol=1e-6, atol=1e-7)
-  grad = jax.jit(jax.grad(lambda p: block(xs, p, experts)[0].sum()))(p)
+  grad = jit(jax.grad(lambda p: raw(xs, p, experts)[0].sum()))(p)
   assert float(jnp.abs(grad["router"]).sum()) > 0
 
 
@@ -137,6 +143,7 @@ def test_layout_and_config_validation():
       ModelConfig(**bad)
 
 
+@functools.partial(jit, static_argnums=(0, 1))  # one program, not one per eager op
 def _params(cfg, seed=0):
   params = model.init_params(cfg, jax.random.key(seed))
   leaves, treedef = jax.tree.flatten(params)
@@ -151,14 +158,14 @@ def test_moe_model_decode_matches_full_forward_and_replay():
   t = 9
   tokens = jax.random.randint(jax.random.key(3), (2, t), 0, cfg.vocab_size)
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
-  fwd = jax.jit(lambda p, tk, q, r=None: model.forward(p, tk, q, cfg, routes_BTLk=r,
+  fwd = jit(lambda p, tk, q, r=None: model.forward(p, tk, q, cfg, routes_BTLk=r,
                                                         return_moe=True))
   full, _, out = fwd(params, tokens, pos)
   assert out.routes_BTLk.shape == (2, t, 2, 2) and out.routes_BTLk.dtype == jnp.int32
   assert np.isfinite(float(out.load_balance_loss)) and float(out.z_loss) > 0
   # Prefill 5 tokens into the dense reference cache, then decode one token at a time.
   cache = model.DenseKVCache.init(cfg.n_layers, 2, 16, cfg.n_kv_heads, cfg.head_dim)
-  decode = jax.jit(lambda p, tk, q, c: model.forward(p, tk, q, cfg, cache=c, return_moe=True))
+  decode = jit(lambda p, tk, q, c: model.forward(p, tk, q, cfg, cache=c, return_moe=True))
   pre, cache, pre_moe = decode(params, tokens[:, :5], pos[:, :5], cache)
   steps, routes = [pre], [pre_moe.routes_BTLk]
   for i in range(5, t):
@@ -186,7 +193,7 @@ def test_moe_training_path_packing_and_gradients():
   packed = jnp.concatenate([a, b, jnp.zeros((1, 2), jnp.int32)], 1)
   pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]], jnp.int32)
   seg = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]], jnp.int32)
-  hid = jax.jit(lambda p, tk, q, s=None: model.hidden_states(p, tk, q, cfg, segment_ids_BT=s,
+  hid = jit(lambda p, tk, q, s=None: model.hidden_states(p, tk, q, cfg, segment_ids_BT=s,
                                                               return_moe=True))
   h, out = hid(params, packed, pos, seg)
   ha, oa = hid(params, a, pos[:, :4])
@@ -203,7 +210,7 @@ def test_moe_training_path_packing_and_gradients():
                                remat="full")
     return jnp.sum(h * h) + o.load_balance_loss + o.z_loss
 
-  grads = jax.jit(jax.grad(loss))(params)
+  grads = jit(jax.grad(loss))(params)
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     assert np.all(np.isfinite(g)), path
     assert float(jnp.abs(g).sum()) > 0, path
@@ -212,10 +219,10 @@ def test_moe_training_path_packing_and_gradients():
 def test_dense_model_reports_no_moe():
   cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                     head_dim=8, d_ff=24)
-  params = model.init_params(cfg, jax.random.key(0))
+  params = _params(cfg)
   tokens = jnp.zeros((1, 3), jnp.int32)
   pos = jnp.arange(3, dtype=jnp.int32)[None]
-  logits, cache, out = model.forward(params, tokens, pos, cfg, return_moe=True)
+  logits, cache, out = jit(lambda p: model.forward(p, tokens, pos, cfg, return_moe=True))(params)
   assert out is None and cache is None and logits.shape == (1, 3, 32)
   with pytest.raises(ValueError, match="no MoE layer"):
     model.forward(params, tokens, pos, cfg, routes_BTLk=jnp.zeros((1, 3, 1, 2), jnp.int32))
@@ -232,7 +239,7 @@ def test_upcycled_dense_model_computes_the_same_function():
   assert set(moe_params) == {"embed", "final_norm", "moe_layers"}
   tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, 32)
   pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-  fwd = jax.jit(model.forward, static_argnums=3)
+  fwd = jit(model.forward, static_argnums=3)
   np.testing.assert_allclose(fwd(moe_params, tokens, pos, moe_cfg)[0],
                              fwd(params, tokens, pos, dense)[0], rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="dense model"):

@@ -3,6 +3,7 @@ bias. Checked against a float64 numpy version of the softmax-with-sink formula, 
 reference cache (cached decode == full forward), and the paged reference (paged == dense)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,10 @@ from rlax_pipe.model.kv_cache import DenseKVCache, gqa_attention, window_mask
 from rlax_pipe.sampler import paged_attention as pa
 from rlax_pipe.sampler.page_pool import PoolLayout
 from rlax_pipe.sampler.paged_cache import PagedKVCache, reference_only_reason, resolve_impl
+
+# The tests' programs are tiny and compile-bound: LLVM at -O0 compiles them faster and
+# computes the same values (no fast-math either way).
+jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
                   d_ff=48, qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=3,
@@ -76,7 +81,7 @@ def test_a_windowed_layer_sees_only_its_window():
   pos = jnp.arange(10, dtype=jnp.int32)[None]
   cfg1 = dataclasses.replace(CFG, n_layers=1, layer_types=("sliding_attention",))
   p1 = {**params, "layers": jax.tree.map(lambda a: a[:1], params["layers"])}
-  fwd = jax.jit(lambda t: transformer.forward(p1, t, pos, cfg1)[0])
+  fwd = jit(lambda t: transformer.forward(p1, t, pos, cfg1)[0])
   a, b = fwd(tokens), fwd(tokens.at[0, 0].set((tokens[0, 0] + 1) % 64))
   np.testing.assert_array_equal(a[0, 3:], b[0, 3:])
   assert np.max(np.abs(np.asarray(a[0, :3] - b[0, :3]))) > 0
@@ -90,7 +95,7 @@ def test_training_path_blockwise_and_packed_match_full_forward():
   ppos = jnp.asarray([list(range(5)) + list(range(6))], jnp.int32)
   seg = jnp.asarray([[1] * 5 + [2] * 6], jnp.int32)
 
-  @jax.jit
+  @jit
   def run(p):
     full, _ = transformer.forward(p, tokens, pos, CFG)
     head = transformer.output_head(p, CFG)
@@ -109,8 +114,8 @@ def test_dense_cache_decode_matches_full_forward():
   params = _params(CFG, 4)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 9)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
-  full, _ = jax.jit(lambda p: transformer.forward(p, tokens, pos, CFG))(params)
-  step = jax.jit(lambda p, t, q, c: transformer.forward(p, t, q, CFG, cache=c))
+  full, _ = jit(lambda p: transformer.forward(p, tokens, pos, CFG))(params)
+  step = jit(lambda p, t, q, c: transformer.forward(p, t, q, CFG, cache=c))
   cache = DenseKVCache.init(CFG.n_layers, 2, 16, CFG.n_kv_heads, CFG.head_dim)
   logits, cache = step(params, tokens[:, :4], pos[:, :4], cache)
   steps = [logits]
@@ -146,7 +151,7 @@ def test_paged_reference_with_sinks_and_window_matches_dense(window, chunk_pages
                        jnp.asarray(prefix_pos < starts[:, None]))
   cache = PagedKVCache(pools=pools, block_tables=jnp.asarray(tables), layout=layout,
                        chunk_pages=chunk_pages)
-  out, _ = jax.jit(lambda c: c.update_attend(jnp.int32(0), q, new_k, new_v, positions,
+  out, _ = jit(lambda c: c.update_attend(jnp.int32(0), q, new_k, new_v, positions,
                                              jnp.ones((b, chunk), bool), window=jnp.int32(window),
                                              sinks=sinks))(cache)
   key_pos = np.arange(W * S)

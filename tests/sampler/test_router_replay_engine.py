@@ -3,6 +3,8 @@ token, the experts of the decode step that produced it; packed into a batch and 
 learner's forward, the learner's log-probs equal the sampler's behaviour log-probs to fp32
 rounding, and corrupting the routes changes them (the replay is used)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,14 +22,17 @@ MOE = ModelConfig(vocab_size=48, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1
 CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=24, max_seq_len=32, max_new_tokens=10)
 
 
+# One program for both calls (not eager op by op); LLVM -O0: compile-bound, same values.
+@functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+def _logprobs(params, tokens, positions, segment_ids, routes):
+  logits, _ = transformer.forward(params, tokens, positions, MOE, segment_ids_BT=segment_ids,
+                                  routes_BTLk=routes)
+  return logprobs_lib.next_token_logprobs_from_logits(logits, tokens, CFG.sampling)[0]
+
+
 def _learner_logprobs(params, batch, routes):
-  logits, _ = transformer.forward(
-      params, jnp.asarray(batch.tokens), jnp.asarray(batch.positions), MOE,
-      segment_ids_BT=jnp.asarray(batch.segment_ids),
-      routes_BTLk=None if routes is None else jnp.asarray(routes, jnp.int32))
-  logp, _ = logprobs_lib.next_token_logprobs_from_logits(logits, jnp.asarray(batch.tokens),
-                                                         CFG.sampling)
-  return np.asarray(logp)
+  return np.asarray(_logprobs(params, jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                              jnp.asarray(batch.segment_ids), jnp.asarray(routes, jnp.int32)))
 
 
 def test_replayed_routes_reproduce_the_sampler_logprobs():
