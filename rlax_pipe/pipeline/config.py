@@ -123,8 +123,7 @@ class PipelineConfig:
   advantage: str = "grpo"
   filter_groups: str = "off"
   filter_max_dropped_per_step: int = 32
-  staleness: StalenessConfig = StalenessConfig(policy="learner-wait", max_lag=4,
-                                               groups_per_step=8)
+  staleness: StalenessConfig = StalenessConfig()
   eval_every: int = 10
   eval_problems: int = 128
   eval_samples: int = 0
