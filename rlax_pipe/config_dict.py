@@ -125,13 +125,20 @@ def from_config_dict(cls: type, config: Any, *, prefix: str = "") -> Any:
       line; nested fields get "<prefix><field>.".
 
   Raises:
-    ConfigError: on a key `cls` has no field for (the message lists the valid names), or
+    ConfigError: on a key `cls` has no field for (the message lists the valid names; for a
+      field listed in the class's optional `REMOVED_FIELDS` mapping, name -> what to set
+      instead, it says that instead), or
       whatever the dataclasses' own checks raise, with "Cls.field" rewritten as
       "<prefix>field" (`name_fields`; kept as written for `cls` itself when prefix is "").
   """
   items = dict(config.items()) if hasattr(config, "items") else dict(config)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(items) - names)
+  removed = getattr(cls, "REMOVED_FIELDS", {})
+  if any(k in removed for k in unknown):
+    where = prefix or f"{cls.__name__}."
+    raise ConfigError("; ".join(f"{where}{k} was removed: {removed[k]}"
+                                for k in unknown if k in removed) + ".")
   if unknown:
     where = prefix.rstrip(".") or cls.__name__
     raise ConfigError(f"{where} has no field(s) {unknown}; valid: {sorted(names)}.")

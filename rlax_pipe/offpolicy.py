@@ -220,33 +220,6 @@ def lag_histogram(lag_BT: jax.Array, mask_BT: jax.Array, bins: int) -> jax.Array
   return jnp.sum(bin_BTK & (mask_BT > 0)[:, :, None], axis=(0, 1), dtype=jnp.int32)
 
 
-def effective_sample_size(weights_BT: jax.Array, valid_BT: jax.Array) -> jax.Array:
-  """Normalized effective sample size (sum w)^2 / (N sum w^2) over valid tokens (Kong 1992).
-
-  Computed on w / max(w), which leaves the value unchanged and cannot overflow. Returns 1.0 for
-  equal weights and 0.0 when there is no valid token.
-
-  Args:
-    weights_BT: float[B, T] non-negative importance weights (finite at valid positions).
-    valid_BT: bool[B, T] tokens to include.
-
-  Returns:
-    float scalar in [0, 1].
-
-  Raises:
-    ValueError: on rank or shape mismatch.
-  """
-  check_token_shapes(weights_BT=weights_BT, valid_BT=valid_BT)
-  w = jnp.where(valid_BT, weights_BT, 0.0)
-  top = jnp.max(w)
-  scaled = w / jnp.where(top > 0, top, 1.0)
-  total, total_sq, count = jnp.sum(
-      jnp.stack([scaled, scaled * scaled, valid_BT.astype(w.dtype)]), axis=(1, 2))
-  denom = count * total_sq
-  ok = denom > 0
-  return jnp.where(ok, total * total / jnp.where(ok, denom, 1.0), 0.0)
-
-
 def _segments(segment_ids_BT: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
   if segment_ids_BT is None:
     return jnp.ones(shape, jnp.int32)
@@ -464,8 +437,3 @@ def finalize_diagnostics(s: DiagnosticSums) -> ObjectiveDiagnostics:
       valid_tokens=s.n_valid,
       mismatch_tokens=s.n_mismatch,
   )
-
-
-def compute_diagnostics(**kwargs) -> ObjectiveDiagnostics:
-  """`finalize_diagnostics(diagnostic_sums(**kwargs))`: diagnostics of one set of tokens."""
-  return finalize_diagnostics(diagnostic_sums(**kwargs))

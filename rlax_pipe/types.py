@@ -131,6 +131,33 @@ class Rollout:
     return int(self.policy_versions.min())
 
 
+def rollout_to_dict(r: Rollout) -> dict[str, Any]:
+  """Plain dict of a Rollout (numpy arrays copied), the one form of a Rollout in saved state.
+
+  Used by the sampler engine's and the rollout queue's `state_dict`; `run_dir.save_state` writes
+  its arrays to npz, so every dtype survives the round trip.
+  """
+  return {f.name: (np.array(getattr(r, f.name)) if isinstance(getattr(r, f.name), np.ndarray)
+                   else getattr(r, f.name)) for f in dataclasses.fields(Rollout)}
+
+
+def rollout_from_dict(d: dict[str, Any]) -> Rollout:
+  """Inverse of `rollout_to_dict`; token arrays are restored as int32 / float32 (lists too).
+
+  Router-replay routes keep a small integer dtype as stored (int8 / int16); anything else (a
+  list) becomes int16.
+  """
+  kw = dict(d)
+  for name, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
+                      ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
+    kw[name] = np.asarray(kw[name], dtype=dtype)
+  if kw.get("routes") is not None:
+    routes = np.asarray(kw["routes"])
+    small = np.issubdtype(routes.dtype, np.integer) and routes.dtype.itemsize <= 2
+    kw["routes"] = routes if small else routes.astype(np.int16)
+  return Rollout(**kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainBatch:
   """A fixed-shape learner batch (numpy on host, or jax.Array once placed on the learner mesh).

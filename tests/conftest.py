@@ -61,7 +61,7 @@ def tiny_config(tmp_path, init, *, driver="pipeline", mode="reproducible", steps
       driver=driver, mode=mode, num_steps=steps, group_size=size,
       seq_len=MAX_SEQ, staleness=staleness.StalenessConfig(policy=policy, max_lag=max_lag,
                                                            groups_per_step=groups),
-      eval_every=100, eval_problems=4, checkpoint_every=1, wait_timeout_s=120.0, seed=seed)
+      eval_every=100, eval_problems=4, checkpoint_every=1, wait_timeout_s=120.0)
   sampler = SamplerConfig(num_slots=4, page_size=8, num_pages=32, max_seq_len=MAX_SEQ,
                           max_new_tokens=MAX_SEQ, min_prefill_bucket=16, eos_id=tok.eos_id,
                           sampling=SamplingConfig(temperature=1.0), seed=seed)

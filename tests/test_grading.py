@@ -118,7 +118,7 @@ def test_issue_input_failed_reward_is_out_of_baseline_and_loss():
   rewards = [1.0, 0.0, math.nan, 1.0]  # [1, 0, None, 1]
   group = [_rollout(i, "A: 1", reward=r) for i, r in enumerate(rewards)]
   cfg = pconfig.PipelineConfig(group_size=4, seq_len=64,
-                               staleness=staleness.StalenessConfig(groups_per_step=1))
+                               staleness=staleness.StalenessConfig("block", max_lag=1, groups_per_step=1))
   batch, trained = trainer.build_batch([tuple(group)], cfg)
   assert [r.sample_id for r in trained] == [0, 1, 3]      # the unscored sample is not trained
   valid = np.asarray([1.0, 0.0, 1.0])

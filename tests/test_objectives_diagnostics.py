@@ -33,18 +33,32 @@ def test_on_policy_ess_is_one_and_nothing_is_truncated(name):
   assert int(d.tokens) == 7
 
 
-def test_effective_sample_size_values():
-  valid = jnp.asarray([[True, True, True, True]])
-  ess = offpolicy.effective_sample_size
-  assert float(ess(jnp.asarray([[2.0, 2.0, 2.0, 2.0]]), valid)) == 1.0
-  np.testing.assert_allclose(ess(jnp.asarray([[1.0, 0.0, 0.0, 0.0]]), valid), 0.25)
-  # (1 + 3)^2 / (2 * (1 + 9)) = 0.8 over the two valid tokens; invalid ones are ignored.
-  np.testing.assert_allclose(
-      ess(jnp.asarray([[1.0, 3.0, 1e30, jnp.nan]]), jnp.asarray([[True, True, False, False]])),
-      0.8, rtol=1e-6)
-  # Scale-free, and no overflow although w^2 overflows float32.
-  np.testing.assert_allclose(ess(jnp.asarray([[1e30, 3e30, 1e30, 3e30]]), valid), 0.8, rtol=1e-6)
-  assert float(ess(jnp.ones((1, 4)), jnp.zeros((1, 4), bool))) == 0.0
+def _ess_reference(w, valid):
+  """Kong (1992) normalized ESS (sum w)^2 / (N sum w^2) over valid tokens, float64."""
+  w = np.asarray(w, np.float64)[np.asarray(valid)]
+  return 0.0 if w.size == 0 else float(w.sum() ** 2 / (w.size * (w * w).sum()))
+
+
+def _diagnosed_ess(w, valid):
+  """The diagnostics' ESS of importance ratios w (behaviour log-prob 0, policy log-prob log w)."""
+  w = np.asarray(w, np.float32)
+  logp = jnp.asarray(np.log(np.where(np.asarray(valid), w, 1.0)), jnp.float32)
+  _, d = token_loss.objective_loss(logp, jnp.zeros_like(logp), jnp.ones_like(logp),
+                                   jnp.asarray(valid, jnp.float32),
+                                   jnp.zeros(logp.shape, jnp.int32), ObjectiveConfig())
+  return float(d.ess)
+
+
+@pytest.mark.parametrize("w, valid", [
+    ([[2.0, 2.0, 2.0, 2.0]], [[True] * 4]),
+    ([[1.0, 1e-30, 1e-30, 1e-30]], [[True] * 4]),
+    ([[1.0, 3.0, 1e30, 7.0]], [[True, True, False, False]]),  # invalid tokens are ignored
+    ([[1e8, 3e8, 1e8, 3e8]], [[True] * 4]),  # scale-free (log ratios stay inside the clamp)
+    ([[0.5, 1.5, 2.5], [4.0, 0.25, 1.0]], [[True, True, False], [True, True, True]]),
+])
+def test_diagnostics_ess_matches_kongs_formula(w, valid):
+  """#25 step 5: one ESS formula (the diagnostics' log-sum-exp form), checked against float64."""
+  np.testing.assert_allclose(_diagnosed_ess(w, valid), _ess_reference(w, valid), rtol=1e-5)
 
 
 def test_lag_histogram_bins_and_overflow_bin():

@@ -4,6 +4,7 @@ multi-process representations."""
 
 import dataclasses
 import pickle
+import json
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from rlax_pipe import router_replay as rr
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.pipeline import batching
 from rlax_pipe.pipeline import rollout_queue
-from rlax_pipe.sampler import engine_state
+from rlax_pipe import types
 from rlax_pipe.types import Rollout
 
 
@@ -74,7 +75,10 @@ def test_routes_survive_queue_state_checkpoint_and_process_messages():
   back = rollout_queue.rollout_from_dict(rollout_queue.rollout_to_dict(r))
   assert back.routes.dtype == np.int8
   np.testing.assert_array_equal(back.routes, r.routes)
-  back = engine_state._rollout_from_dict(engine_state._rollout_to_dict(r))  # lists (JSON)
+  as_json = json.loads(json.dumps({k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                    for k, v in types.rollout_to_dict(r).items()}))
+  back = types.rollout_from_dict(as_json)  # lists (a state written as plain JSON)
+  assert back.routes.dtype == np.int16
   np.testing.assert_array_equal(back.routes, r.routes)
   back = pickle.loads(pickle.dumps(r))  # multi-process links pickle the Rollout
   np.testing.assert_array_equal(back.routes, r.routes)

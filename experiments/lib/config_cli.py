@@ -66,7 +66,7 @@ RL_RENAMED: Mapping[str, str] = {
     "checkpoint_every": "--config.pipeline.checkpoint_every",
     "wait_timeout_s": "--config.pipeline.wait_timeout_s",
     "debug_verify_push": "--config.pipeline.debug_verify_push",
-    "seed": "--config.pipeline.seed, --config.sampler.seed and --config.learner.seed",
+    "seed": "--config.sampler.seed and --config.learner.seed",
     "cost_decode_base_s": "--config.pipeline.cost_model.decode_step_s (or a measured model: "
                           "--config.pipeline.cost_model_file=<run>/cost_fit.json)",
     "cost_decode_per_slot_s": "--config.pipeline.cost_model.slot_step_s",

@@ -1,7 +1,7 @@
 """Seeds and confidence intervals for the learning ablations and the staleness sweep (issue 16).
 
 A *cell* is one RunConfig (an ablation's label or a sweep's (max_lag, objective)); it is run once
-per seed (`with_seed`: the seed of prompt order, sampling and the learner's PRNG), each seed's run
+per seed (`with_seed`: the sampling and learner seeds; the prompt stream is the task config's), each seed's run
 summarised into a row (`sweep.summarize_cell`), and the rows reduced to one row per cell whose
 every metric is the mean over seeds with a 95% Student-t interval (`aggregate`). A claim is
 "shown" only when the two intervals do not overlap (`separated`).
@@ -30,7 +30,9 @@ _LABELS = ("ablation", "label", "max_lag", "objective", "throughput_clock")
 
 
 def with_seed(cfg, seed: int):
-  """`cfg` with every seed (pipeline: prompt order and sampling; sampler; learner) set to `seed`.
+  """`cfg` with the run's seeds (sampler: sampling; learner: init and PRNG) set to `seed`.
+
+  The prompt stream is the task's (its own config seed), the same for every seed of a claim.
 
   Raises:
     ValueError: seed < 0.
@@ -38,8 +40,7 @@ def with_seed(cfg, seed: int):
   if seed < 0:
     raise ValueError(f"seed={seed} must be >= 0.")
   return dataclasses.replace(
-      cfg, pipeline=dataclasses.replace(cfg.pipeline, seed=seed),
-      sampler=dataclasses.replace(cfg.sampler, seed=seed),
+      cfg, sampler=dataclasses.replace(cfg.sampler, seed=seed),
       learner=dataclasses.replace(cfg.learner, seed=seed))
 
 

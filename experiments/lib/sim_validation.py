@@ -75,7 +75,7 @@ def small_config(init: str, run_dir: str, steps: int = 16, seed: int = 0):
   tok = default_tokenizer()
   pipe = pconfig.PipelineConfig(
       num_steps=steps, group_size=4, seq_len=MAX_SEQ, eval_problems=2,
-      staleness=staleness.StalenessConfig("learner-wait", 2, 2), seed=seed)
+      staleness=staleness.StalenessConfig("learner-wait", 2, 2))
   sampler = SamplerConfig(num_slots=16, page_size=8, num_pages=16 * MAX_SEQ // 8,
                           max_seq_len=MAX_SEQ, max_new_tokens=MAX_SEQ, min_prefill_bucket=16,
                           eos_id=tok.eos_id, sampling=SamplingConfig(temperature=1.0), seed=seed)

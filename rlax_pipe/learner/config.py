@@ -235,5 +235,6 @@ class LearnerConfig:
     Two learners whose `step_slice()` are equal (and with equal model / objective / sampling
     configs and mesh) run the same compiled program, so it can be shared.
     """
-    return dataclasses.replace(self, max_consecutive_nonfinite=3,
-                               checkpoint=CheckpointConfig(), seed=0)
+    host_only = ("max_consecutive_nonfinite", "checkpoint", "seed")
+    defaults = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
+    return dataclasses.replace(self, **{name: defaults[name] for name in host_only})

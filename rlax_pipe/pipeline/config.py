@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from rlax_pipe import config as model_config
 from rlax_pipe.cluster.config import DistributedConfig
@@ -103,8 +103,17 @@ class PipelineConfig:
       the default is hand-set, labelled so in its `source`, never a measurement).
     cost_model_file: a stored cost model (a calibration's cost_fit.json, `costs.CostFit.save`)
       that replaces `cost_model` when set.
-    seed: seed of prompt order and sampling.
+
+  There is no pipeline seed: sampling is seeded by `sampler.seed`, the learner's init and
+  PRNG by `learner.seed`, and the prompt stream by the task config's own seed (arithmetic,
+  jsonl, dataset files, reasoning-gym). A config that still sets `pipeline.seed` (it was read
+  by nothing) is refused with that hint (`REMOVED_FIELDS`).
   """
+
+  REMOVED_FIELDS: ClassVar[dict[str, str]] = {
+      "seed": "it was read by nothing; set --config.sampler.seed (sampling), "
+              "--config.learner.seed (init and learner PRNG) and the task config's seed "
+              "(prompt stream) instead, and delete pipeline.seed"}
 
   driver: str = "pipeline"
   mode: str = "reproducible"
@@ -114,8 +123,7 @@ class PipelineConfig:
   advantage: str = "grpo"
   filter_groups: str = "off"
   filter_max_dropped_per_step: int = 32
-  staleness: StalenessConfig = StalenessConfig(policy="learner-wait", max_lag=4,
-                                               groups_per_step=8)
+  staleness: StalenessConfig = StalenessConfig()
   eval_every: int = 10
   eval_problems: int = 128
   eval_samples: int = 0
@@ -131,7 +139,6 @@ class PipelineConfig:
   grading: GradingConfig = GradingConfig()
   cost_model: CostModel = CostModel()
   cost_model_file: str | None = None
-  seed: int = 0
 
   def __post_init__(self):
     if self.driver not in DRIVERS:

@@ -33,7 +33,7 @@ import numpy as np
 
 from rlax_pipe.pipeline import group_filter as group_filter_lib
 from rlax_pipe.pipeline import staleness
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, rollout_from_dict, rollout_to_dict
 
 Group = tuple[Rollout, ...]
 
@@ -99,25 +99,6 @@ def _tokens(rollouts) -> int:
 
 def _oldest(rollouts) -> int:
   return min(r.oldest_version() for r in rollouts)
-
-
-def rollout_to_dict(r: Rollout) -> dict[str, Any]:
-  """Plain dict of a Rollout (numpy arrays copied), for queue state and resume."""
-  return {f.name: (np.array(getattr(r, f.name)) if isinstance(getattr(r, f.name), np.ndarray)
-                   else getattr(r, f.name)) for f in dataclasses.fields(Rollout)}
-
-
-def rollout_from_dict(d: dict[str, Any]) -> Rollout:
-  """Inverse of `rollout_to_dict`; token arrays are restored as int32 / float32."""
-  kw = dict(d)
-  for name, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
-                      ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
-    kw[name] = np.asarray(kw[name], dtype=dtype)
-  if kw.get("routes") is not None:  # expert ids: kept as stored (int8 / int16), a list as int16
-    routes = np.asarray(kw["routes"])
-    small = np.issubdtype(routes.dtype, np.integer) and routes.dtype.itemsize <= 2
-    kw["routes"] = routes if small else routes.astype(np.int16)
-  return Rollout(**kw)
 
 
 def _check_format(state: dict[str, Any]) -> None:

@@ -52,6 +52,9 @@ WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored", "l
 class StalenessConfig:
   """How the staleness bound is enforced.
 
+  The defaults are the run's (`PipelineConfig.staleness` is `StalenessConfig()`): learner-wait,
+  max_lag 4, 8 groups per step.
+
   Attributes:
     policy: one of `POLICIES`.
     max_lag: k, the largest per-token lag (in optimizer steps) allowed in a gradient; >= 0, or
@@ -61,9 +64,9 @@ class StalenessConfig:
       could never fill a batch otherwise). Applied Compute recommend q = capacity / batch = 1.
   """
 
-  policy: str = "block"
-  max_lag: int | None = 1
-  groups_per_step: int = 1
+  policy: str = "learner-wait"
+  max_lag: int | None = 4
+  groups_per_step: int = 8
   queue_capacity_groups: int | None = None
 
   def __post_init__(self):

@@ -21,7 +21,7 @@ import numpy as np
 
 from rlax_pipe.sampler.page_allocator import key_from_json, key_to_json
 from rlax_pipe.sampler.scheduler import SequenceState
-from rlax_pipe.types import Rollout, WeightUpdate
+from rlax_pipe.types import WeightUpdate, rollout_from_dict, rollout_to_dict
 
 # pylint: disable=protected-access  (the engine's own state, kept out of engine.py for size)
 
@@ -37,21 +37,6 @@ def _place_like(like: Any, leaves: list[np.ndarray]) -> Any:
                      f"{len(flat)}.")
   return jax.tree.unflatten(treedef, [jax.device_put(np.asarray(a), x.sharding)
                                       for a, x in zip(leaves, flat)])
-
-
-def _rollout_to_dict(r: Rollout) -> dict:
-  return {k: (v.tolist() if isinstance(v, np.ndarray) else v)
-          for k, v in dataclasses.asdict(r).items()}
-
-
-def _rollout_from_dict(d: dict) -> Rollout:
-  d = dict(d)
-  for k, dtype in (("prompt_tokens", np.int32), ("completion_tokens", np.int32),
-                   ("behavior_logprobs", np.float32), ("policy_versions", np.int32)):
-    d[k] = np.asarray(d[k], dtype)
-  if d.get("routes") is not None:  # MoE router replay: expert ids (lists here) fit int16
-    d["routes"] = np.asarray(d["routes"], np.int16)
-  return Rollout(**d)
 
 
 def _replica_state(r) -> dict:
@@ -77,7 +62,7 @@ def state_dict(engine) -> dict:
       "host_s": e._host_s,
       "groups": [[key_to_json(k), v[0], v[1]] for k, v in e._group_replica.items()],
       "queue": [s.to_dict() for s in e._queue],
-      "buffer": [_rollout_to_dict(r) for r in e._buffer],
+      "buffer": [rollout_to_dict(r) for r in e._buffer],
       "replicas": [_replica_state(r) for r in e.replicas],
   }
 
@@ -175,5 +160,5 @@ def load_state_dict(engine, state: dict) -> None:
   e._group_replica = {key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
   e._queue.clear()
   e._queue.extend(SequenceState.from_dict(d) for d in state["queue"])
-  e._buffer = [_rollout_from_dict(d) for d in state["buffer"]]
+  e._buffer = [rollout_from_dict(d) for d in state["buffer"]]
   e._launches = 0

@@ -98,11 +98,6 @@ class PageAllocator:
     """Every holder -> its pages."""
     return {s: tuple(p) for s, p in self._pages.items()}
 
-  def can_hold(self, holder: Hashable, num_tokens: int) -> bool:
-    """Whether `ensure(holder, num_tokens)` would succeed now."""
-    extra = self.pages_for(num_tokens) - len(self._pages.get(holder, ()))
-    return extra <= len(self._free)
-
   def ensure(self, holder: Hashable, num_tokens: int) -> bool:
     """Grows `holder` with fresh (private) pages to hold `num_tokens` tokens.
 

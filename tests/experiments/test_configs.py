@@ -49,7 +49,7 @@ def test_default_preset_is_readme_command_1():
           driver="pipeline", mode="reproducible", num_steps=30, group_size=8, seq_len=384,
           advantage="grpo", staleness=StalenessConfig("learner-wait", 4, 8), eval_every=10,
           eval_problems=128, checkpoint_every=5, wait_timeout_s=None, debug_verify_push=False,
-          cost_model=CostModel(), seed=0),
+          cost_model=CostModel()),
       eval_slots=32, sampler_compute_dtype=None, resume=False,
       task_config=dataclasses.asdict(tasks.ArithmeticConfig()))  # the task's defaults
   assert _parse([]) == want

@@ -204,3 +204,13 @@ def test_checkpoints_restore_onto_another_mesh_and_fall_back_past_a_corrupt_one(
   jax.tree.map(np.testing.assert_array_equal, host(other.state), snapshots[2])
   assert any("step 3" in r.getMessage() and "incomplete or corrupt" in r.getMessage()
              for r in caplog.records)
+
+
+def test_step_slice_resets_host_fields_to_the_class_defaults():
+  """#25 step 5: step_slice reads its defaults from LearnerConfig (no second copy)."""
+  default = learner_lib.LearnerConfig(mesh_axes=(("fsdp", 2),))
+  custom = learner_lib.LearnerConfig(
+      mesh_axes=(("fsdp", 2),), seed=5, max_consecutive_nonfinite=7,
+      checkpoint=learner_lib.CheckpointConfig(directory="/elsewhere", keep=1))
+  assert custom.step_slice() == default.step_slice() == default
+  assert learner_lib.LearnerConfig(mesh_axes=(("fsdp", 4),)).step_slice() != default.step_slice()

@@ -223,3 +223,14 @@ def test_steps_without_learning_signal_are_measured_and_warned(caplog):
   assert f"steps 1-{hooks.NO_SIGNAL_WARN_STEPS} learned nothing" in caplog.text
   log._check_signal(9, 0.5)
   assert log.no_signal_steps == 0
+
+
+def test_removed_pipeline_seed_is_refused_with_the_fields_to_set():
+  """#25 step 5: `pipeline.seed` was read by nothing; an old config that sets it names the fix."""
+  config = to_config_dict(RunConfig())
+  config.pipeline.seed = 3
+  with pytest.raises(ConfigError, match=r"^--config.pipeline.seed was removed: .*"
+                                        r"--config.sampler.seed .*--config.learner.seed"):
+    from_config_dict(RunConfig, config, prefix="--config.")
+  with pytest.raises(ConfigError, match=r"^PipelineConfig.seed was removed"):
+    from_config_dict(PipelineConfig, {"seed": 0})

@@ -94,7 +94,7 @@ def test_off_trains_zero_variance_groups():
 
 
 def test_unscored_and_aborted_keep_their_reasons():
-  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None), group_size=2, group_filter=ZV)
+  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None, groups_per_step=1), group_size=2, group_filter=ZV)
   _group(q, 0, [np.nan, np.nan])
   assert q.stats().waste.unscored_groups == 1 and q.filtered_groups() == 0
   _group(q, 1, [np.nan, 1.0])  # one valid reward: no baseline, no signal

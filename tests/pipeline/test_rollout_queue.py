@@ -46,7 +46,7 @@ def test_group_ready_only_when_complete_and_oldest_first():
 
 
 def test_fifo_among_equal_versions():
-  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None), group_size=1)
+  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None, groups_per_step=1), group_size=1)
   for gid in (3, 1, 2):
     q.put(_rollout(gid, [0]))
   assert [g[0].group_id for g in q.try_get_batch(3, 0)] == [3, 1, 2]
@@ -81,7 +81,7 @@ def test_queue_drop_keeps_capacity_and_drops_oldest():
 
 
 def test_aborted_samples_discard_the_group():
-  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None), group_size=2)
+  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None, groups_per_step=1), group_size=2)
   _put_group(q, 0, [[0, 0, 0]])
   q.put(_rollout(0, [0], finish="aborted"))
   w = q.stats().waste
@@ -97,7 +97,7 @@ def test_aborted_samples_discard_the_group():
 def test_duplicates_rejected_and_counted_without_stopping():
   # Issue #14 item 9: a duplicate of a partial group's sample used to stop the run; a duplicate of
   # a finished sample silently reopened its group. Both are now rejected and counted.
-  q = rq.RolloutQueue(st.StalenessConfig("drop"), group_size=2)
+  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=1, groups_per_step=1), group_size=2)
   assert q.try_admit(0, 0, sample_ids=[1, 2])
   assert q.put(_rollout(0, [0], sample_id=1))
   assert not q.put(_rollout(0, [0], sample_id=1))  # duplicate of a partial group's sample
@@ -127,7 +127,7 @@ def test_lost_sample_named_and_group_discarded_as_lost():
 
 
 def test_future_token_version_rejected():
-  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None), group_size=1)
+  q = rq.RolloutQueue(st.StalenessConfig("drop", max_lag=None, groups_per_step=1), group_size=1)
   q.put(_rollout(0, [5]))
   with pytest.raises(ValueError, match="version 5 > learner_version 4"):
     q.try_get_batch(1, learner_version=4)

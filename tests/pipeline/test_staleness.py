@@ -56,8 +56,8 @@ def test_admission_rule_by_hand():
   with pytest.raises(ValueError, match="already live"):
     s.admit(7, 2, cfg)
   # other policies and unbounded block never limit admission.
-  assert s.headroom(0, st.StalenessConfig("drop")) is None
-  assert s.can_admit(0, st.StalenessConfig("block", max_lag=None))
+  assert s.headroom(0, st.StalenessConfig("drop", max_lag=1, groups_per_step=1)) is None
+  assert s.can_admit(0, st.StalenessConfig("block", max_lag=None, groups_per_step=1))
   # The pure rule on scalars (what the ledger feeds it): n = 4, a_min = 2, v = 3, k = 1, B = 2.
   assert st.admission_headroom(4, 2, 3, cfg) == 2 * (2 + 1 + 1) - 4
   assert st.admission_headroom(4, None, 3, cfg) == 2 * (3 + 1 + 1) - 4

@@ -23,6 +23,7 @@ from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, weights_kv
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.pipeline.multihost import messages
 
 
 def restore_or_start(learner: Learner, resume: bool, whoami: str) -> dict | None:
@@ -75,20 +76,20 @@ class FollowerProcess:
           raise TimeoutError(f"{self.topology.name()}: no batch from the learner lead for "
                              f"{pcfg.wait_timeout_s:.0f} s.") from None
         continue
-      if kind == "end":  # last messages first: the lead waits for them before its records
-        self.link.send("rows", [{
+      msg = messages.received(kind, payload, messages.TO_LEARNER)
+      if isinstance(msg, messages.End):  # last messages first: the lead waits for them
+        self.link.send(*messages.wire(messages.Rows(({
             "kind": "learner_process", "process": self.topology.process_id, "steps": steps,
-            "train_s": train_s, "version": self.learner.version}])
-        self.link.send("done", None)
+            "train_s": train_s, "version": self.learner.version},))))
+        self.link.send(*messages.wire(messages.Done()))
         break
-      if kind != "train":
-        continue
       t0 = time.perf_counter()
       with self.monitor.deadline("a learner step", pcfg.wait_timeout_s):
-        self.trainer.train_on(payload)
+        self.trainer.train_on(list(msg.groups))
       t1 = time.perf_counter()
       steps, train_s = steps + 1, train_s + (t1 - t0)
-      self.link.send("spans", [(self.lane, "train_step", t0 + off, t1 + off, None, None)])
+      self.link.send(*messages.wire(messages.Spans(
+          ((self.lane, "train_step", t0 + off, t1 + off, None, None),))))
       if self.learner.step % pcfg.checkpoint_every == 0:
         self.learner.save({})
       idle_since = time.monotonic()

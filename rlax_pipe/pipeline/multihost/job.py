@@ -42,6 +42,7 @@ from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.run_dir import to_jsonable
+from rlax_pipe.pipeline.multihost import messages
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -251,7 +252,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
        "weights_from": {r: r % topo.num_learner_processes for r in range(topo.num_replicas)}},
       indent=2))
   for r in range(topo.num_replicas):
-    hub.send(topo.replica_process(r), "init", {"rng": proxy.initial_rng(r)})
+    hub.send(topo.replica_process(r), *messages.wire(messages.Init(rng=proxy.initial_rng(r))))
   sender.push(learner.params, learner.version)
   side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: queue.close())
@@ -268,7 +269,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
     evaluation.evaluate(job, job.start_step, job.clock.offset)
   todo = pcfg.num_steps - job.start_step
   end = drive(job, hub, monitor, all_hooks, todo) if todo > 0 else time.perf_counter()
-  hub.broadcast("end", None, role="learner")
+  hub.broadcast(*messages.wire(messages.End()), role="learner")
   side.stop(dcfg.transfer_timeout_s)
   time_s = job.clock.time_s(end)
   for hook in all_hooks:

@@ -31,6 +31,7 @@ from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.weights import LearnerSender
 from rlax_pipe.pipeline.rollout_queue import QueueClosed
 from rlax_pipe.pipeline.trainer import StepResult
+from rlax_pipe.pipeline.multihost import messages
 
 
 class LeadSamplerSide:
@@ -63,25 +64,26 @@ class LeadSamplerSide:
 
   def _handle(self, p: int, kind: str, payload: Any) -> None:
     job, proxy = self.job, self.proxy
-    if kind == "rollouts":
+    msg = messages.received(kind, payload, messages.TO_LEAD)
+    if isinstance(msg, messages.Rollouts):
       r = self._replica(p)
-      rollouts = list(payload["rollouts"])
-      proxy.returned(r, rollouts, payload["status"])
+      rollouts = list(msg.rollouts)
+      proxy.returned(r, rollouts, msg.status)
       job.worker.returned(rollouts)  # no longer outstanding; in transit until queued
-      checked = payload["status"].get("checked")
+      checked = msg.status.get("checked")
       if checked is not None and self._checked.get(r) != checked[0]:
         self._checked[r] = checked[0]
         self.rows.put({"kind": "weights_check", "replica": r, "version": checked[0],
                        "checksum": checked[1]})
       for graded in job.worker.grade_batch(rollouts):
         job.queue.put(graded)
-    elif kind == "spans":
-      for span in payload:
+    elif isinstance(msg, messages.Spans):
+      for span in msg.spans:
         job.timeline.record(*span)
-    elif kind == "rows":
-      for row in payload:
+    elif isinstance(msg, messages.Rows):
+      for row in msg.rows:
         self.rows.put(row)
-    elif kind == "done":
+    else:  # messages.Done
       if p < self.job.cfg.distributed.num_learner_processes:
         self.learners_done.add(p)
       else:
@@ -122,7 +124,7 @@ class LeadSamplerSide:
     "end"), and waits for every process's last messages (spans and rows), so that the run
     directory gets all of them."""
     self._stopping.set()
-    self.hub.broadcast("stop", None, role="sampler")
+    self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
     learners = set(range(1, self.job.cfg.distributed.num_learner_processes))
     deadline = time.monotonic() + timeout_s
     while ((len(self.done) < len(self.proxy.replicas) or self.learners_done != learners)
@@ -208,7 +210,7 @@ def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
       raise
     t1 = clock()
     job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
-    hub.broadcast("train", groups, role="learner")
+    hub.broadcast(*messages.wire(messages.Train(tuple(groups))), role="learner")
     with monitor.deadline("a learner step", pcfg.wait_timeout_s):
       result = job.trainer.train_on(groups)
     t2 = clock()

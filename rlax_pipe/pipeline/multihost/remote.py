@@ -24,6 +24,7 @@ import numpy as np
 from rlax_pipe.cluster import Hub, Topology
 from rlax_pipe.sampler import Request, SamplerConfig
 from rlax_pipe.types import Rollout
+from rlax_pipe.pipeline.multihost import messages
 
 
 @dataclasses.dataclass
@@ -131,7 +132,8 @@ class RemoteEngines:
     replica's next rollouts (so this returns None)."""
     replica = self.holder.get(int(sample_id))
     if replica is not None:
-      self._hub.send(self.replicas[replica].process_id, "abort", [int(sample_id)])
+      self._hub.send(self.replicas[replica].process_id,
+                     *messages.wire(messages.Abort((int(sample_id),))))
     return None
 
   def unfinished(self) -> dict[int, None]:
@@ -144,7 +146,7 @@ class RemoteEngines:
     state = self.replicas[replica]
     batch, state.to_send = state.to_send, []
     if batch:
-      self._hub.send(state.process_id, "submit", batch)
+      self._hub.send(state.process_id, *messages.wire(messages.Submit(tuple(batch))))
     return len(batch)
 
   def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:

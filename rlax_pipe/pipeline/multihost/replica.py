@@ -27,6 +27,7 @@ from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver, weights_kv
 from rlax_pipe.sampler import SamplerEngine
+from rlax_pipe.pipeline.multihost import messages
 
 _FLUSH_S = 0.5   # spans, status and rng at least this often
 _IDLE_S = 0.002  # poll period while there is nothing to decode
@@ -87,9 +88,11 @@ class ReplicaProcess:
         kind, payload = self.link.inbox.get(timeout=0.1)
       except queue.Empty:
         continue
-      if kind == "init":
-        return payload
-      raise RuntimeError(f"replica start: expected 'init' from the lead, got {kind!r}")
+      msg = messages.received(kind, payload, messages.TO_REPLICA)
+      if isinstance(msg, messages.Init):
+        return {"rng": msg.rng}
+      raise messages.ProtocolError(
+          f"replica start: expected an Init message from the lead, got {type(msg).__name__}")
     raise TimeoutError("no 'init' message from the learner lead.")
 
   def start(self) -> None:
@@ -136,13 +139,16 @@ class ReplicaProcess:
           kind, payload = self.link.inbox.get_nowait()
         except queue.Empty:
           break
-        if kind == "submit":
-          for request in payload:
+        msg = messages.received(kind, payload, messages.TO_REPLICA)
+        if isinstance(msg, messages.Submit):
+          for request in msg.requests:
             e.submit(request)
-        elif kind == "abort":
-          finished += [r for r in (e.abort(s) for s in payload) if r is not None]
-        elif kind == "stop":
+        elif isinstance(msg, messages.Abort):
+          finished += [r for r in (e.abort(s) for s in msg.sample_ids) if r is not None]
+        elif isinstance(msg, messages.Stop):
           stopping = True
+        else:
+          raise messages.ProtocolError("a second Init message from the lead.")
       if self._pending_update is None:
         self._pending_update = self.receiver.poll()
       if self._pending_update is not None and rules.may_install_weights(driver, e.has_work):
@@ -158,7 +164,7 @@ class ReplicaProcess:
       now = time.monotonic()
       flush = now - last_flush > _FLUSH_S
       if finished or flush or e.weight_checks != checked:
-        self.link.send("rollouts", {"rollouts": finished, "status": self._status(flush)})
+        self.link.send(*messages.wire(messages.Rollouts(tuple(finished), self._status(flush))))
         finished, checked = [], e.weight_checks
       if flush or stopping:
         self._flush_records()
@@ -167,10 +173,10 @@ class ReplicaProcess:
   def _flush_records(self) -> None:
     if self._spans:
       spans, self._spans = self._spans, []
-      self.link.send("spans", spans)
+      self.link.send(*messages.wire(messages.Spans(tuple(spans))))
     if self._rows:
       rows, self._rows = self._rows, []
-      self.link.send("rows", rows)
+      self.link.send(*messages.wire(messages.Rows(tuple(rows))))
 
   def finish(self) -> None:
     """Final statistics to the lead, drain the transfer log, close the link."""
@@ -185,8 +191,8 @@ class ReplicaProcess:
                        "transfers": len(self.receiver.received),
                        "transfer_s_mean": float(np.mean([r["seconds"] for r in
                                                          self.receiver.received]))})
-    self.link.send("rollouts", {"rollouts": e.abort_all(), "status": self._status(True)})
+    self.link.send(*messages.wire(messages.Rollouts(tuple(e.abort_all()), self._status(True))))
     self._flush_records()
-    self.link.send("done", None)
+    self.link.send(*messages.wire(messages.Done()))
     self.receiver.drain(self.cfg.distributed.transfer_timeout_s)
     self.link.close()
