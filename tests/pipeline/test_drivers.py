@@ -113,7 +113,8 @@ def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_
     cfg = tiny_config(tmp_path, tiny_init, driver=driver, steps=steps, max_lag=2,
                       run_name=name)
     return dataclasses.replace(cfg, pipeline=dataclasses.replace(
-        cfg.pipeline, filter_groups=filter_groups, filter_max_dropped_per_step=2))
+        cfg.pipeline, filter_groups=filter_groups,
+        **({} if filter_groups == "off" else {"filter_max_dropped_per_step": 2})))
   whole = config(4, "whole")
   run_lib.run(whole)
   part = config(2, "part")

@@ -85,7 +85,8 @@ def test_driver_and_simulator_agree(tmp_path, monkeypatch, tiny_init, tiny_confi
   group_size = cfg.pipeline.group_size
   cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(
       cfg.pipeline, cost_model=COSTS, checkpoint_every=100, eval_every=100,
-      filter_groups=filter_groups, filter_max_dropped_per_step=4))
+      filter_groups=filter_groups,
+      **({} if filter_groups == "off" else {"filter_max_dropped_per_step": 4})))
   rec = Recorder(monkeypatch)
   summary = run_lib.run(cfg, hooks=[rec])
   num_groups = max(rec.prompts) + 1
