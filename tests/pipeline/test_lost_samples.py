@@ -379,11 +379,11 @@ def test_multiprocess_lead_redispatches_a_lost_sample_to_the_replica_that_had_it
       with proxy.target(r):
         worker.top_up()
       proxy.flush(r)
-    sent = {(p, req.sample_id) for p, kind, reqs in hub.sent if kind == "submit" for req in reqs}
+    sent = {(p, req.sample_id) for p, kind, msg in hub.sent if kind == "submit" for req in msg.requests}
     assert sent == {(1, 0), (1, 1), (2, 2), (2, 3)}  # group 0 on replica 0 (process 1), ...
     fake = LossyEngine(sampler)
     back = [fake._rollout(req, [0], "length")  # pylint: disable=protected-access
-            for _, kind, reqs in hub.sent if kind == "submit" for req in reqs]
+            for _, kind, msg in hub.sent if kind == "submit" for req in msg.requests]
     proxy.returned(0, back[:2], {"version": 0})
     proxy.returned(1, back[2:], {"version": 0})
     worker.returned(back, now=0.0)
@@ -395,7 +395,7 @@ def test_multiprocess_lead_redispatches_a_lost_sample_to_the_replica_that_had_it
     assert proxy.replicas[0].outstanding == {1: 0}  # re-sent to replica 0, where it was
     hub.sent.clear()
     proxy.flush(0)
-    assert [(p, [q.sample_id for q in reqs]) for p, _, reqs in hub.sent] == [(1, [1])]
+    assert [(p, [q.sample_id for q in msg.requests]) for p, _, msg in hub.sent] == [(1, [1])]
     assert [e[0] for e in worker.state_dict()["outstanding"]] == [1]  # only the re-sent one
   finally:
     worker.close()
