@@ -239,6 +239,10 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
   Returns:
     (out [T, E] in x's dtype, experts_Tk int32 [T, k] used, load_balance_loss float32 scalar,
     z_loss float32 scalar).
+
+  Raises:
+    ValueError: `experts_fn` together with expert biases or a non-SwiGLU activation (GPT-OSS):
+      the expert-parallel path runs plain SwiGLU experts only.
   """
   if x_TE.ndim != 2:
     raise ValueError(f"x must be [T, E]; got shape {x_TE.shape}.")
@@ -254,7 +258,7 @@ def moe_block(x_TE: jax.Array, p: dict[str, Any], *, k: int, softmax_over: str =
                          p["experts_down"], biases=biases, activation=activation, alpha=alpha,
                          limit=limit)
   elif biases is not None or activation != "swiglu":
-    raise NotImplementedError(
+    raise ValueError(
         "expert parallelism (an 'expert' mesh axis) runs plain SwiGLU experts without biases; "
         f"this model has activation={activation!r}, expert biases={biases is not None} (GPT-OSS): "
         "drop the 'expert' axis from the learner mesh (--config.learner.mesh_axes).")

@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from rlax_pipe.config import ModelConfig  # noqa: E402
 from rlax_pipe.model import hf_io, transformer  # noqa: E402
+# The right-padded parity batch, transformers' logits and the jitted forward of the dense HF tests.
+from test_hf_io import LENGTHS, _batch, _forward, _hf_logits  # noqa: E402  pylint: disable=wrong-import-position
 
 torch.set_num_threads(1)
 transformers.logging.set_verbosity_error()
@@ -30,7 +32,6 @@ OUR_CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_hea
                       head_dim=8, d_ff=48, rms_eps=1e-5, max_seq_len=64, qk_norm=True,
                       tie_embeddings=False, n_experts=4, n_experts_per_tok=2, moe_d_ff=16,
                       mlp_only_layers=(1,), norm_topk_prob=True)
-LENGTHS = (11, 5, 8)
 
 
 def _hf_model(norm_topk_prob, seed=0):
@@ -46,23 +47,6 @@ def _hf_model(norm_topk_prob, seed=0):
   return model
 
 
-def _batch(vocab, seed=0):
-  rng = np.random.default_rng(seed)
-  t = max(LENGTHS)
-  valid = np.arange(t)[None, :] < np.array(LENGTHS)[:, None]
-  tokens = np.where(valid, rng.integers(0, vocab, (len(LENGTHS), t)), 0).astype(np.int32)
-  positions = np.broadcast_to(np.arange(t, dtype=np.int32), tokens.shape)
-  return tokens, positions, valid.astype(np.int32), valid
-
-
-def _hf_logits(model, tokens, valid):
-  with torch.no_grad():
-    out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)),
-                attention_mask=torch.from_numpy(valid.astype(np.int64)))
-  return out.logits.float().numpy()
-
-
-_forward = jax.jit(transformer.forward, static_argnums=3)
 
 
 def _compare(params, cfg, model, seed=0):
