@@ -7,6 +7,8 @@ base run of ablations.py.
   --config=experiments/configs/pipeline_rl.py:dataset_file --config.task_config.path=train.jsonl
   --config=experiments/configs/pipeline_rl.py:tiny,reasoning_gym   presets combine with commas
   --config=experiments/configs/pipeline_rl.py:tiny,calculator   multi-turn: a calculator tool
+  --config=experiments/configs/pipeline_rl.py:tiny,python       multi-turn: a sandboxed Python tool
+  --config=experiments/configs/pipeline_rl.py:dataset_file,python   (added to any task preset)
   --config.pipeline.num_steps=60 --config.learner.optimizer.learning_rate=1e-4   overrides
 
 Presets: "default"; "tiny" (3 steps of 2 x 2 samples, 48-token sequences, 1 + 1 devices);
@@ -17,7 +19,10 @@ config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileCon
 eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 (`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...); "calculator": the arithmetic
 task as a multi-turn environment with a calculator tool (task "arithmetic_calculator",
-`rlax_pipe.envs`; limits in --config.env.*). The defaults are those of
+`rlax_pipe.envs`; limits in --config.env.*); the tool preset "python" adds the sandboxed Python
+tool to the run's task (--config.env.tool=python; snippet limits in --config.env.python.*, see
+`rlax_pipe.tasks.python_tool`), with a ```python block ending a turn as the call on raw prompts
+and the chat template's tool calls on chat prompts. The defaults are those of
 `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
 Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
@@ -34,7 +39,8 @@ from rlax_pipe.pipeline.staleness import StalenessConfig
 SIZE_PRESETS = ("default", "tiny", "tiny_moe")
 TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
 _PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
-PRESETS = SIZE_PRESETS + TASK_PRESETS
+TOOL_PRESETS = ("python",)
+PRESETS = SIZE_PRESETS + TASK_PRESETS + TOOL_PRESETS
 
 
 def _tiny(cfg: RunConfig) -> RunConfig:
@@ -63,18 +69,22 @@ def _task_example(task: str):
 
 
 def get_config(preset: str = "default"):
-  """The ConfigDict of `preset`: one of PRESETS, or a size and a task preset joined by a comma.
+  """The ConfigDict of `preset`: one of PRESETS, or a size, a task and a tool preset joined by
+  commas (at most one of each).
 
   Raises:
     ValueError: on an unknown preset (the message lists them).
   """
   names = [p.strip() for p in (preset or "default").split(",") if p.strip()] or ["default"]
   unknown = [p for p in names if p not in PRESETS]
-  if unknown or sum(p in TASK_PRESETS for p in names) > 1 or sum(
-      p in SIZE_PRESETS for p in names) > 1:
+  if unknown or any(sum(p in group for p in names) > 1
+                    for group in (SIZE_PRESETS, TASK_PRESETS, TOOL_PRESETS)):
     raise ValueError(f"unknown preset(s) {unknown or names} of configs/pipeline_rl.py; choose "
-                     f"one of {SIZE_PRESETS}, optionally with one of {TASK_PRESETS} "
-                     "(e.g. 'tiny,dataset_file').")
+                     f"one of {SIZE_PRESETS}, optionally with one of {TASK_PRESETS} and one of "
+                     f"{TOOL_PRESETS} (e.g. 'tiny,dataset_file' or 'tiny,python').")
+  if "calculator" in names and "python" in names:
+    raise ValueError("presets 'calculator' and 'python' both add a tool; the Python tool is "
+                     "added to a task without tools (e.g. 'tiny,python').")
   cfg = RunConfig()
   task = next((p for p in names if p in TASK_PRESETS), None)
   if task is not None:
@@ -88,6 +98,9 @@ def get_config(preset: str = "default"):
   if "tiny_moe" in names:
     cfg = dataclasses.replace(cfg, init=BUILTIN_MOE_INIT, export_hf=False,
                               run_dir="runs/pipeline_rl_tiny_moe")
+  if "python" in names:
+    cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, tool="python"),
+                              run_dir=f"{cfg.run_dir}_python")
   out = config_dict.to_config_dict(cfg)
   if task is not None and "path" in out.task_config:
     out.task_config.path = config_dict_lib.placeholder(str)  # the user's file: required

@@ -20,13 +20,18 @@ import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 from rlax_pipe.tasks import base as task_base
+from rlax_pipe.tasks.python_tool import PythonToolTask, SandboxConfig
 from rlax_pipe.tasks.tools import ToolCall
 
 # Outcome of one tool call: "ok"; "error" (it raised, or its worker died); "timeout" (no result
-# within EnvConfig.tool_timeout_s; the worker is killed); "invalid" (not a str); "too_long"
-# (over EnvConfig.max_tool_output_tokens tokens); "unknown" (no tool of that name).
-TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "invalid", "too_long", "unknown")
+# within EnvConfig.tool_timeout_s; the worker is killed; or a time limit the tool enforces
+# itself, `tasks.tools.ToolError`); "invalid" (not a str); "too_long" (over
+# EnvConfig.max_tool_output_tokens tokens, or the tool's own output cap); "unknown" (no tool of
+# that name); "resource" (a memory / file-size limit the tool enforces, e.g. the Python sandbox).
+TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "invalid", "too_long", "unknown",
+                                  "resource")
 TOOL_FAILURE_POLICIES: tuple[str, ...] = ("message", "end")
+ADDED_TOOLS: tuple[str, ...] = ("", "python")  # EnvConfig.tool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,10 @@ class EnvConfig:
     on_tool_failure: what a failed call (error, timeout, invalid, too long, unknown tool) does:
       "message" = the model gets an error message as the tool's result and the episode goes on;
       "end" = the episode ends there (graded on the turn's text). Counted either way.
+    tool: a tool added to a task without tools: "" (none) or "python" (the sandboxed Python
+      tool, `rlax_pipe.tasks.python_tool`; the task becomes an environment).
+    python: limits of the Python tool's snippets (`SandboxConfig`); its wall_s must be below
+      tool_timeout_s.
   """
 
   max_turns: int = 4
@@ -54,6 +63,8 @@ class EnvConfig:
   tool_timeout_s: float = 5.0
   tool_workers: int = 1
   on_tool_failure: str = "message"
+  tool: str = ""
+  python: SandboxConfig = SandboxConfig()
 
   def __post_init__(self):
     for name in ("max_turns", "max_calls_per_turn", "max_tool_output_tokens", "tool_workers"):
@@ -64,6 +75,14 @@ class EnvConfig:
     if self.on_tool_failure not in TOOL_FAILURE_POLICIES:
       raise ValueError(f"--config.env.on_tool_failure={self.on_tool_failure!r}; choose one of "
                        f"{TOOL_FAILURE_POLICIES}.")
+    if self.tool not in ADDED_TOOLS:
+      raise ValueError(f"--config.env.tool={self.tool!r}; choose one of {ADDED_TOOLS}.")
+    if self.tool == "python" and not self.python.wall_s < self.tool_timeout_s:
+      raise ValueError(
+          f"--config.env.python.wall_s={self.python.wall_s:g} must be below "
+          f"--config.env.tool_timeout_s={self.tool_timeout_s:g}: the sandbox stops a snippet "
+          "itself (an error message to the model) before the worker pool's hard limit kills "
+          "the worker; raise tool_timeout_s or lower python.wall_s.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +123,15 @@ class Environment(task_base.Task, Protocol):
 def is_environment(task: Any) -> bool:
   """Whether `task` implements the `Environment` protocol (has tools)."""
   return callable(getattr(task, "call_tool", None)) and callable(getattr(task, "tool_names", None))
+
+
+def add_tool(task: Any, cfg: EnvConfig) -> Any:
+  """`task` with the tool `cfg.tool` added (`PythonToolTask` for "python"), or `task` itself
+  when `cfg.tool` is "".
+
+  Raises:
+    ValueError: when the task already has tools of its own.
+  """
+  if not cfg.tool:
+    return task
+  return PythonToolTask(task, cfg.python)

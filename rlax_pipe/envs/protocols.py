@@ -4,6 +4,8 @@ the tokens appended to the episode (rendered once; the model's tokens are never 
 - `PlainTextProtocol`: for raw prompts and the built-in SentencePiece tokenizer. A call is the
   last non-empty line of the turn when it matches a regular expression; results are formatted
   text, encoded on their own (`Tokenizer.encode`) and appended after the turn's stop id.
+- `CodeBlockProtocol`: for raw prompts with a code tool: a turn that ends with a ```python
+  block calls it; the output is appended as a ```output block.
 - `ChatToolProtocol`: for HF tokenizers whose chat template renders tool messages. Calls are
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Hermes / Qwen format);
   results are "tool" messages rendered by the chat template. The tokens appended are the part of
@@ -150,6 +152,56 @@ class ChatToolProtocol:
     return full[k:]
 
 
+@dataclasses.dataclass(frozen=True)
+class CodeBlockProtocol:
+  """Tool calls as a fenced code block that ends the turn (tool-integrated reasoning on raw
+  prompts, e.g. the Python tool of `rlax_pipe.tasks.python_tool`):
+
+      Let me compute it.
+      ```python
+      print(3 + 5 + 2)
+      ```</s>             <- the turn ends (a stop id) right after the block: a call
+      ```output
+      10
+      ```                 <- the result, appended as environment tokens (loss mask 0)
+
+  Attributes:
+    language: the fence's language tag ("```python").
+    tool: the tool called with {"code": <the block's text>}.
+    result_format, error_format: text appended for a result / a failed call; "{content}" is
+      its text with trailing newlines removed.
+  """
+
+  language: str = "python"
+  tool: str = "python"
+  result_format: str = "```output\n{content}\n```\n"
+  error_format: str = "```output\n{content}\n```\n"
+
+  def parse(self, text: str) -> list[ToolCall]:
+    """The call of a turn whose text ends with a ```<language> block (the closing fence may
+    be missing: a stop id can end the turn first), or [] (a final turn). A block followed by
+    more text is not a call."""
+    opening = f"```{self.language}"
+    i = text.rfind(opening)
+    if i < 0:
+      return []
+    rest = text[i + len(opening):]
+    if not rest.startswith(("\n", "\r\n")):
+      return []  # "```python3", "```pythonic": another tag
+    j = rest.find("```")
+    code = rest if j < 0 else rest[:j]
+    if j >= 0 and rest[j + 3:].strip():
+      return []
+    code = code.strip("\r\n")
+    return [ToolCall(self.tool, {"code": code})] if code.strip() else []
+
+  def render(self, tok: Tokenizer, results: Sequence[ToolResult]) -> list[int]:
+    """Token ids of the results' text (encoded on its own, no special tokens added)."""
+    text = "".join((self.error_format if r.failed else self.result_format).format(
+        content=r.content.rstrip("\n")) for r in results)
+    return tok.encode(text)
+
+
 # The calculator environment's protocol (`rlax_pipe.tasks.calculator`): a turn whose last line is
 # a sum of integers ending in "=" calls "calc"; the result is appended as "<value>\n".
 CALCULATOR_PROTOCOL = PlainTextProtocol(call_pattern=CalculatorArithmeticTask.call_pattern,
@@ -159,11 +211,15 @@ CALCULATOR_PROTOCOL = PlainTextProtocol(call_pattern=CalculatorArithmeticTask.ca
 
 def protocol_for(env, chat: bool = False):
   """The tool-call protocol of an environment: `ChatToolProtocol` with the environment's
-  `tool_schemas()` (if it has them) for chat prompts; else `PlainTextProtocol` with its
+  `tool_schemas()` (if it has them) for chat prompts; else `CodeBlockProtocol` when it has a
+  `code_fence` language (the Python tool), else `PlainTextProtocol` with its
   `call_pattern` attribute and first tool name (if it has one), or the protocol's defaults."""
   if chat:
     schemas = getattr(env, "tool_schemas", None)
     return ChatToolProtocol(tools=tuple(schemas()) if callable(schemas) else ())
+  fence = getattr(env, "code_fence", None)
+  if fence is not None:
+    return CodeBlockProtocol(language=fence, tool=env.tool_names()[0])
   pattern = getattr(env, "call_pattern", None)
   if pattern is None:
     return PlainTextProtocol()

@@ -4,7 +4,8 @@
 once and runs `env.call_tool(problem, call)` there in waves sharing one deadline
 (`EnvConfig.tool_timeout_s`): a tool that hangs is killed with its worker, one that raises or
 returns a non-string is an error, and a result longer than `EnvConfig.max_tool_output_tokens`
-tokens is refused. Each failure becomes a `ToolResult` whose content is an error message for the
+tokens is refused. A tool may answer with its own error message (`tasks.tools.ToolError`, e.g.
+the Python sandbox's traceback), kept to the token limit by its tail. Each failure becomes a `ToolResult` whose content is an error message for the
 model; nothing is raised into the run. Outcomes are counted (`counts`).
 """
 
@@ -14,6 +15,7 @@ from typing import Sequence
 
 from rlax_pipe.envs.base import EnvConfig, TOOL_OUTCOMES, ToolCall, ToolResult
 from rlax_pipe.tasks import base as task_base
+from rlax_pipe.tasks import safe_reward
 from rlax_pipe.tasks.verifier_pool import VerifierPool
 from rlax_pipe.tokenizer import Tokenizer
 
@@ -63,7 +65,9 @@ class ToolPool:
     limit = self.cfg.max_tool_output_tokens
     for k, (value, outcome, detail) in zip(todo, replies):
       call = items[k][1]
-      if outcome == "ok":
+      if detail == safe_reward.TOOL_MESSAGE:  # the tool's own message (`tools.ToolError`)
+        out[k] = ToolResult(call, self._fit(value), outcome)
+      elif outcome == "ok":
         n = len(self.tok.encode(value))
         out[k] = (ToolResult(call, value, "ok") if n <= limit else
                   ToolResult(call, f"output too long ({n} tokens > {limit})", "too_long"))
@@ -76,3 +80,14 @@ class ToolPool:
     for r in out:
       self.counts[r.outcome] += 1
     return out
+
+  def _fit(self, message: str) -> str:
+    """`message`, or its tail after "...", within `max_tool_output_tokens` tokens (a traceback's
+    last lines say the most)."""
+    limit = self.cfg.max_tool_output_tokens
+    ids = self.tok.encode(message)
+    keep = limit - len(self.tok.encode("..."))
+    while len(ids) > limit and keep > 0:
+      message = "..." + self.tok.decode(ids[-keep:])
+      ids, keep = self.tok.encode(message), keep - 1
+    return message if len(ids) <= limit else ""

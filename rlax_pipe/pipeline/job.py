@@ -233,7 +233,7 @@ def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
 
 def _task(cfg: RunConfig):
   try:
-    return tasks.make_task(cfg.task, config_checks.task_config_of(cfg))
+    return envs.add_tool(tasks.make_task(cfg.task, config_checks.task_config_of(cfg)), cfg.env)
   except ConfigError:
     raise
   except (FileNotFoundError, ValueError, ImportError) as e:

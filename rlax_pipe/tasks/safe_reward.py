@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlax_pipe.tasks import base
+from rlax_pipe.tasks.tools import ToolError
 
 OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "invalid")
 
@@ -126,6 +127,9 @@ def grade_inline(task: base.Task, problem: base.Problem, completion: str, *,
 # A tool's text is cut to this many characters in the worker (a guard for the pipe and the
 # tokenizer; `rlax_pipe.envs` then applies its token limit, `EnvConfig.max_tool_output_tokens`).
 MAX_TOOL_OUTPUT_CHARS = 1 << 16
+# `detail` of a failed tool call whose value is the tool's own message for the model
+# (`tools.ToolError`), shown verbatim instead of a generic error text.
+TOOL_MESSAGE = "message from the tool"
 
 
 def call_tool(env, problem: base.Problem, call) -> tuple[Any, str, str]:

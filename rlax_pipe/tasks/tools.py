@@ -22,3 +22,27 @@ class ToolCall:
 
   name: str
   arguments: Any
+
+
+class ToolError(Exception):
+  """Raised by a tool to answer the model with its own error message and outcome.
+
+  `safe_reward.call_tool` turns it into a failed call whose message the model sees verbatim
+  (e.g. a Python traceback), counted under `outcome`, without killing the worker process.
+
+  Attributes:
+    message: the text the model sees.
+    outcome: "error" (the call failed), "timeout" (a time limit the tool enforces itself),
+      "too_long" (its output exceeded a limit) or "resource" (a memory / file-size limit).
+  """
+
+  OUTCOMES = ("error", "timeout", "too_long", "resource")
+
+  def __init__(self, message: str, outcome: str = "error"):
+    if outcome not in self.OUTCOMES:
+      raise ValueError(f"ToolError outcome={outcome!r}; choose one of {self.OUTCOMES}.")
+    super().__init__(message)
+    self.message, self.outcome = str(message), outcome
+
+  def __reduce__(self):
+    return (type(self), (self.message, self.outcome))
