@@ -158,7 +158,7 @@ except SystemExit:
     raise
 except MemoryError:
     sys.stdout.flush()
-    print(f"MemoryError: over the memory limit of {lim['memory_mb']} MiB", flush=True)
+    print(f"MemoryError: over {lim['memory_mb']} MiB", flush=True)
     os._exit(98)
 except BaseException as e:  # the snippet's own frames and the exception
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "<snippet>"]
@@ -246,11 +246,9 @@ def run_python(code: str, limits: SandboxConfig = SandboxConfig()) -> tuple[str,
       proc.stdout.close()
   text = out[:limits.max_output_bytes].decode("utf-8", "replace")
   if cut == "timeout":
-    return (text + f"TimeoutError: the snippet ran longer than {limits.wall_s:g} s "
-            "(wall clock)", "timeout")
+    return text + f"TimeoutError: over {limits.wall_s:g} s (wall clock)", "timeout"
   if cut == "too_long":
-    return (f"the snippet printed more than {limits.max_output_bytes} bytes; print less "
-            "(e.g. a summary or the final value)", "too_long")
+    return f"output over {limits.max_output_bytes} bytes; print less", "too_long"
   if rc == 0:
     return text, "ok"
   if rc == _EXIT_RAISED:
@@ -258,8 +256,7 @@ def run_python(code: str, limits: SandboxConfig = SandboxConfig()) -> tuple[str,
   if rc == _EXIT_MEMORY:
     return text, "resource"
   if rc in (-signal.SIGXCPU, -signal.SIGKILL):
-    return text + f"TimeoutError: the snippet used more than {limits.cpu_s} s of CPU time", \
-        "timeout"
+    return text + f"TimeoutError: over {limits.cpu_s} s of CPU time", "timeout"
   if rc < 0:
     return text + f"the snippet's process ended by signal {signal.Signals(-rc).name}", "error"
   return text + f"SystemExit: exit code {rc}", "error"

@@ -138,11 +138,14 @@ def call_tool(env, problem: base.Problem, call) -> tuple[Any, str, str]:
 
   Returns:
     (text, "ok", "") for a string; (text cut to MAX_TOOL_OUTPUT_CHARS, "too_long", its length)
-    for a longer one; (NaN, "error", the exception) when the tool raised; (NaN, "invalid", what
-    it returned) when that was not a string.
+    for a longer one; (its message cut to MAX_TOOL_OUTPUT_CHARS, its outcome, TOOL_MESSAGE) when
+    the tool raised a `tools.ToolError`; (NaN, "error", the exception) when it raised anything
+    else; (NaN, "invalid", what it returned) when that was not a string.
   """
   try:
     value = env.call_tool(problem, call)
+  except ToolError as e:
+    return e.message[-MAX_TOOL_OUTPUT_CHARS:], e.outcome, TOOL_MESSAGE
   except Exception as e:  # pylint: disable=broad-except  (a tool bug is a failed call)
     return math.nan, "error", repr(e)[:500]
   if not isinstance(value, str):
