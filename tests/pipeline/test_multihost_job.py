@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from rlax_pipe.tokenizer import default_tokenizer
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("local_multiprocess",
                                                ROOT / "launch" / "local_multiprocess.py")
@@ -220,7 +222,12 @@ exit $rc
 def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_init, jax_cache):
   """launch/slurm.sbatch as sbatch runs it for 2 tasks on one node (srun replaced by a stand-in
   that sets the per-task variables srun sets): JAX's SLURM detection finds coordinator, process
-  count and ids; the script passes no --coordinator_address, --num_processes or --process_id."""
+  count and ids; the script passes no --coordinator_address, --num_processes or --process_id.
+
+  The same job runs multi-turn episodes on its replica (one case, no extra processes): the
+  calculator task with "=" as a stop id, so the warm start's own trace "9+4=" ends a turn, the
+  replica's tool pool answers "13\n" and the episode goes on (`envs.EpisodeEngine` in
+  `multihost.replica`)."""
   run_dir = tmp_path / "run"
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
@@ -233,8 +240,11 @@ def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_
              GPUS_PER_NODE="0", DEVICES_PER_TASK="2", NUM_LEARNER_PROCESSES="1",
              PYTHON=sys.executable, FAKE_SRUN_LOGS=str(tmp_path),
              PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+  tok = default_tokenizer()
+  stops = (tok.eos_id, *tok.encode("="))  # a turn also ends at "=": the calculator's call
   args = _args(run_dir, tiny_init, 2, policy="queue-drop",
-               extra=["--config.pipeline.staleness.queue_capacity_groups=2"])
+               extra=["--config.pipeline.staleness.queue_capacity_groups=2",
+                      "--config.task=arithmetic_calculator", f"--config.sampler.eos_id={stops}"])
   proc = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
@@ -251,3 +261,10 @@ def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_
   assert [p["role"] for p in topo["processes"]] == ["learner", "sampler"]
   assert topo["learner_mesh"] == {"fsdp": 2}  # the script's default: fsdp over K x devices
   assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2]
+  [replica] = _rows(run_dir, "replica")  # episodes ran on the replica, tools in its workers
+  episodes, calls = replica["episodes"], replica["tool_calls"]
+  assert episodes["episodes"] > 0 and episodes["turns"] > episodes["episodes"], replica
+  assert calls["ok"] > 0 and replica["tool_restarts"] == 0, replica
+  assert replica["continued_tokens"] > 0, replica  # results appended onto the kept pages
+  spans = [json.loads(l) for l in (run_dir / "timeline.jsonl").read_text().splitlines()]
+  assert any(s["component"] == "env/0" and s["kind"] == "tool" for s in spans)

@@ -179,9 +179,10 @@ def _run_follower(cfg, topo, monitor, model, params) -> None:
 
 def _run_replica(cfg, topo, monitor, model, params) -> None:
   model, sampler_model, _ = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
-  cfg, _ = with_stop_set(cfg, model)
+  cfg, tok = with_stop_set(cfg, model)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
-  replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout)
+  replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout,
+                           task=job_lib._task(cfg), tok=tok)  # pylint: disable=protected-access
   replica.start()
   replica.run()
   replica.finish()

@@ -7,6 +7,13 @@ when the driver's rule allows (pipeline: at once; round-based drivers: between r
 engine checks its checksums against the learner's after the swap, and per-token version tags
 stay exact. Spans (timed on the lead's clock), weight installs and the engine's statistics go to
 the lead's run directory.
+
+An environment task (tools: `rlax_pipe.envs`) runs as episodes here: the engine is wrapped in an
+`EpisodeEngine` whose tools run in this process's own verifier worker pool, on a background
+thread while the engine decodes; the lead receives finished episodes (every turn's model tokens
+with their versions, environment tokens with loss mask 0) and grades their last turn as it does
+in one process. Tool time is a span of lane "env/<replica>"; the episode and tool-call counts
+go into the replica's final row.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import envs
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
 from rlax_pipe.pipeline import rules
@@ -55,10 +63,20 @@ class ReplicaProcess:
     monitor: fault monitor.
     sampler_model: the model the sampler runs (its compute dtype may differ from the learner's).
     layout: the shared transfer layout.
+    task: the run's task; an environment (`envs.is_environment`) makes every request an
+      episode (`envs.EpisodeEngine`). None = plain sampling.
+    tok: the run's tokenizer (required with an environment task: it parses and renders turns).
+
+  Raises:
+    ValueError: for an environment task without a tokenizer.
   """
 
   def __init__(self, cfg: RunConfig, topology: Topology, monitor: FaultMonitor,
-               sampler_model: Any, layout: TransferLayout):
+               sampler_model: Any, layout: TransferLayout, task: Any = None, tok: Any = None):
+    if task is not None and envs.is_environment(task) and tok is None:
+      raise ValueError("ReplicaProcess: an environment task needs the run's tokenizer (tok).")
+    self.task = task if task is not None and envs.is_environment(task) else None
+    self.tok = tok
     self.cfg, self.topology, self.monitor = cfg, topology, monitor
     self.replica = topology.replica
     self.layout, self.model = layout, sampler_model
@@ -72,13 +90,13 @@ class ReplicaProcess:
     self._spans: list[tuple] = []
     self._rows: list[dict] = []
     self._pending_update = None
-    self.engine: SamplerEngine | None = None
+    self.engine: SamplerEngine | envs.EpisodeEngine | None = None
 
   def _record(self, component: str, kind: str, start: float, end: float,
               active: int | None = None, total: int | None = None) -> None:
-    del component
+    lane = f"env/{self.replica}" if component == "env" else self.component
     off = self.link.offset_s
-    self._spans.append((self.component, kind, start + off, end + off, active, total))
+    self._spans.append((lane, kind, start + off, end + off, active, total))
 
   def _init_message(self) -> dict:
     deadline = time.monotonic() + self.cfg.distributed.connect_timeout_s
@@ -105,6 +123,10 @@ class ReplicaProcess:
     keys = replica_keys(init.get("rng"), self.cfg.sampler.seed, self.replica,
                         len(self.engine.replicas))
     self.engine.load_rng_state(keys)
+    if self.task is not None:  # episodes; tools in this process's worker pool
+      self.engine = envs.EpisodeEngine(
+          self.engine, self.task, self.tok, None, self.cfg.env,
+          chat=self.cfg.prompt_format.kind == "chat", synchronous=False, on_span=self._record)
     self._installed(first.version)
     logging.info("%s: engine on devices %s, %d slots, weights version %d.",
                  self.topology.name(), [d.id for d in self.mesh.devices.flat],
@@ -178,6 +200,15 @@ class ReplicaProcess:
       rows, self._rows = self._rows, []
       self.link.send(*messages.wire(messages.Rows(tuple(rows))))
 
+  def _episode_counts(self) -> dict:
+    """Episode and tool-call counts of an environment task ({} without one)."""
+    e = self.engine
+    if not isinstance(e, envs.EpisodeEngine):
+      return {}
+    return {"episodes": dict(e.counts), "tool_calls": dict(e.tools.counts),
+            "tool_restarts": e.tools.restarts, "tool_s": e.tool_s,
+            "continued_tokens": int(e.engine.stats().continued_tokens)}
+
   def finish(self) -> None:
     """Final statistics to the lead, drain the transfer log, close the link."""
     e = self.engine
@@ -190,8 +221,11 @@ class ReplicaProcess:
                        "slot_occupancy": stats["slot_occupancy"],
                        "transfers": len(self.receiver.received),
                        "transfer_s_mean": float(np.mean([r["seconds"] for r in
-                                                         self.receiver.received]))})
+                                                         self.receiver.received])),
+                       **self._episode_counts()})
     self.link.send(*messages.wire(messages.Rollouts(tuple(e.abort_all()), self._status(True))))
+    if isinstance(e, envs.EpisodeEngine):
+      e.close()  # the tool worker processes
     self._flush_records()
     self.link.send(*messages.wire(messages.Done()))
     self.receiver.drain(self.cfg.distributed.transfer_timeout_s)
