@@ -20,7 +20,8 @@ eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 (`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...); "calculator": the arithmetic
 task as a multi-turn environment with a calculator tool (task "arithmetic_calculator",
 `rlax_pipe.envs`; limits in --config.env.*); the tool preset "python" adds the sandboxed Python
-tool to the run's task (--config.env.tool=python; snippet limits in --config.env.python.*, see
+tool to the run's task (--config.env.tool=python, tool results up to 256 tokens, 10 s per tool
+wave; snippet limits in --config.env.python.*: 4 s wall, 2 s CPU, 512 MiB; see
 `rlax_pipe.tasks.python_tool`), with a ```python block ending a turn as the call on raw prompts
 and the chat template's tool calls on chat prompts. The defaults are those of
 `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
@@ -98,8 +99,9 @@ def get_config(preset: str = "default"):
   if "tiny_moe" in names:
     cfg = dataclasses.replace(cfg, init=BUILTIN_MOE_INIT, export_hf=False,
                               run_dir="runs/pipeline_rl_tiny_moe")
-  if "python" in names:
-    cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, tool="python"),
+  if "python" in names:  # tracebacks need more room than calculator results
+    cfg = dataclasses.replace(cfg, env=dataclasses.replace(
+        cfg.env, tool="python", max_tool_output_tokens=256, tool_timeout_s=10.0),
                               run_dir=f"{cfg.run_dir}_python")
   out = config_dict.to_config_dict(cfg)
   if task is not None and "path" in out.task_config:

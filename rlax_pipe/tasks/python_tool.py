@@ -2,7 +2,9 @@
 reasoning: the model writes a Python snippet, sees what it prints, and goes on).
 
 `run_python(code, limits)` runs one snippet in a fresh interpreter subprocess
-(`python -I -u`, started from the verifier worker process that serves the tool call) and returns
+(`python -I -S -u`: isolated mode, no site hooks, unbuffered; started from the verifier worker
+process that serves the tool call; the site-packages directories are put on its path without
+running their .pth files) and returns
 (text the model sees, outcome):
 
   - "ok": the snippet's stdout and stderr, interleaved as a terminal shows them; when the last
@@ -44,6 +46,7 @@ import json
 import os
 import select
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -93,6 +96,7 @@ class SandboxConfig:
 _BOOT = r'''
 import ast, builtins, json, os, resource, sys, traceback
 lim = json.loads(sys.argv[1])
+sys.path.extend(lim["site"])  # installed packages, without running their .pth files (-S)
 code = sys.stdin.read()
 sys.stdin.close()
 sys.stdin = open(os.devnull)
@@ -170,6 +174,11 @@ except BaseException as e:  # the snippet's own frames and the exception
 '''
 
 
+def _site_dirs() -> list[str]:
+  """This interpreter's site-packages directories (the snippet may import what is installed)."""
+  return [d for d in site.getsitepackages() if os.path.isdir(d)]
+
+
 def _child_env(root: str) -> dict[str, str]:
   return {"PATH": os.defpath, "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8",
           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -227,10 +236,11 @@ def run_python(code: str, limits: SandboxConfig = SandboxConfig()) -> tuple[str,
     return (f"the snippet has {len(code)} characters; at most {limits.max_code_chars} are "
             "run", "error")
   lim = {k: getattr(limits, k) for k in ("cpu_s", "memory_mb", "max_file_mb")}
+  lim["site"] = _site_dirs()
   with tempfile.TemporaryDirectory(prefix="rlax_python_") as root:
     t0 = time.monotonic()
     proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, "-I", "-u", "-c", _BOOT, json.dumps(lim)], stdin=subprocess.PIPE,
+        [sys.executable, "-I", "-S", "-u", "-c", _BOOT, json.dumps(lim)], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=root, env=_child_env(root),
         start_new_session=True, close_fds=True)
     try:

@@ -75,6 +75,7 @@ def test_preset_adds_the_tool_to_the_task():
   from experiments.configs import pipeline_rl  # pylint: disable=import-outside-toplevel
   cfg = from_config_dict(RunConfig, pipeline_rl.get_config("tiny,python"))
   assert cfg.task == "arithmetic" and cfg.env.tool == "python"
+  assert cfg.env.python.wall_s < cfg.env.tool_timeout_s
   task = job_lib._task(cfg)  # pylint: disable=protected-access
   assert isinstance(task, envs.PythonToolTask) and envs.is_environment(task)
   assert task.task.config.max_terms == 4

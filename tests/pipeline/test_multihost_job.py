@@ -219,15 +219,15 @@ exit $rc
 """
 
 
-def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_init, jax_cache):
+def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, jax_cache):
   """launch/slurm.sbatch as sbatch runs it for 2 tasks on one node (srun replaced by a stand-in
   that sets the per-task variables srun sets): JAX's SLURM detection finds coordinator, process
   count and ids; the script passes no --coordinator_address, --num_processes or --process_id.
 
   The same job runs multi-turn episodes on its replica (one case, no extra processes): the
-  calculator task with "=" as a stop id, so the warm start's own trace "9+4=" ends a turn, the
-  replica's tool pool answers "13\n" and the episode goes on (`envs.EpisodeEngine` in
-  `multihost.replica`)."""
+  calculator task from the shipped SFT warm start (init "builtin") with "=" as a stop id, so the
+  warm start's own trace "9+4=" ends a turn, the replica's tool pool answers "13\n" and the
+  episode goes on (`envs.EpisodeEngine` in `multihost.replica`)."""
   run_dir = tmp_path / "run"
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
@@ -242,7 +242,7 @@ def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, tiny_
              PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
   tok = default_tokenizer()
   stops = (tok.eos_id, *tok.encode("="))  # a turn also ends at "=": the calculator's call
-  args = _args(run_dir, tiny_init, 2, policy="queue-drop",
+  args = _args(run_dir, "builtin", 2, policy="queue-drop",
                extra=["--config.pipeline.staleness.queue_capacity_groups=2",
                       "--config.task=arithmetic_calculator", f"--config.sampler.eos_id={stops}"])
   proc = subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), *args], env=env,
