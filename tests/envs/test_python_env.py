@@ -55,6 +55,9 @@ def test_failing_snippets_are_messages_counted_in_the_worker():
   for r in results:
     assert len(TOK.encode(r.content)) <= cfg.max_tool_output_tokens
   assert pool.restarts == 0  # the sandbox stopped the snippets; no worker was killed
+  shown = TOK.decode(envs.protocol_for(env).render(TOK, results))  # what the model reads next
+  assert shown.count("```output\n") == len(snippets)
+  assert all(r.content.rstrip("\n") in shown for r in results)
   assert {k: v for k, v in pool.counts.items() if v} == {k: 1 for k in snippets}
 
 
