@@ -27,7 +27,7 @@ from rlax_pipe.tasks.tools import ToolCall
 # within EnvConfig.tool_timeout_s; the worker is killed; or a time limit the tool enforces
 # itself, `tasks.tools.ToolError`); "invalid" (not a str); "too_long" (over
 # EnvConfig.max_tool_output_tokens tokens, or the tool's own output cap); "unknown" (no tool of
-# that name); "resource" (a memory / file-size limit the tool enforces, e.g. the Python sandbox).
+# that name); "resource" (a memory limit the tool enforces, e.g. the Python sandbox's).
 TOOL_OUTCOMES: tuple[str, ...] = ("ok", "error", "timeout", "invalid", "too_long", "unknown",
                                   "resource")
 TOOL_FAILURE_POLICIES: tuple[str, ...] = ("message", "end")

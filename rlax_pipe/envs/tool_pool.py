@@ -5,8 +5,9 @@ once and runs `env.call_tool(problem, call)` there in waves sharing one deadline
 (`EnvConfig.tool_timeout_s`): a tool that hangs is killed with its worker, one that raises or
 returns a non-string is an error, and a result longer than `EnvConfig.max_tool_output_tokens`
 tokens is refused. A tool may answer with its own error message (`tasks.tools.ToolError`, e.g.
-the Python sandbox's traceback), kept to the token limit by its tail. Each failure becomes a `ToolResult` whose content is an error message for the
-model; nothing is raised into the run. Outcomes are counted (`counts`).
+the Python sandbox's traceback), kept to the token limit by its tail. Each failure becomes a
+`ToolResult` whose content is an error message for the model; nothing is raised into the run.
+Outcomes are counted (`counts`).
 """
 
 from __future__ import annotations

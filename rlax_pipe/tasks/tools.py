@@ -33,7 +33,7 @@ class ToolError(Exception):
   Attributes:
     message: the text the model sees.
     outcome: "error" (the call failed), "timeout" (a time limit the tool enforces itself),
-      "too_long" (its output exceeded a limit) or "resource" (a memory / file-size limit).
+      "too_long" (its output exceeded a limit) or "resource" (a memory limit).
   """
 
   OUTCOMES = ("error", "timeout", "too_long", "resource")

@@ -9,6 +9,7 @@ from rlax_pipe import envs, tasks
 from rlax_pipe.config_dict import from_config_dict
 from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline.config import RunConfig
+from rlax_pipe.pipeline.multihost.replica import episode_task
 from rlax_pipe.tokenizer import default_tokenizer
 
 TOK = default_tokenizer()
@@ -82,6 +83,9 @@ def test_preset_adds_the_tool_to_the_task():
   task = job_lib._task(cfg)  # pylint: disable=protected-access
   assert isinstance(task, envs.PythonToolTask) and envs.is_environment(task)
   assert task.task.config.max_terms == 4
+  # a multi-process replica builds the task only when its requests are episodes
+  assert isinstance(episode_task(cfg), envs.PythonToolTask)
+  assert episode_task(from_config_dict(RunConfig, pipeline_rl.get_config("tiny"))) is None
   with pytest.raises(ValueError, match="both add a tool"):
     pipeline_rl.get_config("tiny,calculator,python")
   with pytest.raises(ValueError, match="wall_s=9 must be below"):

@@ -35,7 +35,7 @@ from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.lead import (
     LeadSamplerSide, MultiprocessRecords, check_replica_manifests, drive, fault_on_error)
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
-from rlax_pipe.pipeline.multihost.replica import ReplicaProcess
+from rlax_pipe.pipeline.multihost.replica import episode_task, ReplicaProcess
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator, weights_kv
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
@@ -181,8 +181,8 @@ def _run_replica(cfg, topo, monitor, model, params) -> None:
   model, sampler_model, _ = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
   cfg, tok = with_stop_set(cfg, model)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
-  replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout,
-                           task=job_lib._task(cfg), tok=tok)  # pylint: disable=protected-access
+  replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout, task=episode_task(cfg),
+                           tok=tok)
   replica.start()
   replica.run()
   replica.finish()

@@ -54,6 +54,21 @@ def replica_keys(initial: Any, seed: int, replica: int, num_keys: int) -> list[n
   return [np.asarray(jax.random.key_data(k)) for k in keys]
 
 
+def episode_task(cfg: RunConfig) -> Any:
+  """The run's task when its requests are episodes (an environment task, or a tool added by
+  `cfg.env.tool`), else None: a plain task is not built on a replica (the lead grades).
+
+  Raises:
+    ConfigError: as `job.build_job` for a task that cannot be built.
+  """
+  from rlax_pipe import tasks  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.pipeline import job as job_lib  # pylint: disable=import-outside-toplevel
+  task_cls = tasks.TASKS.get(cfg.task, (None,))[0]
+  if not cfg.env.tool and not envs.is_environment(task_cls):
+    return None
+  return job_lib._task(cfg)  # pylint: disable=protected-access
+
+
 class ReplicaProcess:
   """One replica's main loop (this process's main thread).
 
