@@ -44,6 +44,9 @@ _ARRAY = re.compile(r"\b(pred|bf16|token|[suf]\d+|f8\w*|c64|c128)\[([\d,]*)\](\{
 _ITEM_BYTES = {"pred": 1, "bf16": 2, "token": 0, "c64": 8, "c128": 16}
 _SLICING = frozenset({"slice", "dynamic-slice", "gather"})   # read only what they return
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})    # write only the update
+# TPU custom calls that move no data: buffer allocation, a concatenation of adjacent buffers,
+# an index-range promise.
+_NO_TRAFFIC_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")
 _NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
                           "while", "call", "conditional", "after-all", "partition-id",
                           "replica-id", "opt-barrier", "copy-done", "all-gather-done",
@@ -290,10 +293,44 @@ def _fusion_bytes(comp: dict[str, Any]) -> int:
   return sum(_read(comp, users, p) for p in params) + _written(comp, comp["root"])
 
 
+def _tuple_elements(type_text: str) -> list[str]:
+  """Top-level elements of a tuple type "(a, (b, c), d)" (a non-tuple: itself)."""
+  text = type_text.strip()
+  if not text.startswith("("):
+    return [text]
+  out, depth, cur = [], 0, ""
+  for ch in text[1:text.rindex(")")]:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if ch == "," and depth == 0:
+      out.append(cur)
+      cur = ""
+    else:
+      cur += ch
+  return out + [cur]
+
+
 def _instruction_bytes(comp: dict[str, Any], comps: dict[str, dict[str, Any]],
                        line: tuple[str, str, str, str]) -> int:
-  """Bytes accessed by one kernel of a non-fused computation (`fusion`: by its body)."""
+  """Bytes accessed by one kernel of a non-fused computation (`fusion`: by its body). An async
+  pair moves its data once, at the start: X-start's output tuple holds the operand, the result
+  and a context, so only the result is written (copy-start: a copy of the operand; slice-start
+  reads only the slice); X-done moves nothing."""
   name, type_text, opcode, rest = line
+  if opcode.endswith("-done") or (opcode == "custom-call" and any(
+      f'custom_call_target="{t}"' in rest for t in _NO_TRAFFIC_CALLS)):
+    return 0
+  if opcode.endswith("-start"):
+    elements = _tuple_elements(type_text)
+    result = nbytes(elements[1]) if len(elements) > 1 else nbytes(type_text)
+    operands = sum(nbytes(comp["types"].get(o, "")) for o in _operands(rest))
+    if opcode == "copy-start":
+      return 2 * operands
+    if opcode == "slice-start":
+      return 2 * result
+    return operands + result
   if opcode == "fusion":
     callee = re.search(r"calls=%?([\w.\-]+)", rest)
     if callee and callee.group(1) in comps and comps[callee.group(1)]["root"]:
@@ -365,7 +402,7 @@ def costs(hlo: str) -> dict[str, float]:
       continue
     for line in c["lines"]:
       _, type_text, opcode, rest = line
-      if not kernel_comp[name] and opcode not in _NOT_KERNELS:
+      if not kernel_comp[name] and opcode not in _NOT_KERNELS and not opcode.endswith("-done"):
         kernels += m
         b = _instruction_bytes(c, comps, line)
         if opcode == "custom-call" and "tpu_custom_call" in rest:
