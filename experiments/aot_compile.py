@@ -7,6 +7,8 @@ compiled or the compiler's error, bytes per device against the chip's HBM, cost,
   python3 experiments/aot_compile.py --topology=v5p:2x2x1 --model=llama-3.1-8b --roles=learner
   python3 experiments/aot_compile.py --topology=v5e:2x4 --model=qwen3-0.6b --roles=reshard \
       --reshard_learner_mesh=fsdp:4 --reshard_sampler_mesh=tp:4
+  python3 experiments/aot_compile.py ... --hlo_dir=/tmp/hlo   # also save each program's HLO
+  python3 experiments/aot_compile.py --reread=/tmp/hlo/a.hlo.txt,...  # re-count, no compile
 
 Compiled for TPU, not run: no number printed is a timing.
 """
@@ -53,12 +55,18 @@ _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Learner r
 _BLOCK = flags.DEFINE_integer("attention_block_len", 512, "Learner attention block length.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "If set, each program's optimized TPU HLO text is "
                                 "written under this folder (to re-read without recompiling).")
+_REREAD = flags.DEFINE_list("reread", [], "HLO files written by --hlo_dir: print their "
+                            "trip-count-weighted costs (rlax_pipe.hlo_costs) and compile nothing.")
 _ATTN = flags.DEFINE_enum("attention_impl", "blockwise", ["blockwise", "flash", "auto"],
                           "Learner training attention (LearnerConfig.attention_impl).")
 
 
 def main(argv):
   del argv
+  if _REREAD.value:
+    for path in _REREAD.value:
+      print(json.dumps(aot_runs.reread_record(path)), flush=True)
+    return
   name, model_cfg = _MODEL.value, aot_runs.MODELS[_MODEL.value]
   if _NLAYERS.value:
     model_cfg = dataclasses.replace(model_cfg, n_layers=_NLAYERS.value)

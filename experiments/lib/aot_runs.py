@@ -16,6 +16,7 @@ import numpy as np
 from lib import sampler_presets as presets
 from rlax_pipe import aot
 from rlax_pipe import costs
+from rlax_pipe import hlo_costs
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -66,6 +67,13 @@ def hlo_prefix(hlo_dir: str | None, *parts: Any) -> str | None:
   os.makedirs(hlo_dir, exist_ok=True)
   tag = "_".join(re.sub(r"[^\w.\-]+", "-", str(p)).strip("-") for p in parts)
   return os.path.join(hlo_dir, tag + "_")
+
+
+def reread_record(path: str) -> dict[str, Any]:
+  """Trip-count-weighted kernels, matmul FLOPs and bytes (`hlo_costs.costs`) of an HLO text
+  that `--hlo_dir` saved: the counts of a compiled program again, without compiling it."""
+  with open(path, encoding="utf-8") as f:
+    return dict(hlo=path, label="compiled for TPU, not run", **hlo_costs.costs(f.read()))
 
 
 def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topology: str,
