@@ -61,7 +61,9 @@ fi
 # Issue #28, items 4-6 first (goals: <= 1.5 ms/step at 8 slots and >= 0.35 of the HBM roofline
 # at 256 slots; MFU >= 0.30; weight push <= 0.12 s/GB).
 # Item 4: kernels per decode step, sorts and converts, read from the compiled program.
-run decode_attribution 60 python3 experiments/decode_attribution.py --preset=qwen3-0.6b --slots=8
+if [ "$CPU" = 1 ]; then ATTR_IMPL=reference; else ATTR_IMPL=${ATTR_IMPL:-pallas_gpu}; fi
+run decode_attribution 60 python3 experiments/decode_attribution.py --preset=qwen3-0.6b --slots=8 \
+  --attention_impl=$ATTR_IMPL
 if [ "$CPU" = 1 ]; then
   run decode_attribution_top_p 60 python3 experiments/decode_attribution.py \
     --preset=qwen3-0.6b --slots=8 --top_p=0.9

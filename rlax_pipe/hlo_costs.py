@@ -23,8 +23,8 @@ real input elements (XLA's own rule), so such windows are not over-counted.
   pool or a stacked-layer weight: an operand that a (fused) slice, dynamic-slice or gather reads
   counts only the part read, and a buffer that a dynamic-update-slice or scatter writes in place
   counts only the update (read 0, written = the update). Weighted by the loop trip counts like
-  the kernels. Mosaic kernels (`tpu_custom_call`, JAX's Pallas TPU kernels) are opaque: their
-  operands + outputs are counted apart (`kernel_bytes`), an upper bound for a kernel that reads
+  the kernels. Pallas kernels (Mosaic `tpu_custom_call` on TPU, Triton / Mosaic GPU) are
+  opaque: their operands + outputs are counted apart (`kernel_bytes`), an upper bound for a kernel that reads
   only some pages of an operand (paged attention), a lower bound for one that re-reads blocks.
   Arrays are counted padded to their layout's tiles (TPU T(8,128) tiles), as the TPU's own
   `cost_analysis()` counts them. Checked (issue #28 notes): with every loop counted once, these
@@ -46,6 +46,9 @@ _SLICING = frozenset({"slice", "dynamic-slice", "gather"})   # read only what th
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})    # write only the update
 # TPU custom calls that move no data: buffer allocation, a concatenation of adjacent buffers,
 # an index-range promise.
+# Pallas kernels, opaque to XLA: Mosaic (TPU), Triton and Mosaic GPU.
+_OPAQUE_KERNELS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "triton_kernel_call",
+                   "mosaic_gpu")
 _NO_TRAFFIC_CALLS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")
 _NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
                           "while", "call", "conditional", "after-all", "partition-id",
@@ -351,7 +354,7 @@ def costs(hlo: str) -> dict[str, float]:
 
   Returns:
     kernels (launches), matmul_flops, dots (matmul instructions executed), bytes (accessed by
-    XLA's kernels, Mosaic kernels apart), kernel_bytes (operands + outputs of Mosaic kernels),
+    XLA's kernels, Pallas kernels apart), kernel_bytes (operands + outputs of Pallas kernels),
     bytes_loop_bodies_once (`bytes` with every loop counted once: the convention of
     `cost_analysis()`, to compare with its "bytes accessed"), loops_known,
     loops_unknown (while loops with / without a known trip count).
@@ -405,7 +408,8 @@ def costs(hlo: str) -> dict[str, float]:
       if not kernel_comp[name] and opcode not in _NOT_KERNELS and not opcode.endswith("-done"):
         kernels += m
         b = _instruction_bytes(c, comps, line)
-        if opcode == "custom-call" and "tpu_custom_call" in rest:
+        if opcode == "custom-call" and any(f'custom_call_target="{t}' in rest
+                                           for t in _OPAQUE_KERNELS):
           kernel_bytes += m * b
         else:
           xla_bytes += m * b
