@@ -266,34 +266,52 @@ def _written(comp: dict[str, Any], name: str, depth: int = 0) -> int:
   return nbytes(type_text)
 
 
-def _read(comp: dict[str, Any], users: dict[str, list[tuple[str, str, int]]], name: str,
+def _users(comp: dict[str, Any]) -> dict[str, list[tuple[str, str, int, str]]]:
+  """value -> [(user, opcode, operand position, rest of the user's line)] (cached)."""
+  if "users" not in comp:
+    users: dict[str, list[tuple[str, str, int, str]]] = {}
+    for name, _, opcode, rest in comp["lines"]:
+      for pos, o in enumerate(_operands(rest)):
+        users.setdefault(o, []).append((name, opcode, pos, rest))
+    comp["users"] = users
+  return comp["users"]
+
+
+def _param(comp: dict[str, Any], index: int) -> str | None:
+  return next((name for name, _, opcode, rest in comp["lines"]
+               if opcode == "parameter" and rest.startswith(f"{index})")), None)
+
+
+def _read(comps: dict[str, dict[str, Any]], comp: dict[str, Any], name: str,
           depth: int = 0) -> int:
-  """Bytes read of value `name` inside a fused computation: the parts its slicing users return,
-  nothing for an in-place update's buffer, the whole value otherwise."""
+  """Bytes read of value `name` inside a fused computation: the parts its slicing users return
+  (also inside a nested fusion), nothing for an in-place update's buffer, the whole value
+  otherwise."""
   full = nbytes(comp["types"].get(name, ""))
   part = 0
-  for user, opcode, pos in users.get(name, []):
+  for user, opcode, pos, rest in _users(comp).get(name, []):
     if opcode in _SLICING and pos == 0:
       part += nbytes(comp["types"][user])
     elif opcode in _IN_PLACE and pos == 0:
       continue
     elif opcode == "bitcast" and depth < 8:
-      part += _read(comp, users, user, depth + 1)
+      part += _read(comps, comp, user, depth + 1)
+    elif opcode == "fusion" and depth < 8:
+      callee = re.search(r"calls=%?([\w.\-]+)", rest)
+      inner = comps.get(callee.group(1)) if callee else None
+      param = _param(inner, pos) if inner else None
+      if param is None:
+        return full
+      part += _read(comps, inner, param, depth + 1)
     else:
       return full
   return min(part, full)
 
 
-def _fusion_bytes(comp: dict[str, Any]) -> int:
+def _fusion_bytes(comps: dict[str, dict[str, Any]], comp: dict[str, Any]) -> int:
   """Bytes accessed by one run of a fused computation (its parameters read, its root written)."""
-  users: dict[str, list[tuple[str, str, int]]] = {}
-  params = []
-  for name, _, opcode, rest in comp["lines"]:
-    if opcode == "parameter":
-      params.append(name)
-    for pos, o in enumerate(_operands(rest)):
-      users.setdefault(o, []).append((name, opcode, pos))
-  return sum(_read(comp, users, p) for p in params) + _written(comp, comp["root"])
+  params = [name for name, _, opcode, _ in comp["lines"] if opcode == "parameter"]
+  return sum(_read(comps, comp, p) for p in params) + _written(comp, comp["root"])
 
 
 def _tuple_elements(type_text: str) -> list[str]:
@@ -337,7 +355,7 @@ def _instruction_bytes(comp: dict[str, Any], comps: dict[str, dict[str, Any]],
   if opcode == "fusion":
     callee = re.search(r"calls=%?([\w.\-]+)", rest)
     if callee and callee.group(1) in comps and comps[callee.group(1)]["root"]:
-      return _fusion_bytes(comps[callee.group(1)])
+      return _fusion_bytes(comps, comps[callee.group(1)])
   ops = _operands(rest)
   read = 0
   for pos, o in enumerate(ops):
