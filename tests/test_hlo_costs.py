@@ -116,3 +116,38 @@ def test_tpu_batched_matmul_flops_count_real_window_taps():
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   assert got == 2 * b * h * q * k * d == cost["flops"], (got, cost["flops"])
+
+
+_NESTED = """HloModule nested
+%fused_inner (p0: f32[28,64,64], p1: s32[]) -> f32[64,64] {
+  %p0 = f32[28,64,64]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %ds = f32[1,64,64]{2,1,0} dynamic-slice(%p0, %p1, %c0, %c0), dynamic_slice_sizes={1,64,64}
+  ROOT %b = f32[64,64]{1,0} bitcast(%ds)
+}
+
+%fused_outer (q0: f32[28,64,64], q1: s32[], q2: f32[8,64]) -> f32[8,64] {
+  %q0 = f32[28,64,64]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %q2 = f32[8,64]{1,0} parameter(2)
+  %w = f32[64,64]{1,0} fusion(%q0, %q1), kind=kLoop, calls=%fused_inner
+  ROOT %d = f32[8,64]{1,0} dot(%q2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[28,64,64], i: s32[], x: f32[8,64]) -> f32[8,64] {
+  %a = f32[28,64,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[8,64]{1,0} parameter(2)
+  ROOT %f = f32[8,64]{1,0} fusion(%a, %i, %x), kind=kOutput, calls=%fused_outer
+}
+"""
+
+
+def test_a_slice_inside_a_nested_fusion_reads_one_layer_of_a_stacked_weight():
+  """A fused layer body hands the stacked [28, 64, 64] weight to an inner fusion that
+  dynamic-slices one layer (what the TPU compiler emits for a scanned decoder): the kernel reads
+  that layer (64 x 64 x 4 B), the index, x, and writes the output; not all 28 layers."""
+  got = hlo_costs.costs(_NESTED)
+  assert got["bytes"] == 64 * 64 * 4 + 4 + 8 * 64 * 4 + 8 * 64 * 4, got
+  assert got["matmul_flops"] == 2 * 8 * 64 * 64 and got["kernels"] == 1, got
