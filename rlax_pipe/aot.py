@@ -227,7 +227,8 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
   plus, for the decode dispatch, pool-shaped copies in its HLO (goal 0: writes in place and
   kernels reading the pool in XLA's layout), per decode step (the dispatch loop's trip count
   is `steps`): kernels, matmul FLOPs against the model's (2 x matmul params x slots), bytes
-  against the minimum (weights + the KV of full slots, per device): min_bytes_per_step,
+  against the minimum (weights + the KV of full slots, at most a full pool, per device):
+  min_bytes_per_step,
   bytes_per_step (XLA's kernels) and bytes_per_step_over_min, where a Mosaic attention kernel
   (opaque) is taken to read exactly the live KV (its minimum), and the reference's KV reads
   are in the XLA count.
@@ -250,7 +251,9 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
           for shape in layout.shapes))
       weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize
                     for a in jax.tree.leaves(model.abstract_params()))
-      live_kv = cfg.num_slots * cfg.max_seq_len * layout.bytes_per_token
+      # Full slots, but no more tokens than the pool holds.
+      live_kv = min(cfg.num_slots * cfg.max_seq_len,
+                    cfg.num_pages * cfg.page_size) * layout.bytes_per_token
       rep["min_bytes_per_step"] = int((weights + live_kv) / mesh.size)
       rep["min_weight_bytes_per_step"] = int(weights / mesh.size)
       # The dispatch loop's trip count is `steps` (its bound): per decode step = / steps.
