@@ -7,6 +7,8 @@ compiled or the compiler's error, bytes per device against the chip's HBM, cost,
   python3 experiments/aot_compile.py --topology=v5p:2x2x1 --model=llama-3.1-8b --roles=learner
   python3 experiments/aot_compile.py --topology=v5e:2x4 --model=qwen3-0.6b --roles=reshard \
       --reshard_learner_mesh=fsdp:4 --reshard_sampler_mesh=tp:4
+  python3 experiments/aot_compile.py ... --hlo_dir=/tmp/hlo   # also save each program's HLO
+  python3 experiments/aot_compile.py --reread=/tmp/hlo/a.hlo.txt,...  # re-count, no compile
 
 Compiled for TPU, not run: no number printed is a timing.
 """
@@ -51,12 +53,20 @@ _SEQ = flags.DEFINE_integer("seq_len", 2048, "Learner row length.")
 _ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Learner micro-batch rows.")
 _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots"], "Learner remat policy.")
 _BLOCK = flags.DEFINE_integer("attention_block_len", 512, "Learner attention block length.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "If set, each program's optimized TPU HLO text is "
+                                "written under this folder (to re-read without recompiling).")
+_REREAD = flags.DEFINE_list("reread", [], "HLO files written by --hlo_dir: print their "
+                            "trip-count-weighted costs (rlax_pipe.hlo_costs) and compile nothing.")
 _ATTN = flags.DEFINE_enum("attention_impl", "blockwise", ["blockwise", "flash", "auto"],
                           "Learner training attention (LearnerConfig.attention_impl).")
 
 
 def main(argv):
   del argv
+  if _REREAD.value:
+    for path in _REREAD.value:
+      print(json.dumps(aot_runs.reread_record(path)), flush=True)
+    return
   name, model_cfg = _MODEL.value, aot_runs.MODELS[_MODEL.value]
   if _NLAYERS.value:
     model_cfg = dataclasses.replace(model_cfg, n_layers=_NLAYERS.value)
@@ -67,16 +77,18 @@ def main(argv):
                         max_seq_len=min(_LEN.value, model_cfg.max_seq_len), max_new_tokens=128,
                         cache_dtype="bfloat16")
     records.append(aot_runs.sampler_records(name, model_cfg, cfg, _TOPOLOGY.value, _TP.value,
-                                            tuple(_IMPLS.value), _STEPS.value))
+                                            tuple(_IMPLS.value), _STEPS.value,
+                                            hlo_dir=_HLO_DIR.value or None))
   if "learner" in _ROLES.value:
     meshes = [aot_runs.parse_mesh(m.split(",")) for m in _MESHES.value]
     records.append(aot_runs.learner_records(name, model_cfg, _TOPOLOGY.value, meshes,
                                             _SEQ.value, _ROWS.value, _REMAT.value,
-                                            _BLOCK.value, _ATTN.value))
+                                            _BLOCK.value, _ATTN.value,
+                                            hlo_dir=_HLO_DIR.value or None))
   if "reshard" in _ROLES.value:
     records.append(aot_runs.reshard_records(
         name, model_cfg, _TOPOLOGY.value, aot_runs.parse_mesh(_RESHARD_L.value.split(",")),
-        aot_runs.parse_mesh(_RESHARD_S.value.split(","))))
+        aot_runs.parse_mesh(_RESHARD_S.value.split(",")), hlo_dir=_HLO_DIR.value or None))
   for gen in records:
     for rec in gen:
       print(json.dumps(to_jsonable(rec, strict=True)), flush=True)

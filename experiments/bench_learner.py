@@ -66,6 +66,8 @@ _ROWS = flags.DEFINE_integer("micro_batch_rows", 8, "Rows per micro-batch (fixed
 _MINI = flags.DEFINE_integer("num_minibatches", 1, "Optimizer updates per batch.")
 _CHUNK = flags.DEFINE_integer("logits_chunk_len", 256, "Positions per logits chunk; 0 = full.")
 _ATTN = flags.DEFINE_integer("attention_block_len", 512, "Queries per attention block; 0 = dense.")
+_ATTN_IMPL = flags.DEFINE_enum("attention_impl", "blockwise", ["blockwise", "flash", "auto"],
+                               "Training attention (LearnerConfig.attention_impl).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed optimizer steps (0 = no timing).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps (the first one compiles).")
 _OBJECTIVE = flags.DEFINE_string("objective", "tis_pg", "Objective name.")
@@ -91,7 +93,8 @@ def main(argv):
   cfg = learner.LearnerConfig(
       mesh_axes=_axes(_MESH.value), micro_batch_rows=_ROWS.value,
       num_minibatches=_MINI.value, logits_chunk_len=_CHUNK.value or None,
-      attention_block_len=_ATTN.value or None, remat=_REMAT.value,
+      attention_block_len=_ATTN.value or None, attention_impl=_ATTN_IMPL.value,
+      remat=_REMAT.value,
       lora=LoraConfig(rank=_LORA_RANK.value, alpha=_LORA_ALPHA.value))
   objective, sampling = ObjectiveConfig(name=_OBJECTIVE.value, kl=_KL.value), SamplingConfig()
   out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -20,6 +20,7 @@ is a prediction from the measured rate (labelled "predicted").
 
   python3 experiments/bench_weight_push.py --mode=single --models=qwen3-0.6b,llama-3.2-1b
   python3 experiments/bench_weight_push.py --mode=multi --models=qwen3-0.6b
+  python3 experiments/bench_weight_push.py --accelerator   # on a GPU/TPU host's own devices
 """
 
 import json
@@ -36,6 +37,9 @@ _MODE = flags.DEFINE_enum("mode", "single", ["single", "multi"], "Channel to tim
 _MODELS = flags.DEFINE_list("models", ["qwen3-0.6b", "llama-3.2-1b"], "Presets (full shapes).")
 _DEVICES = flags.DEFINE_integer("devices_per_side", 4,
                                 "single: learner and sampler devices (each; 2x virtual CPUs).")
+_ACCEL = flags.DEFINE_bool("accelerator", False,
+                            "single: push on the machine's own devices (GPU/TPU) instead of "
+                            "virtual CPU devices; with one device, learner and sampler share it.")
 _PER_PROC = flags.DEFINE_integer("devices_per_process", 2, "multi: CPU devices per process.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed pushes first.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed pushes (median reported).")
@@ -77,8 +81,15 @@ def _record(mode, name, nbytes, times, extra):
   return dict(mode=mode, model=name, dtype="bfloat16", gb=nbytes / GB, push_s=times,
               median_s=median, s_per_gb=median / (nbytes / GB),
               predicted_llama_3_1_8b_s=round(median / (nbytes / GB) * 16.06, 2),
-              load_avg=os.getloadavg(), machine="CPU (virtual devices), not an accelerator",
-              **extra)
+              load_avg=os.getloadavg(), **{"machine": _machine(), **extra})
+
+
+def _machine():
+  import jax  # pylint: disable=import-outside-toplevel
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return "CPU (virtual devices), not an accelerator"
+  return f"{len(jax.devices())} x {dev.device_kind}"
 
 
 def _single(name):
@@ -89,10 +100,12 @@ def _single(name):
   from rlax_pipe.model import as_model  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.lora_channel import sampler_target  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.weight_channel import WeightChannel  # pylint: disable=import-outside-toplevel
-  n = _DEVICES.value
   devs = jax.devices()
+  n = max(1, min(_DEVICES.value, len(devs) // 2))
+  # One device (a single GPU): both meshes on it, as a run on one device does.
+  s_devs = devs[n:2 * n] if len(devs) >= 2 else devs[:1]
   lmesh = sharding.make_mesh(devs[:n], {"fsdp": n}, sharding.LEARNER_RULES)
-  smesh = sharding.make_mesh(devs[n:2 * n], {"tp": n}, sharding.SAMPLER_RULES)
+  smesh = sharding.make_mesh(s_devs, {"tp": n}, sharding.SAMPLER_RULES)
   model = as_model(_model_cfg(name))
   params = _random_params(model, lsh.param_shardings(model, lmesh))
   channel = WeightChannel(sampler_target(model.param_axes(), model.abstract_params(), smesh))
@@ -131,7 +144,8 @@ def _single(name):
       jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, out)
     split[key] = sorted(ts)[len(ts) // 2]
   return _record("single", name, _nbytes(params), times,
-                 dict(learner_mesh={"fsdp": n}, sampler_mesh={"tp": n}, **split))
+                 dict(learner_mesh={"fsdp": n}, sampler_mesh={"tp": n},
+                      shared_device=len(devs) < 2, **split))
 
 
 def _child(name):
@@ -219,7 +233,7 @@ def main(argv):
   if _PROCESS.value >= 0:
     _child(_MODELS.value[0])
     return
-  if _MODE.value == "single":
+  if _MODE.value == "single" and not _ACCEL.value:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                                f"device_count={2 * _DEVICES.value}").strip()

@@ -179,17 +179,28 @@ def memory_fit(compiled: Any, hbm: float | None) -> dict[str, Any]:
           "fits": None if hbm is None else bool(need <= hbm)}
 
 
-def program_report(compiled: Any, mesh: Mesh) -> dict[str, Any]:
+def program_report(compiled: Any, mesh: Mesh, hlo_path: str | None = None) -> dict[str, Any]:
   """What the TPU compiler says about one program, per device.
 
+  Args:
+    compiled: a `jax.stages.Compiled`; mesh: the mesh it was compiled for.
+    hlo_path: when given, the optimized HLO text is also written there (to re-read the
+      program later without recompiling it).
+
   Returns:
-    memory (`memory_fit`), kernels and matmul_flops per device with loop trip counts
-    (`hlo_costs.costs`; a loop of unknown trip count, e.g. the reference's chunk loop, counted
-    once: loops_unknown_trip_count says how many), cost (`cost_analysis()` flops and bytes
-    accessed: a loop body counted ONCE), custom_calls, mosaic_kernels (Pallas kernels),
-    collectives (`hlo_analysis.summarize`: op -> count / bytes / mesh axes).
+    memory (`memory_fit`), kernels, matmul_flops and bytes (accessed by XLA's kernels) per
+    device with loop trip counts, kernel_bytes (operands + outputs of the Mosaic kernels, which
+    are opaque), bytes_loop_bodies_once (the same rules with every loop counted once: compare
+    with cost_bytes_accessed_loop_bodies_once) (`hlo_costs.costs`; a loop of unknown trip
+    count, e.g. the reference's chunk loop, counted once: loops_unknown_trip_count says how
+    many), cost (`cost_analysis()` flops and bytes accessed: a loop body counted ONCE),
+    custom_calls, mosaic_kernels (Pallas kernels), collectives (`hlo_analysis.summarize`:
+    op -> count / bytes / mesh axes).
   """
   hlo = compiled.as_text()
+  if hlo_path:
+    with open(hlo_path, "w", encoding="utf-8") as f:
+      f.write(hlo)
   cost = compiled.cost_analysis() or {}
   if isinstance(cost, list):
     cost = cost[0] if cost else {}
@@ -198,6 +209,9 @@ def program_report(compiled: Any, mesh: Mesh) -> dict[str, Any]:
       "memory": memory_fit(compiled, chip_hbm_bytes(mesh.devices.flat[0])),
       "kernels": counted["kernels"],
       "matmul_flops": counted["matmul_flops"],
+      "bytes": counted["bytes"],
+      "kernel_bytes": counted["kernel_bytes"],
+      "bytes_loop_bodies_once": counted["bytes_loop_bodies_once"],
       "loops_unknown_trip_count": counted["loops_unknown"],
       "cost_flops_loop_bodies_once": float(cost.get("flops", 0.0)),
       "cost_bytes_accessed_loop_bodies_once": float(cost.get("bytes accessed", 0.0)),
@@ -208,11 +222,16 @@ def program_report(compiled: Any, mesh: Mesh) -> dict[str, Any]:
 
 
 def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl: str, *,
-                   steps: int = 8) -> dict[str, dict[str, Any]]:
+                   steps: int = 8, hlo_prefix: str | None = None) -> dict[str, dict[str, Any]]:
   """Compiles the sampler's programs (`lower_sampler`) and reports each (`program_report`),
   plus, for the decode dispatch, pool-shaped copies in its HLO (goal 0: writes in place and
-  kernels reading the pool in XLA's layout) and the minimum bytes of one decode step (weights
-  + the KV of full slots) per device.
+  kernels reading the pool in XLA's layout), per decode step (the dispatch loop's trip count
+  is `steps`): kernels, matmul FLOPs against the model's (2 x matmul params x slots), bytes
+  against the minimum (weights + the KV of full slots, at most a full pool, per device):
+  min_bytes_per_step,
+  bytes_per_step (XLA's kernels) and bytes_per_step_over_min, where a Mosaic attention kernel
+  (opaque) is taken to read exactly the live KV (its minimum), and the reference's KV reads
+  are in the XLA count.
 
   Raises:
     Whatever the TPU compiler raises (a lowering error of a kernel is the finding).
@@ -223,7 +242,8 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
   out = {}
   for name, lowered in lower_sampler(model_cfg, cfg, mesh, impl, steps=steps).items():
     compiled = lowered.compile()
-    rep = program_report(compiled, mesh)
+    rep = program_report(compiled, mesh,
+                         hlo_path=f"{hlo_prefix}{name}.hlo.txt" if hlo_prefix else None)
     if name == "decode":
       rep["pool_copies"] = pool_copies(compiled.as_text(), tuple(
           tuple(s // (mesh.size if i == layout.axes.index(sharding_lib.KV_HEADS)
@@ -231,11 +251,19 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
           for shape in layout.shapes))
       weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize
                     for a in jax.tree.leaves(model.abstract_params()))
-      live_kv = cfg.num_slots * cfg.max_seq_len * layout.bytes_per_token
+      # Full slots, but no more tokens than the pool holds.
+      live_kv = min(cfg.num_slots * cfg.max_seq_len,
+                    cfg.num_pages * cfg.page_size) * layout.bytes_per_token
       rep["min_bytes_per_step"] = int((weights + live_kv) / mesh.size)
+      rep["min_weight_bytes_per_step"] = int(weights / mesh.size)
       # The dispatch loop's trip count is `steps` (its bound): per decode step = / steps.
       rep["kernels_per_step"] = rep["kernels"] / steps
       rep["matmul_flops_per_step"] = rep["matmul_flops"] / steps
+      rep["bytes_per_step"] = rep["bytes"] / steps
+      rep["kernel_bytes_per_step"] = rep["kernel_bytes"] / steps
+      kernel_kv = live_kv / mesh.size if rep["mosaic_kernels"] else 0.0
+      rep["bytes_per_step_over_min"] = (rep["bytes_per_step"] + kernel_kv) / max(
+          rep["min_bytes_per_step"], 1)
       rep["model_flops_per_step"] = 2.0 * flops.matmul_params(model_cfg) * cfg.num_slots / (
           mesh.size)
     out[name] = rep
@@ -244,7 +272,8 @@ def sampler_report(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, impl:
 
 def learner_report(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, seq_len: int, *,
                    objective_cfg: objectives.ObjectiveConfig | None = None,
-                   sampling_cfg: SamplingConfig | None = None) -> dict[str, Any]:
+                   sampling_cfg: SamplingConfig | None = None,
+                   hlo_path: str | None = None) -> dict[str, Any]:
   """Compiles the learner's micro-batch program (`learner.lower_accumulate`: forward, loss,
   backward, gradient accumulation into the sharded state) on `mesh` and reports it.
 
@@ -259,7 +288,7 @@ def learner_report(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, seq_l
   # while deriving the optimizer state's shardings, and nothing can live on a topology device.
   compiled = lower_accumulate(model_cfg, cfg, objective_cfg or objectives.ObjectiveConfig(),
                               sampling_cfg or SamplingConfig(), mesh, seq_len).compile()
-  rep = program_report(compiled, mesh)
+  rep = program_report(compiled, mesh, hlo_path=hlo_path)
   tokens = cfg.micro_batch_rows * seq_len
   rep["model_flops"] = float(flops.model_flops_per_token(model_cfg, seq_len) * tokens
                              / mesh.size)

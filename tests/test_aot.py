@@ -14,6 +14,7 @@ import jax  # pylint: disable=wrong-import-position
 
 from rlax_pipe import aot, sharding  # pylint: disable=wrong-import-position
 from rlax_pipe.config import ModelConfig  # pylint: disable=wrong-import-position
+from rlax_pipe.learner import flops  # pylint: disable=wrong-import-position
 from rlax_pipe.learner.config import LearnerConfig  # pylint: disable=wrong-import-position
 from rlax_pipe.model import as_model  # pylint: disable=wrong-import-position
 from rlax_pipe.sampler import page_pool  # pylint: disable=wrong-import-position
@@ -63,6 +64,20 @@ def test_decode_dispatch_compiles_for_tpu_with_each_kernel_and_keeps_the_pool_in
                                    platform="tpu")
   assert aot.pool_copies(compiled.as_text(), layout.shapes) == 0
   assert rep["memory"]["temp_bytes"] < 0.05 * layout.nbytes, (rep["memory"], layout.nbytes)
+  # Trip-count-weighted (hlo_costs), 2 decode steps: exactly the model's matmul FLOPs with a
+  # kernel (attention is inside Mosaic); bytes per step against the minimum (weights + the KV
+  # of full slots): XLA's side of a kernel impl reads less than that minimum (the KV is the
+  # kernel's), the reference (gathers pages, copies them to another layout) reads < 6x it.
+  # One pool-shaped copy per layer would move 67 MB.
+  weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+      as_model(MODEL).abstract_params()))
+  minimum = weights + SAMPLER.num_slots * SAMPLER.max_seq_len * layout.bytes_per_token
+  per_step = rep["bytes"] / 2
+  if impl != "reference":
+    assert rep["matmul_flops"] == 2 * 2 * flops.matmul_params(MODEL) * SAMPLER.num_slots, rep
+    assert 0 < per_step < minimum, (per_step, minimum)
+  else:
+    assert minimum < per_step < 6 * minimum, (per_step, minimum)
 
 
 def test_fsdp_train_step_compiles_for_tpu_and_shards_weights_and_grads(devices):
@@ -74,6 +89,9 @@ def test_fsdp_train_step_compiles_for_tpu_and_shards_weights_and_grads(devices):
   assert rep["weight_all_gathers_over_fsdp"] > 0, rep
   assert rep["gradient_reduce_scatters_over_fsdp"] > 0, rep
   assert rep["model_flops"] > 0 and rep["cost_flops_loop_bodies_once"] > 0
+  # Matmul FLOPs from the TPU HLO with trip counts and real convolution taps (no remat here):
+  # about the model's; the old convolution-window count read several times more.
+  assert 1.0 <= rep["compiled_over_model_flops"] < 1.3, rep["compiled_over_model_flops"]
 
 
 def test_auto_avoids_the_tpu_kernels_where_they_cannot_lower(devices):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import os
+import re
 from typing import Any, Iterator
 
 import jax
@@ -14,6 +16,7 @@ import numpy as np
 from lib import sampler_presets as presets
 from rlax_pipe import aot
 from rlax_pipe import costs
+from rlax_pipe import hlo_costs
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -57,9 +60,27 @@ def pages_that_fit(rep: dict[str, Any], layout: page_pool.PoolLayout, mesh_size:
   return max(0, int((hbm - fixed) // per_page))
 
 
+def hlo_prefix(hlo_dir: str | None, *parts: Any) -> str | None:
+  """A file-name prefix under `hlo_dir` for one program's HLO text (None: do not save)."""
+  if not hlo_dir:
+    return None
+  os.makedirs(hlo_dir, exist_ok=True)
+  tag = "_".join(re.sub(r"[^\w.\-]+", "-", str(p)).strip("-") for p in parts)
+  return os.path.join(hlo_dir, tag + "_")
+
+
+def reread_record(path: str) -> dict[str, Any]:
+  """Trip-count-weighted kernels, matmul FLOPs and bytes (`hlo_costs.costs`) of an HLO text
+  that `--hlo_dir` saved: the counts of a compiled program again, without compiling it."""
+  with open(path, encoding="utf-8") as f:
+    return dict(hlo=path, label="compiled for TPU, not run", **hlo_costs.costs(f.read()))
+
+
 def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topology: str,
-                    tp: int, impls: tuple[str, ...], steps: int) -> Iterator[dict[str, Any]]:
-  """One record per (kernel, program) of the sampler replica on `tp` topology devices."""
+                    tp: int, impls: tuple[str, ...], steps: int,
+                    hlo_dir: str | None = None) -> Iterator[dict[str, Any]]:
+  """One record per (kernel, program) of the sampler replica on `tp` topology devices
+  (with `hlo_dir`, each program's optimized HLO text is written there too)."""
   devices = aot.topology_devices(topology)
   mesh = sharding_lib.make_mesh(devices[:tp], {sharding_lib.TP: tp})
   for impl in impls:
@@ -69,7 +90,9 @@ def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topol
                 num_pages=cfg.num_pages, max_seq_len=cfg.max_seq_len, steps=steps,
                 label="compiled for TPU, not run")
     try:
-      reports = aot.sampler_report(model_cfg, cfg, mesh, impl, steps=steps)
+      reports = aot.sampler_report(
+          model_cfg, cfg, mesh, impl, steps=steps,
+          hlo_prefix=hlo_prefix(hlo_dir, name, topology, f"tp{tp}", impl))
     except Exception as e:  # pylint: disable=broad-except  (the compiler's error is the finding)
       yield dict(base, program="decode", compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
       continue
@@ -85,8 +108,8 @@ def sampler_records(name: str, model_cfg: ModelConfig, cfg: SamplerConfig, topol
 
 def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: list[dict],
                     seq_len: int, micro_batch_rows: int, remat: str,
-                    block_len: int,
-                    attention_impl: str = "blockwise") -> Iterator[dict[str, Any]]:
+                    block_len: int, attention_impl: str = "blockwise",
+                    hlo_dir: str | None = None) -> Iterator[dict[str, Any]]:
   """One record per learner mesh: the micro-batch step (fp32 master params, bf16 compute) with
   training attention `attention_impl` (`LearnerConfig.attention_impl`)."""
   devices = aot.topology_devices(topology)
@@ -109,7 +132,10 @@ def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: li
                 attention_impl=attention_impl,
                 label="compiled for TPU, not run")
     try:
-      rep = aot.learner_report(learner_model, cfg, mesh, seq_len)
+      prefix = hlo_prefix(hlo_dir, name, topology, *(f"{k}{v}" for k, v in axes.items()),
+                          attention_impl, f"remat-{remat}", f"{micro_batch_rows}x{seq_len}")
+      rep = aot.learner_report(learner_model, cfg, mesh, seq_len,
+                               hlo_path=prefix and prefix + "train_step.hlo.txt")
     except Exception as e:  # pylint: disable=broad-except
       yield dict(base, compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
       continue
@@ -118,7 +144,7 @@ def learner_records(name: str, model_cfg: ModelConfig, topology: str, meshes: li
 
 
 def reshard_records(name: str, model_cfg: ModelConfig, topology: str, learner_axes: dict,
-                    sampler_axes: dict) -> Iterator[dict[str, Any]]:
+                    sampler_axes: dict, hlo_dir: str | None = None) -> Iterator[dict[str, Any]]:
   """The weight push (`WeightChannel.lower_transfer`, the product's own plan) from a learner
   mesh on the first topology devices to a sampler mesh on the next ones: one record per
   compiled hop, plus the bytes the cross-mesh copy moves."""
@@ -154,7 +180,9 @@ def reshard_records(name: str, model_cfg: ModelConfig, topology: str, learner_ax
       yield dict(base, program=program, compiled=None, note="no leaf needs this hop")
       continue
     try:
-      rep = aot.program_report(lowered[program].compile(), mesh)
+      prefix = hlo_prefix(hlo_dir, name, topology, "reshard")
+      rep = aot.program_report(lowered[program].compile(), mesh,
+                               hlo_path=prefix and f"{prefix}{program}.hlo.txt")
     except Exception as e:  # pylint: disable=broad-except  (the compiler's error is the finding)
       yield dict(base, program=program, compiled=False, error=f"{type(e).__name__}: {e}"[:2000])
       continue
