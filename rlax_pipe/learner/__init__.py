@@ -2,7 +2,6 @@
 checkpoints, `Learner`. Mesh building and the generic sharding helpers live in
 `rlax_pipe.sharding`; the model is passed in (`rlax_pipe.model.Model`)."""
 
-from rlax_pipe.learner.benchmark import run_benchmark, synthetic_batch
 from rlax_pipe.learner.checkpoint import (
     CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
     CheckpointTargetError, CheckpointTopologyError,
@@ -28,6 +27,6 @@ __all__ = [
     "Restored", "SCHEDULES", "StepFns", "TrainState", "abstract_reference", "abstract_state",
     "batch_arrays", "batch_sharding", "completion_mask", "decay_mask", "init_state", "learner_mesh",
     "learning_rate", "load_reference_params", "lower_accumulate", "make_optimizer", "make_step_fns",
-    "param_shardings", "plan_micro_batches", "reference_bytes", "run_benchmark",
-    "sharded_abstract_state", "state_shardings", "synthetic_batch", "token_loss",
+    "param_shardings", "plan_micro_batches", "reference_bytes",
+    "sharded_abstract_state", "state_shardings", "token_loss",
 ]

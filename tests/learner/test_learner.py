@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.logprobs import SamplingConfig
@@ -49,7 +50,7 @@ def host_params():
 
 def batches(n, seed=1, version=0):
   rng = np.random.default_rng(seed)
-  return [learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, version=version, max_lag=3)
+  return [synthetic_batch(rng, B, L, TINY.vocab_size, version=version, max_lag=3)
           for _ in range(n)]
 
 
@@ -110,7 +111,7 @@ def test_gradient_accumulation_equals_one_big_batch(host_params):
   accumulated = make_learner(SINGLE, jax.devices()[:1], host_params, micro_batch_rows=2)
   rng = np.random.default_rng(7)
   for version in range(3):  # lags 0..version: the batch was sampled by older policies
-    batch = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, version=version, max_lag=2)
+    batch = synthetic_batch(rng, B, L, TINY.vocab_size, version=version, max_lag=2)
     for learner in (whole, accumulated):
       learner.train_step(batch)
     m_whole, m_acc = whole.flush(), accumulated.flush()
