@@ -23,7 +23,8 @@ from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
 from rlax_pipe.learner import flops
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.learner.learner import Learner, lower_accumulate, reference_bytes
+from rlax_pipe.learner.learner import Learner, lower_accumulate
+from rlax_pipe.learner.reference import reference_bytes
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 

@@ -9,8 +9,9 @@ from rlax_pipe.learner.checkpoint import (
 from rlax_pipe.learner.config import (
     BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
 from rlax_pipe.learner.learner import (
-    Learner, NonFiniteError, abstract_reference, batch_arrays, load_reference_params,
-    lower_accumulate, plan_micro_batches, reference_bytes)
+    Learner, NonFiniteError, batch_arrays, lower_accumulate, plan_micro_batches)
+from rlax_pipe.learner.reference import (
+    abstract_reference, load_reference_params, reference_bytes)
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer
 from rlax_pipe.learner.sharding import batch_sharding, learner_mesh, param_shardings
 from rlax_pipe.learner import token_loss

@@ -60,10 +60,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rlax_pipe import router_replay
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import device_loop, engine_state, episodes, page_pool, weight_check
+from rlax_pipe.sampler import (
+    device_loop, engine_state, episodes, page_pool, rollouts, weight_check)
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import reference_only_reason, resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -587,28 +587,4 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       r.sched.release_idle_pages()
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
-    r = seq.request
-    episode = r.multi_turn and 0 in seq.mask  # environment tokens appended
-    return Rollout(
-        sample_id=r.sample_id, group_id=r.group_id, prompt_tokens=seq.prompt.copy(),
-        completion_tokens=np.asarray(seq.tokens[len(seq.prompt):], np.int32),
-        behavior_logprobs=np.asarray(seq.logprobs, np.float32),
-        policy_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
-        t_admit=seq.t_admit, t_first_token=seq.t_first_token, t_finish=now,
-        num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index,
-        loss_mask=np.asarray(seq.mask, np.float32) if episode else None,
-        num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1)
-        if episode else 1,
-        routes=None if episode else self._routes(seq))
-
-  def _routes(self, seq: SequenceState) -> np.ndarray | None:
-    """An MoE model's recorded routes [T, L_moe, k] (compact dtype), None for a dense one.
-
-    Multi-turn episodes (`rlax_pipe.envs`) carry no routes: their environment tokens are
-    prefilled, not decoded, so router replay does not cover them yet."""
-    cfg = getattr(self.model, "cfg", None)
-    if not getattr(self.model, "n_moe_layers", 0) or cfg is None:
-      return None
-    shape = (len(seq.routes), cfg.n_moe_layers, cfg.n_experts_per_tok)
-    dtype = router_replay.routes_dtype(cfg.n_experts)
-    return np.asarray(seq.routes, dtype).reshape(shape)
+    return rollouts.make_rollout(self.model, seq, reason, now)
