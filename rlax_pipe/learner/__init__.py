@@ -8,8 +8,8 @@ from rlax_pipe.learner.checkpoint import (
     Checkpointer, Restored)
 from rlax_pipe.learner.config import (
     BATCH_MESH_AXES, REMAT_POLICIES, SCHEDULES, CheckpointConfig, LearnerConfig, OptimizerConfig)
-from rlax_pipe.learner.learner import (
-    Learner, NonFiniteError, batch_arrays, lower_accumulate, plan_micro_batches)
+from rlax_pipe.host_rules import plan_micro_batches
+from rlax_pipe.learner.learner import Learner, NonFiniteError, batch_arrays, lower_accumulate
 from rlax_pipe.learner.reference import (
     abstract_reference, load_reference_params, reference_bytes)
 from rlax_pipe.learner.optimizer import decay_mask, learning_rate, make_optimizer

@@ -28,6 +28,7 @@ from rlax_pipe.learner import reference as reference_lib
 from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
+from rlax_pipe.host_rules import plan_micro_batches
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import HiddenStatesModel, Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
@@ -125,27 +126,6 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
   ref = () if objective_cfg.kl == "off" else (reference_lib.abstract_reference(model, mesh),)
   return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_),
                               frozen, *ref)
-
-
-def plan_micro_batches(num_rows: int, micro_batch_rows: int,
-                       num_minibatches: int) -> list[list[np.ndarray]]:
-  """Row indices of every micro-batch of every minibatch (host-side batch split).
-
-  Row r goes to minibatch r mod m; a minibatch's rows are cut into micro-batches of exactly
-  `micro_batch_rows` rows, the last one padded with -1 (an empty row). A minibatch with no row
-  gets no micro-batch (its update is skipped as having no data).
-
-  Returns:
-    m lists of int64 [micro_batch_rows] index arrays.
-  """
-  plan = []
-  for j in range(num_minibatches):
-    rows = np.arange(j, num_rows, num_minibatches)
-    n = -(-len(rows) // micro_batch_rows)
-    padded = np.full(n * micro_batch_rows, -1, np.int64)
-    padded[:len(rows)] = rows
-    plan.append([padded[i * micro_batch_rows:(i + 1) * micro_batch_rows] for i in range(n)])
-  return plan
 
 
 def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:

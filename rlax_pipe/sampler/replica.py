@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 import numpy as np
 
+from rlax_pipe import host_rules
 from rlax_pipe.model import Model
 from rlax_pipe.sampler import device_loop
 from rlax_pipe.sampler import page_pool
@@ -33,7 +34,6 @@ from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.sampler.page_allocator import PageAllocator
 from rlax_pipe.sampler.paged_cache import uses_combined_layout
 from rlax_pipe.sampler.prompt_sharing import PromptSharing
-from rlax_pipe.sampler import scheduler as scheduler_lib
 from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
 
 FLAG_ROW = device_loop.UPDATE_ROWS  # extra row of the update matrix: [0] = refill_at
@@ -210,7 +210,7 @@ class EngineReplica:
         seq.table_cols = len(held)
     self.sched.dirty.clear()
     waiting = len(self.sched.waiting) + queued
-    upd[FLAG_ROW, 0] = scheduler_lib.refill_at(waiting, b)  # refill freed slots in batches
+    upd[FLAG_ROW, 0] = host_rules.refill_at(waiting, b)  # refill freed slots in batches
     if not slots:
       return upd, None
     n = pow2_bucket(len(slots), 64)
