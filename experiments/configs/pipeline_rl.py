@@ -19,6 +19,9 @@ eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 task as a multi-turn environment with a calculator tool (task "arithmetic_calculator",
 `rlax_pipe.envs`; limits in --config.env.*). The defaults are those of
 `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
+The family itself names one setting: the sampling temperature `RL_TEMPERATURE` (0.7) of every
+preset, the measured choice of README command 1 (the library's default, `SamplingConfig`, is
+1.0: the model's own distribution).
 Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
 
@@ -35,6 +38,10 @@ SIZE_PRESETS = ("default", "tiny", "tiny_moe")
 TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
 _PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
 PRESETS = SIZE_PRESETS + TASK_PRESETS
+# The RL family's sampling temperature (every preset; README command 1 and the experiments' runs
+# were measured with it). It sets the behaviour policy mu = softmax(logits / T), which the
+# learner scores and corrects for with the same SamplingConfig (the job passes one to both).
+RL_TEMPERATURE = 0.7
 
 
 def _tiny(cfg: RunConfig) -> RunConfig:
@@ -76,6 +83,8 @@ def get_config(preset: str = "default"):
                      f"one of {SIZE_PRESETS}, optionally with one of {TASK_PRESETS} "
                      "(e.g. 'tiny,dataset_file').")
   cfg = RunConfig()
+  sampling = dataclasses.replace(cfg.sampler.sampling, temperature=RL_TEMPERATURE)
+  cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sampling=sampling))
   task = next((p for p in names if p in TASK_PRESETS), None)
   if task is not None:
     name = _PRESET_TASK.get(task, task)
