@@ -365,11 +365,6 @@ class Learner(persistence.LearnerPersistence):
     return {name: getattr(self._compiled, name)._cache_size()  # pylint: disable=protected-access
             for name in ("prox", "accumulate", "apply")}
 
-  def compile_count(self) -> int:
-    """Compiled variants of the train step's accumulation program (1 after any number of steps
-    of one row length, whatever their batch sizes)."""
-    return self.compile_counts().get("accumulate", 0)
-
   # ---- training -------------------------------------------------------------------------------
 
   def train_step(self, batch: TrainBatch | dict) -> dict[str, np.ndarray] | None:
