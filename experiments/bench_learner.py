@@ -35,9 +35,10 @@ import jax  # noqa: E402
 from rlax_pipe import learner  # noqa: E402
 from rlax_pipe import sharding  # noqa: E402
 from rlax_pipe.config import LoraConfig, ModelConfig  # noqa: E402
-from rlax_pipe.learner import benchmark  # noqa: E402
 from rlax_pipe.logprobs import SamplingConfig  # noqa: E402
 from rlax_pipe.objectives import ObjectiveConfig  # noqa: E402
+
+from lib import learner_bench as benchmark  # noqa: E402
 
 MODELS = {
     "tiny": {},

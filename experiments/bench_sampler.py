@@ -23,7 +23,7 @@ from absl import flags
 
 from lib import sampler_presets as presets
 from lib import sampler_scaling
-from rlax_pipe.sampler import benchmark
+from lib import sampler_workload as benchmark
 
 _SUITE = flags.DEFINE_enum("suite", "workload", ["workload", "scaling", "kernels"],
                            "workload: paged vs static; scaling: point-7 ratios; kernels: Pallas "

@@ -28,12 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from rlax_pipe import hlo_collectives
 from rlax_pipe import hlo_costs
 from rlax_pipe import objectives
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.costs import chips
-from rlax_pipe.learner import flops, hlo_analysis
+from rlax_pipe.learner import flops
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.learner.learner import lower_accumulate
 from rlax_pipe.logprobs import SamplingConfig
@@ -194,7 +195,7 @@ def program_report(compiled: Any, mesh: Mesh, hlo_path: str | None = None) -> di
     with cost_bytes_accessed_loop_bodies_once) (`hlo_costs.costs`; a loop of unknown trip
     count, e.g. the reference's chunk loop, counted once: loops_unknown_trip_count says how
     many), cost (`cost_analysis()` flops and bytes accessed: a loop body counted ONCE),
-    custom_calls, mosaic_kernels (Pallas kernels), collectives (`hlo_analysis.summarize`:
+    custom_calls, mosaic_kernels (Pallas kernels), collectives (`hlo_collectives.summarize`:
     op -> count / bytes / mesh axes).
   """
   hlo = compiled.as_text()
@@ -217,7 +218,7 @@ def program_report(compiled: Any, mesh: Mesh, hlo_path: str | None = None) -> di
       "cost_bytes_accessed_loop_bodies_once": float(cost.get("bytes accessed", 0.0)),
       "custom_calls": len(re.findall(r"custom-call\(", hlo)),
       "mosaic_kernels": hlo.count('custom_call_target="tpu_custom_call"'),
-      "collectives": hlo_analysis.summarize(hlo_analysis.collectives(hlo, mesh)),
+      "collectives": hlo_collectives.summarize(hlo_collectives.collectives(hlo, mesh)),
   }
 
 
@@ -280,10 +281,9 @@ def learner_report(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, seq_l
   Returns:
     `program_report` fields, model_flops (6 x matmul params x tokens + attention, per device:
     `flops.model_flops_per_token`), and the collective findings of
-    `learner.benchmark.collective_findings` (weight all-gathers / gradient reduce-scatters over
+    `hlo_collectives.collective_findings` (weight all-gathers / gradient reduce-scatters over
     fsdp, activation collectives).
   """
-  from rlax_pipe.learner import benchmark  # pylint: disable=import-outside-toplevel
   # Not under `lowering_context`: optax builds a few concrete scalars on the default device
   # while deriving the optimizer state's shardings, and nothing can live on a topology device.
   compiled = lower_accumulate(model_cfg, cfg, objective_cfg or objectives.ObjectiveConfig(),
@@ -294,5 +294,6 @@ def learner_report(model_cfg: ModelConfig, cfg: LearnerConfig, mesh: Mesh, seq_l
                              / mesh.size)
   # > 1: recompute (remat), fp32 heads, padding; per device on both sides.
   rep["compiled_over_model_flops"] = rep["matmul_flops"] / max(rep["model_flops"], 1.0)
-  rep.update(benchmark.collective_findings(compiled.as_text(), model_cfg, mesh))
+  shapes = [x.shape for x in jax.tree.leaves(as_model(model_cfg).abstract_params())]
+  rep.update(hlo_collectives.collective_findings(compiled.as_text(), shapes, mesh))
   return rep

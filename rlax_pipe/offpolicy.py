@@ -405,6 +405,23 @@ def combine_sums(a: DiagnosticSums, b: DiagnosticSums) -> DiagnosticSums:
   return DiagnosticSums(**out)
 
 
+def normalized_ess(lse_r: jax.Array, lse_r2: jax.Array, n: jax.Array | int) -> jax.Array:
+  """Normalized effective sample size (sum r)^2 / (N sum r^2) of N importance ratios r, from
+  log(sum r) and log(sum r^2) (Kong 1992; Owen 2013, "Monte Carlo theory, methods and
+  examples", eq. 9.13, divided by N). Computed in log space, so ratios far from 1 neither
+  overflow nor underflow; capped at 1.0 (rounding).
+
+  Args:
+    lse_r: float scalar, logsumexp of the log-ratios.
+    lse_r2: float scalar, logsumexp of twice the log-ratios.
+    n: number of ratios (>= 1).
+
+  Returns:
+    float scalar in (0, 1]; 1.0 exactly when every ratio is equal (on-policy: r = 1).
+  """
+  return jnp.minimum(jnp.exp(2.0 * lse_r - lse_r2 - jnp.log(n)), 1.0)
+
+
 def finalize_diagnostics(s: DiagnosticSums) -> ObjectiveDiagnostics:
   """`ObjectiveDiagnostics` from their sufficient statistics; empty sets give NaN (absent)."""
   f32 = jnp.float32
@@ -423,7 +440,7 @@ def finalize_diagnostics(s: DiagnosticSums) -> ObjectiveDiagnostics:
       ratio_var=present(jnp.maximum(s.sum_dr2 / n - mean_dr * mean_dr, 0.0), s.n_valid),
       ratio_min=present(jnp.exp(-s.neg_min_log_r), s.n_valid),
       ratio_max=present(jnp.exp(s.max_log_r), s.n_valid),
-      ess=present(jnp.minimum(jnp.exp(2.0 * s.lse_r - s.lse_r2 - jnp.log(n)), 1.0), s.n_valid),
+      ess=present(normalized_ess(s.lse_r, s.lse_r2, n), s.n_valid),
       frac_truncated=mean(s.sum_truncated, s.n_valid),
       frac_masked=present(1.0 - s.n_used.astype(f32) / jnp.maximum(s.n_mask, 1).astype(f32),
                           s.n_mask),

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "rlax_pipe"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("types", "config", "config_dict", "sharding", "platform_setup", "run_dir", "timeline",
      "tokenizer", "logprobs", "advantages", "offpolicy", "kl_penalty", "plots", "param_checksum",
-     "cluster", "hlo_costs", "router_replay"),
+     "cluster", "hlo_costs", "hlo_collectives", "host_rules", "router_replay"),
     ("model", "objectives", "tasks", "costs"),
     ("sampler", "learner", "grading", "model_dir"),
     ("evaluation", "aot", "fidelity", "envs"),

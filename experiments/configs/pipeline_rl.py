@@ -25,6 +25,9 @@ wave; snippet limits in --config.env.python.*: 4 s wall, 2 s CPU, 512 MiB; see
 `rlax_pipe.tasks.python_tool`), with a ```python block ending a turn as the call on raw prompts
 and the chat template's tool calls on chat prompts. The defaults are those of
 `rlax_pipe.pipeline.config.RunConfig` (the one source); a preset only names what it changes.
+The family itself names one setting: the sampling temperature `RL_TEMPERATURE` (0.7) of every
+preset, the measured choice of README command 1 (the library's default, `SamplingConfig`, is
+1.0: the model's own distribution).
 Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
 
@@ -42,6 +45,10 @@ TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
 _PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
 TOOL_PRESETS = ("python",)
 PRESETS = SIZE_PRESETS + TASK_PRESETS + TOOL_PRESETS
+# The RL family's sampling temperature (every preset; README command 1 and the experiments' runs
+# were measured with it). It sets the behaviour policy mu = softmax(logits / T), which the
+# learner scores and corrects for with the same SamplingConfig (the job passes one to both).
+RL_TEMPERATURE = 0.7
 
 
 def _tiny(cfg: RunConfig) -> RunConfig:
@@ -87,6 +94,8 @@ def get_config(preset: str = "default"):
     raise ValueError("presets 'calculator' and 'python' both add a tool; the Python tool is "
                      "added to a task without tools (e.g. 'tiny,python').")
   cfg = RunConfig()
+  sampling = dataclasses.replace(cfg.sampler.sampling, temperature=RL_TEMPERATURE)
+  cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sampling=sampling))
   task = next((p for p in names if p in TASK_PRESETS), None)
   if task is not None:
     name = _PRESET_TASK.get(task, task)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
+from rlax_pipe import offpolicy
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.model import Transformer
 from rlax_pipe.model import transformer
@@ -87,5 +88,6 @@ def measure(cfg: ModelConfig, rows: int = 2, positions: int = 32, temperature: f
       abs_logp_mismatch_max=float(np.abs(d).max()), ratio_var=float(r.var()),
       frac_ratio_gt_2=float((r > 2).mean()), frac_ratio_gt_5=float((r > 5).mean()),
       frac_ratio_lt_half=float((r < 0.5).mean()),
-      ess=float(r.sum() ** 2 / (r.size * (r**2).sum())), tokens=int(r.size),
+      ess=float(offpolicy.normalized_ess(jax.nn.logsumexp(d), jax.nn.logsumexp(2 * d), d.size)),
+      tokens=int(r.size),
       seconds=time.perf_counter() - t0)

@@ -131,7 +131,7 @@ def run_preset(name: str, *, slots: int | None = None, prompt_len: int = 128,
   after = engine.stats()
   steps = after.decode_steps - before.decode_steps
   tokens = after.generated_tokens - before.generated_tokens
-  layout_bytes = 2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim * 2
+  layout_bytes = engine.replicas[0].layout.bytes_per_token  # K + V of one token, all layers
   first = before.generated_tokens // slots  # tokens each sequence had before the timed part
   mean_live = prompt_len + (first + new_tokens) / 2  # live tokens per slot, mean over steps
   bytes_per_step = weight_bytes(params) + slots * mean_live * layout_bytes

@@ -20,22 +20,20 @@ import numpy as np
 
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
-from rlax_pipe import param_checksum
 from rlax_pipe.learner import checkpoint as checkpoint_lib
+from rlax_pipe.learner import lora_base
 from rlax_pipe.learner import optimizer
+from rlax_pipe.learner import persistence
+from rlax_pipe.learner import reference as reference_lib
 from rlax_pipe.learner import sharding as sharding_lib
 from rlax_pipe.learner import train_state as train_state_lib
 from rlax_pipe.learner import train_step as train_step_lib
+from rlax_pipe.host_rules import plan_micro_batches
 from rlax_pipe.learner.config import LearnerConfig
 from rlax_pipe.model import HiddenStatesModel, Model, ModelLike, as_model
 from rlax_pipe.model import lora as lora_lib
-from rlax_pipe.model import hf_io
 from rlax_pipe.model import train_attention
 from rlax_pipe.types import TrainBatch
-
-# Checkpoint extra key of a LoRA learner: the checksums of the frozen base the adapters belong to.
-LORA_BASE_KEY = "lora_base_checksum"
-
 
 class NonFiniteError(RuntimeError):
   """Raised after `max_consecutive_nonfinite` skipped (non-finite) optimizer steps in a row."""
@@ -91,7 +89,7 @@ def _compiled_step(model: Model, step_cfg: LearnerConfig,
       prox=jit(fns.prox, in_shardings=(state_sh, micro_sh, frozen_sh), out_shardings=tok_sh),
       accumulate=jit(fns.accumulate,
                      in_shardings=(state_sh, acc_sh, stats_sh, micro_sh, tok_sh, rep, frozen_sh) + (
-                         () if objective_cfg.kl == "off" else (reference_shardings(model, mesh),)),
+                         () if objective_cfg.kl == "off" else (reference_lib.reference_shardings(model, mesh),)),
                      out_shardings=(acc_sh, stats_sh), donate_argnums=(1, 2)),
       apply=jit(fns.apply, in_shardings=(state_sh, acc_sh, stats_sh, rep),
                 out_shardings=(state_sh, acc_sh, stats_sh, rep), donate_argnums=(0, 1, 2)),
@@ -125,95 +123,9 @@ def lower_accumulate(model: ModelLike, cfg: LearnerConfig,
         shape + _routes_tail(model), train_step_lib.ROUTES_DTYPE,
         sharding=fns.micro_sharding[train_step_lib.ROUTES_FIELD])
   prox = jax.ShapeDtypeStruct(shape, np.float32, sharding=fns.micro_sharding["tokens"])
-  ref = () if objective_cfg.kl == "off" else (abstract_reference(model, mesh),)
+  ref = () if objective_cfg.kl == "off" else (reference_lib.abstract_reference(model, mesh),)
   return fns.accumulate.lower(state, acc, stats, mb, prox, jax.ShapeDtypeStruct((), np.bool_),
                               frozen, *ref)
-
-
-def _reference_dtype(model: Model, dtype: Any) -> Any:
-  """The reference copy's dtype of a param leaf: the model's compute dtype for floating leaves
-  (the built-in model casts params to it anyway), unchanged otherwise or for a model without
-  a `compute_dtype`."""
-  cdt = getattr(model, "compute_dtype", None)
-  return np.dtype(cdt) if cdt is not None and np.issubdtype(dtype, np.floating) else dtype
-
-
-def abstract_reference(model: ModelLike, mesh: Mesh) -> Any:
-  """The reference params (`ObjectiveConfig.kl`) as abstract arrays: the params' shapes and
-  learner shardings, in the model's compute dtype (nothing allocated)."""
-  model = as_model(model)
-  shardings = sharding_lib.param_shardings(model, mesh)
-  return jax.tree.map(
-      lambda a, sh: jax.ShapeDtypeStruct(a.shape, _reference_dtype(model, a.dtype), sharding=sh),
-      model.abstract_params(), shardings)
-
-
-def reference_bytes(model: ModelLike, mesh: Mesh) -> dict[str, int]:
-  """Memory of the reference params: total bytes and the largest per-device share (bytes)."""
-  ref = abstract_reference(model, mesh)
-  total = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(ref))
-  per_device = sum(
-      int(np.prod(a.sharding.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
-      for a in jax.tree.leaves(ref))
-  return {"reference_bytes": total, "reference_bytes_per_device": per_device}
-
-
-def _make_reference(model: Model, mesh: Mesh, params: Any) -> Any:
-  """A copy of `params` on the learner shardings in the compute dtype (a new buffer: the
-  learner's own params are donated by every step, the reference never changes)."""
-  target = abstract_reference(model, mesh)
-  cast = jax.jit(lambda p: jax.tree.map(lambda x, t: x.astype(t.dtype), p, target),
-                 out_shardings=jax.tree.map(lambda t: t.sharding, target))
-  ref = cast(params)
-  if any(r is p for r, p in zip(jax.tree.leaves(ref), jax.tree.leaves(params))):
-    ref = jax.tree.map(lambda x: x.copy(), ref)  # an identity cast may alias the input
-  return ref
-
-
-def load_reference_params(model: Model, path: str) -> Any:
-  """Host params of an HF-format model directory (`ObjectiveConfig.kl_reference`).
-
-  Raises:
-    ValueError: if the directory cannot be read or its params do not match the model's tree
-      and shapes (the message names the field, the path and the difference).
-  """
-  try:
-    _, params = hf_io.load_hf_checkpoint(path)
-  except (ValueError, FileNotFoundError, OSError) as e:
-    raise ValueError(f"ObjectiveConfig.kl_reference={path!r}: {e}") from None
-  want = jax.tree.map(lambda a: a.shape, model.abstract_params())
-  got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
-  if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-    raise ValueError(f"ObjectiveConfig.kl_reference={path!r}: its params do not match the "
-                     "learner's model (tree or shapes differ); pass a checkpoint of the same "
-                     "architecture.")
-  return params
-
-
-def reference_shardings(model: ModelLike, mesh: Mesh) -> Any:
-  """Learner shardings of the reference params (the full model's params, also under LoRA)."""
-  return jax.tree.map(lambda t: t.sharding, abstract_reference(model, mesh))
-
-
-def plan_micro_batches(num_rows: int, micro_batch_rows: int,
-                       num_minibatches: int) -> list[list[np.ndarray]]:
-  """Row indices of every micro-batch of every minibatch (host-side batch split).
-
-  Row r goes to minibatch r mod m; a minibatch's rows are cut into micro-batches of exactly
-  `micro_batch_rows` rows, the last one padded with -1 (an empty row). A minibatch with no row
-  gets no micro-batch (its update is skipped as having no data).
-
-  Returns:
-    m lists of int64 [micro_batch_rows] index arrays.
-  """
-  plan = []
-  for j in range(num_minibatches):
-    rows = np.arange(j, num_rows, num_minibatches)
-    n = -(-len(rows) // micro_batch_rows)
-    padded = np.full(n * micro_batch_rows, -1, np.int64)
-    padded[:len(rows)] = rows
-    plan.append([padded[i * micro_batch_rows:(i + 1) * micro_batch_rows] for i in range(n)])
-  return plan
 
 
 def _take_rows(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -235,19 +147,6 @@ def _routes_tail(model) -> tuple[int, int]:
     raise ValueError("--config.objective.router_replay='replay' needs a mixture-of-experts "
                      "model (ModelConfig.n_experts > 0); set it to 'off' for a dense model.")
   return cfg.n_moe_layers, cfg.n_experts_per_tok
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_base_init(model: Model, mesh: Mesh):
-  """Jitted random init of a LoRA run's frozen base, straight into the learner shardings."""
-  return jax.jit(lambda seed: model.init_params(jax.random.key(seed)),
-                 out_shardings=sharding_lib.param_shardings(model, mesh))
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_merge(lora: lora_lib.LoraAdapters, mesh: Mesh):
-  """Jitted `lora.merge(base, adapters)` into the model's learner shardings."""
-  return jax.jit(lora.merge, out_shardings=sharding_lib.param_shardings(lora.model, mesh))
 
 
 @functools.lru_cache(maxsize=8)
@@ -297,7 +196,7 @@ def batch_arrays(batch: TrainBatch | dict, routes: bool = False) -> dict[str, np
   return out
 
 
-class Learner:
+class Learner(persistence.LearnerPersistence):
   """Sharded learner: init, train_step, params/version for the weight channel, save/restore.
 
   Example:
@@ -378,8 +277,7 @@ class Learner:
                  "checkpoint" if restore else "given params" if params is not None else "random")
     seed = jax.device_put(np.int32(cfg.seed), sharding_lib.replicated(mesh))
     if self.lora is not None:
-      self._frozen = (_compiled_base_init(self.model, mesh)(seed) if params is None else
-                      jax.device_put(params, sharding_lib.param_shardings(self.model, mesh)))
+      self._frozen = lora_base.place_base(self.model, mesh, params, seed)
       params = None
       logging.info("Learner: LoRA rank %d, alpha %g on %d weights (%s): %d adapter bytes "
                    "trained, base frozen.", cfg.lora.rank, cfg.lora.alpha, len(self.lora.specs),
@@ -388,14 +286,14 @@ class Learner:
     self.reference_params: Any = None  # pi_ref of ObjectiveConfig.kl, None when off
     kl_path = objective_cfg.kl_reference if objective_cfg.kl != "off" else None
     if kl_path is not None:
-      self.reference_params = _make_reference(
-          self.model, mesh, load_reference_params(self.model, kl_path))
+      self.reference_params = reference_lib.make_reference(
+          self.model, mesh, reference_lib.load_reference_params(self.model, kl_path))
     if restore:
       if params is not None:
         raise ValueError("Learner: pass either params or restore=True, not both.")
       if objective_cfg.kl != "off" and kl_path is None and self.lora is not None:
         # LoRA: the initial policy is the frozen base (fresh adapters have B = 0).
-        self.reference_params = _make_reference(self.model, mesh, self._frozen)
+        self.reference_params = reference_lib.make_reference(self.model, mesh, self._frozen)
       elif objective_cfg.kl != "off" and kl_path is None:
         raise ValueError("Learner: restore=True without params does not know the initial "
                          "params to use as the KL reference; pass params and call restore() "
@@ -411,7 +309,7 @@ class Learner:
     if objective_cfg.kl != "off" and kl_path is None:  # the initial params (default)
       # With LoRA the initial merged params are the base itself (fresh adapters have B = 0).
       init = self._frozen if self.lora is not None else self._state.params
-      self.reference_params = _make_reference(self.model, mesh, init)
+      self.reference_params = reference_lib.make_reference(self.model, mesh, init)
 
   # ---- state access -------------------------------------------------------------------------
 
@@ -438,7 +336,7 @@ class Learner:
     export of the trained policy or an evaluation engine)."""
     if self.lora is None:
       return self._state.params
-    return _compiled_merge(self.lora, self.mesh)(self._frozen, self._state.params)
+    return lora_base.merge(self.lora, self.mesh, self._frozen, self._state.params)
 
   @property
   def version(self) -> int:
@@ -466,11 +364,6 @@ class Learner:
       return {}
     return {name: getattr(self._compiled, name)._cache_size()  # pylint: disable=protected-access
             for name in ("prox", "accumulate", "apply")}
-
-  def compile_count(self) -> int:
-    """Compiled variants of the train step's accumulation program (1 after any number of steps
-    of one row length, whatever their batch sizes)."""
-    return self.compile_counts().get("accumulate", 0)
 
   # ---- training -------------------------------------------------------------------------------
 
@@ -604,77 +497,3 @@ class Learner:
           f"{self.cfg.max_consecutive_nonfinite}. Their updates were skipped (params, optimizer "
           f"state and version {int(m['version'])} unchanged); {where}.")
     return m
-
-  # ---- checkpoints ----------------------------------------------------------------------------
-
-  def state_dict(self) -> train_state_lib.TrainState:
-    """The learner's whole state (device arrays, donated by the next `train_step`)."""
-    return self._state
-
-  def load_state_dict(self, state: train_state_lib.TrainState) -> None:
-    """Replaces the state by `state` (any placement: copied onto the learner shardings).
-
-    Raises:
-      ValueError: if its tree differs from this learner's state (the message names both).
-    """
-    want, got = jax.tree.structure(self._state), jax.tree.structure(state)
-    if want != got:
-      raise ValueError(f"Learner.load_state_dict: state tree {got} differs from {want}.")
-    self._state, self._pending = jax.device_put(state, self.state_shardings), None
-    self._read_counters()
-
-  def save(self, extra: dict | None = None) -> int:
-    """Starts an asynchronous checkpoint of the state (+ JSON `extra`); returns its step id.
-
-    Raises:
-      ValueError: if `LearnerConfig.checkpoint.directory` is None.
-      TypeError: if `extra` is not JSON-serializable.
-    """
-    if self._checkpointer is None:
-      raise ValueError("Learner.save: LearnerConfig.checkpoint.directory is None.")
-    if self.lora is not None:  # the adapters are only meaningful on top of this very base
-      extra = {**(extra or {}), LORA_BASE_KEY: self._base_checksum()}
-    step = self.step
-    self._checkpointer.save(step, self.state_dict(), extra)
-    logging.info("Learner: saving checkpoint step %d (version %d) to %s.", step, self.version,
-                 self._checkpointer.directory)
-    return step
-
-  def restore(self, step: int | None = None) -> dict:
-    """Restores a checkpoint (newest usable one by default) onto THIS learner's mesh.
-
-    Returns:
-      The JSON extra dict saved with it.
-
-    Raises:
-      ValueError: if `LearnerConfig.checkpoint.directory` is None.
-      checkpoint.CheckpointError: if no usable checkpoint exists (or `step` is unusable);
-        `CheckpointMismatchError` too when a LoRA checkpoint's adapters were trained on another
-        base than this learner's `base_params` (exact checksums compared).
-    """
-    if self._checkpointer is None:
-      raise ValueError("Learner.restore: LearnerConfig.checkpoint.directory is None.")
-    target = train_state_lib.sharded_abstract_state(self._space, self._tx, self.mesh)
-    restored = self._checkpointer.restore(target, step)
-    base = restored.extra.pop(LORA_BASE_KEY, None)
-    if self.lora is not None and base is not None and base != self._base_checksum():
-      raise checkpoint_lib.CheckpointMismatchError(
-          f"checkpoint step {restored.step} in {self._checkpointer.directory} holds LoRA adapters "
-          "trained on another base than the params this learner was given: pass the same "
-          "initial params (RunConfig.init) as the run that saved it.")
-    self._state, self._pending = restored.state, None
-    self._read_counters()
-    self.last_restore = restored._replace(state=None)  # step, skipped steps and why
-    logging.info("Learner: restored checkpoint step %d (version %d) from %s%s.", restored.step,
-                 self.version, self._checkpointer.directory,
-                 f", skipping bad steps {list(restored.skipped)}" if restored.skipped else "")
-    return restored.extra
-
-  def _base_checksum(self) -> list[int]:
-    """Exact per-leaf checksums of the frozen base (`param_checksum`), as JSON-able ints."""
-    return [int(x) for x in param_checksum.host(param_checksum.checksum(self._frozen))]
-
-  def close(self) -> None:
-    """Waits for pending checkpoint writes."""
-    if self._checkpointer is not None:
-      self._checkpointer.close()

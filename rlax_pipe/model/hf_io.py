@@ -65,13 +65,13 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # Our top-level name -> (HF name, layout kind). Kinds: an int n = HF Linear [out, in], transposed,
 # whose first n axes in our layout are the input axes; "vec" = a vector (ours may split it, e.g.
 # bq [H, D] <-> [H*D]); "same" = identical layout (the embedding table [V, E]).
-_TOP_TENSORS = {
+TOP_TENSORS = {
     "embed": ("model.embed_tokens.weight", "same"),
     "final_norm": ("model.norm.weight", "vec"),
     "lm_head": ("lm_head.weight", 1),
 }
 # Our per-layer name -> (HF name inside `model.layers.{i}.`, layout kind as above).
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "attn_norm": ("input_layernorm.weight", "vec"),
     "wq": ("self_attn.q_proj.weight", 1),
     "wk": ("self_attn.k_proj.weight", 1),
@@ -176,7 +176,7 @@ def _index_tensors(files: list[pathlib.Path]) -> dict[str, _TensorRef]:
 # Name and layout mapping.
 
 
-Kind = int | str  # layout kind, see _TOP_TENSORS
+Kind = int | str  # layout kind, see TOP_TENSORS
 
 
 _STACKS = ("layers", "moe_layers")
@@ -197,7 +197,7 @@ def _hf_names(cfg: ModelConfig, fused_experts: bool = False
   ("moe_layers", "experts_down", i) -> (down_proj, "xdown") instead.
   """
   specs = transformer.param_specs(cfg)
-  names = {(k,): _TOP_TENSORS[k] for k in specs if k not in _STACKS}
+  names = {(k,): TOP_TENSORS[k] for k in specs if k not in _STACKS}
   index = {g: (stack, i) for stack in _STACKS if stack in specs
            for i, g in enumerate(_stack_layers(cfg, stack))}
   for g in range(cfg.n_layers):
@@ -212,7 +212,7 @@ def _hf_names(cfg: ModelConfig, fused_experts: bool = False
         elif k == "experts_down":
           names[(stack, k, i)] = (f"model.layers.{g}.{_FUSED_DOWN}", "xdown")
         continue
-      hf, kind = _LAYER_TENSORS[k]
+      hf, kind = LAYER_TENSORS[k]
       names[(stack, k, i)] = (f"model.layers.{g}.{hf}", kind)
   return names
 

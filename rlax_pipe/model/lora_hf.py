@@ -39,11 +39,11 @@ def _hf_module(spec_path: tuple[str, ...]) -> tuple[str, int, bool]:
     ValueError: for a weight with no HF Linear counterpart (the embedding, norms).
   """
   if spec_path[0] == "layers" and len(spec_path) == 2:
-    hf, kind = hf_io._LAYER_TENSORS[spec_path[1]]  # pylint: disable=protected-access
+    hf, kind = hf_io.LAYER_TENSORS[spec_path[1]]
     per_layer = True
     hf = f"model.layers.{{i}}.{hf}"
   else:
-    top = hf_io._TOP_TENSORS  # pylint: disable=protected-access
+    top = hf_io.TOP_TENSORS
     hf, kind = top.get(spec_path[0], (None, None))
     per_layer = False
   if not isinstance(kind, int) or not hf.endswith(".weight"):

@@ -14,7 +14,6 @@ from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost m
 from rlax_pipe.envs.base import EnvConfig
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.pipeline import config_checks
 from rlax_pipe.pipeline.group_filter import GroupFilterConfig
 from rlax_pipe.pipeline.staleness import StalenessConfig
@@ -242,9 +241,12 @@ class RunConfig:
       pipeline.staleness.max_lag, which the learner's objective also receives (its hard lag
       mask is a second guard behind the queue).
     sampler: sampler config (slots, pages, completion budget max_new_tokens, sampling with
-      temperature / top_k / top_p). Its eos_id None (or ()) = the tokenizer's stop set (EOS,
-      the eos_token_id list of generation_config.json, the chat template's end-of-turn id) with
-      the init model's EOS ids; set ids to override. An RL run always has a stop set.
+      temperature / top_k / top_p). Its `sampling` defines the behaviour policy mu, the
+      distribution the learner scores and corrects for with the same `SamplingConfig`; its
+      default is `SamplingConfig()`'s (temperature 1.0: the model's own distribution). Its
+      eos_id None (or ()) = the tokenizer's stop set (EOS, the eos_token_id list of
+      generation_config.json, the chat template's end-of-turn id) with the init model's EOS ids;
+      set ids to override. An RL run always has a stop set.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
@@ -280,8 +282,7 @@ class RunConfig:
   learner: LearnerConfig = LearnerConfig(mesh_axes=())
   objective: objectives.ObjectiveConfig = objectives.ObjectiveConfig()
   sampler: SamplerConfig = SamplerConfig(
-      num_slots=64, num_pages=512, max_seq_len=384, max_new_tokens=384,
-      sampling=SamplingConfig(temperature=0.7))
+      num_slots=64, num_pages=512, max_seq_len=384, max_new_tokens=384)
   pipeline: PipelineConfig = PipelineConfig()
   eval_slots: int = 32
   sampler_compute_dtype: str | None = None

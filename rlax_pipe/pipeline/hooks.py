@@ -257,13 +257,13 @@ class Evaluation:
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    version, params = self._params(job)
+    version, params = policy_params(job)
     mesh = job.eval_mesh or job.learner_mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
                                 WeightUpdate(version, params, params_owned(job)), mesh=mesh)
     self.sampled_engine = None
     if cfg.pipeline.eval_samples:
-      version, params = self._params(job)
+      version, params = policy_params(job)
       self.sampled_engine = SamplerEngine(
           job.model, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling),
           WeightUpdate(version, params, params_owned(job)), mesh=mesh)
@@ -275,7 +275,7 @@ class Evaluation:
     if self.sampled_engine is None:
       return {}
     if job.learner.version != self.sampled_engine.version:
-      self.sampled_engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
+      self.sampled_engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
     pcfg = job.cfg.pipeline
     res = evaluation.evaluate_samples(
         self.sampled_engine, job.task, job.tok, self.problems, pcfg.eval_samples, pcfg.pass_ks,
@@ -290,7 +290,7 @@ class Evaluation:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(*self._params(job), params_owned(job)))
+      self.engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     sampled = self._sampled_row(job)
@@ -309,12 +309,6 @@ class Evaluation:
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
 
-  @staticmethod
-  def _params(job: Job) -> tuple[int, object]:
-    if job.eval_params is not None:
-      return job.eval_params()
-    return job.learner.version, job.learner.merged_params()  # the learner's own, without LoRA
-
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
     step, pcfg = job.learner.step, job.cfg.pipeline
@@ -323,6 +317,14 @@ class Evaluation:
 
   def on_end(self, job: Job, time_s: float) -> None:
     self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+
+
+def policy_params(job: Job) -> tuple[int, object]:
+  """(version, params) of the newest policy for evaluation and export: the job's `eval_params`
+  (a multi-process lead's own copy), else the learner's params (LoRA merged into the base)."""
+  if job.eval_params is not None:
+    return job.eval_params()
+  return job.learner.version, job.learner.merged_params()
 
 
 def params_owned(job: Job) -> bool:
@@ -382,7 +384,7 @@ class Export:
       return
     path = job.run_dir.path / "hf"
     # The learner's params, or (multi-process job) the lead's own copy of the newest version.
-    _, params = Evaluation._params(job)  # pylint: disable=protected-access
+    _, params = policy_params(job)
     model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
     lora = getattr(job.learner, "lora", None)

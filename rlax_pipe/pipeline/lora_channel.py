@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model.lora import LoraAdapters, adapter_bytes
-from rlax_pipe.pipeline.weight_channel import ChannelStats, WeightChannel, _delete_all
+from rlax_pipe.pipeline.weight_channel import ChannelStats, WeightChannel, delete_all
 from rlax_pipe.types import WeightUpdate
 
 
@@ -125,7 +125,7 @@ class LoraWeightChannel:
                              got_from="the sampler's landed adapters")
     merged = self._merge(self._base, update.params)
     jax.block_until_ready(merged)
-    _delete_all(jax.tree.leaves(update.params))
+    delete_all(jax.tree.leaves(update.params))
     if self._debug and self._verify is not None:
       self._verify(merged, update.version)
     return WeightUpdate(update.version, merged, donated=True,
@@ -138,4 +138,4 @@ class LoraWeightChannel:
   def close(self) -> None:
     """Frees the version in transit and the sampler's base copy."""
     self._adapters.close()
-    _delete_all(jax.tree.leaves(self._base))
+    delete_all(jax.tree.leaves(self._base))

@@ -2,8 +2,9 @@
 
 The real pipeline (`RolloutWorker`, `Trainer`, the drivers, the step hooks) and the simulator
 (`rlax_pipe.sim`) call these functions to compute a token's and a sample's lag (`token_lag`,
-`sample_lag`), the learner's batch shape (`packing_plan`, `batch_rows`, `micro_batch_plan`), the
-engine's refill point (`refill_at`), and to decide when a prompt group may start, when new
+`sample_lag`), the learner's batch shape (`packing_plan`, `batch_rows`, and `micro_batch_plan`
+from `rlax_pipe.host_rules`), the engine's refill point (`refill_at`, from `host_rules` too: the
+sampler and the learner, lower layers, call the same functions there), and to decide when a prompt group may start, when new
 weights may be installed and which side of the virtual-clock interleaving moves next; the
 staleness admission and the learner's batch rule are the pure functions of `staleness.py`. So the
 simulator cannot drift from what runs (tests/sim/test_same_schedule.py runs both on the same
@@ -32,6 +33,10 @@ import dataclasses
 from typing import Sequence
 
 import numpy as np
+
+# The rules the sampler and the learner (lower layers) share with the simulator, written once in
+# `rlax_pipe.host_rules`; re-exported here so the pipeline and the simulator have one place.
+from rlax_pipe.host_rules import micro_batch_plan, refill_at  # pylint: disable=unused-import
 
 # The drivers (DESIGN.md, "Drivers"); PipelineConfig.driver and SimConfig.driver choose one.
 DRIVERS: tuple[str, ...] = ("sync", "async-batch", "pipeline")
@@ -143,35 +148,6 @@ def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
   first-fit-decreasing plan's row count rounded up by `bucket_rows` (the learner's batch shape
   rule, shared with the simulator)."""
   return bucket_rows(len(packing_plan(lengths, seq_len)))
-
-
-def micro_batch_plan(rows: int, micro_batch_rows: int | None = None, num_minibatches: int = 1
-                     ) -> tuple[int, int]:
-  """(micro-batches, rows processed) of a learner step on `rows` rows, by the learner's own
-  split (`learner.plan_micro_batches`: row r goes to minibatch r mod m, m = `num_minibatches`;
-  each minibatch is cut into micro-batches of exactly `micro_batch_rows` rows, the last padded),
-  so the step processes micro-batches x micro_batch_rows rows. Minibatch j holds
-  ceil((rows - j) / m) rows, hence ceil(ceil((rows - j) / m) / micro_batch_rows) micro-batches
-  (none when it holds no row). Without `micro_batch_rows`: one micro-batch per minibatch, `rows`
-  rows processed. Pure arithmetic, so the simulator shares it without importing the learner
-  (tests/pipeline/test_rules.py checks it against the learner's split)."""
-  if not micro_batch_rows:
-    return num_minibatches, rows
-  per_minibatch = [max(0, -(-(rows - j) // num_minibatches)) for j in range(num_minibatches)]
-  micro = sum(-(-n // micro_batch_rows) for n in per_minibatch)
-  return micro, micro * micro_batch_rows
-
-
-# ---- the engine's refill rule --------------------------------------------------------------
-
-
-def refill_at(waiting: int, num_slots: int) -> int:
-  """Finishes that end a decode dispatch early: min(waiting requests, ceil(num_slots / 8)), so
-  freed slots are refilled in batches and a dispatch is not cut short by every single finish
-  (0 when nothing waits). The simulator's copy of the engine's rule
-  (`sampler.scheduler.refill_at`, which the sampler, a lower layer, cannot import from here);
-  tests/pipeline/test_rules.py checks that the two agree."""
-  return min(waiting, -(-num_slots // 8))
 
 
 # ---- the drivers' scheduling rules ---------------------------------------------------------

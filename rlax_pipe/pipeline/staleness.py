@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -98,15 +98,6 @@ def is_too_stale(oldest_version: int, learner_version: int, max_lag: int | None)
   Samples without tokens (oldest_version >= v) are never too stale.
   """
   return max_lag is not None and learner_version - oldest_version > max_lag
-
-
-def partition_by_staleness(oldest_versions: Sequence[int], learner_version: int,
-                           max_lag: int | None) -> tuple[list[int], list[int]]:
-  """Splits candidates into (fresh, stale) index lists, preserving order."""
-  fresh, stale = [], []
-  for i, o in enumerate(oldest_versions):
-    (stale if is_too_stale(o, learner_version, max_lag) else fresh).append(i)
-  return fresh, stale
 
 
 def queue_overflow(num_ready: int, capacity: int | None) -> int:

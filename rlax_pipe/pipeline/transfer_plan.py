@@ -139,16 +139,18 @@ def _auto_mesh(devices: tuple[Any, ...], shape: tuple[int, ...], names: tuple[st
 
 
 @dataclasses.dataclass(frozen=True)
-class _LeafPlan:
+class LeafPlan:
+  """How one leaf travels from the learner to the sampler (see the module docstring)."""
+
   learner_layout: NamedSharding | None  # None: leaf is pushed as is (already in place / host)
   landing: NamedSharding                # layout on the sampler devices after device_put
   refine: bool                          # landing != target: a jit on the sampler mesh follows
 
 
-def _plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: str) -> _LeafPlan:
+def plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: str) -> LeafPlan:
   """Chooses the intermediate layouts for one leaf (see module docstring)."""
   if src is None:  # a host array: uploaded straight into the target layout
-    return _LeafPlan(None, target, False)
+    return LeafPlan(None, target, False)
   src_devices = _mesh_devices(src)
   mesh_b, n_a = target.mesh, len(src_devices)
   if n_a == mesh_b.size:
@@ -167,4 +169,4 @@ def _plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: st
   assert_congruent(layout, landing, shape, name)
   if src.is_equivalent_to(layout, len(shape)):
     layout = None
-  return _LeafPlan(layout, landing, refine)
+  return LeafPlan(layout, landing, refine)

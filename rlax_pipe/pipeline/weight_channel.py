@@ -51,7 +51,7 @@ import numpy as np
 
 from rlax_pipe import param_checksum
 from rlax_pipe.pipeline.transfer_plan import (  # pylint: disable=unused-import
-    LeafSpec, ManifestError, _LeafPlan, _plan_leaf, assert_congruent, check_manifest,
+    LeafSpec, ManifestError, LeafPlan, plan_leaf, assert_congruent, check_manifest,
     params_manifest)
 from rlax_pipe.types import WeightUpdate
 
@@ -94,7 +94,8 @@ def _all_ready(arrays) -> bool:
   return all(a.is_ready() for a in arrays)
 
 
-def _delete_all(arrays):
+def delete_all(arrays) -> None:
+  """Deletes every jax.Array among `arrays` that is not deleted yet (other items are skipped)."""
   for a in arrays:
     if isinstance(a, jax.Array) and not a.is_deleted():
       a.delete()
@@ -143,7 +144,7 @@ class WeightChannel:
     self._bytes = int(sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
                           for s in self._manifest))
     self._verify, self._debug = verify, debug
-    self._plans: dict[tuple[Any, ...], tuple[list[_LeafPlan], Callable | None, Callable | None]] = {}
+    self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], Callable | None, Callable | None]] = {}
     self._cond = threading.Condition()
     self._taken_version = -1
     self._pending: _InTransit | None = None
@@ -158,7 +159,7 @@ class WeightChannel:
   def _plan(self, leaves: list[Any]):
     key = tuple(getattr(x, "sharding", None) for x in leaves)
     if key not in self._plans:
-      plans = [_plan_leaf(src, tgt, spec.shape, spec.name)
+      plans = [plan_leaf(src, tgt, spec.shape, spec.name)
                for src, tgt, spec in zip(key, self._targets, self._manifest)]
       hop1 = [p.learner_layout for p in plans if p.learner_layout is not None]
       hop3 = [t for p, t in zip(plans, self._targets) if p.refine]
@@ -263,19 +264,19 @@ class WeightChannel:
                         intermediates, expected)
     if self._debug and self._verify is not None:
       jax.block_until_ready(landed)
-      _delete_all(record.intermediates)
+      delete_all(record.intermediates)
       try:
         self._verify(record.params, version)
       except Exception:
-        _delete_all(record.leaves)
+        delete_all(record.leaves)
         raise
     with self._cond:
       if version < self._last_pushed or version <= self._taken_version:
-        _delete_all(record.leaves + record.intermediates)  # overtaken meanwhile (other thread)
+        delete_all(record.leaves + record.intermediates)  # overtaken meanwhile (other thread)
         raise ValueError(f"WeightChannel.push: version {version} was overtaken by version "
                          f"{max(self._last_pushed, self._taken_version)} during the copy.")
       if self._pending is not None:
-        _delete_all(self._pending.leaves + self._pending.intermediates)
+        delete_all(self._pending.leaves + self._pending.intermediates)
         self._superseded += 1
       self._pending = record
       self._last_pushed = version
@@ -284,7 +285,7 @@ class WeightChannel:
 
   def _take_locked(self) -> WeightUpdate:
     record, self._pending = self._pending, None
-    _delete_all(record.intermediates)
+    delete_all(record.intermediates)
     self._taken_version = record.version
     self._takes += 1
     return WeightUpdate(record.version, record.params, donated=True, checksum=record.checksum)
@@ -340,5 +341,5 @@ class WeightChannel:
     """Deletes the arrays the channel still owns (the version in transit, if any)."""
     with self._cond:
       if self._pending is not None:
-        _delete_all(self._pending.leaves + self._pending.intermediates)
+        delete_all(self._pending.leaves + self._pending.intermediates)
         self._pending = None

@@ -10,10 +10,9 @@ Public surface:
   paged_attention_reference         pure-jnp, length-aware paged attention (every backend)
   kernels                           module: JAX's Pallas paged-attention kernels (GPU, TPU)
   static_generate                   module: static-batch dense-KV baseline (`static_generate`)
-  benchmark                         module: paged vs static on a long-tailed workload
 """
 
-from rlax_pipe.sampler import benchmark, kernels, static_generate
+from rlax_pipe.sampler import kernels, static_generate
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.engine import SamplerEngine, SamplerStats
 from rlax_pipe.sampler.page_allocator import PageAllocator
@@ -23,5 +22,5 @@ from rlax_pipe.sampler.paged_cache import PagedKVCache
 
 __all__ = [
     "PageAllocator", "PagedKVCache", "PoolLayout", "Request", "SamplerConfig", "SamplerEngine",
-    "SamplerStats", "benchmark", "kernels", "paged_attention_reference", "static_generate",
+    "SamplerStats", "kernels", "paged_attention_reference", "static_generate",
 ]

@@ -50,7 +50,6 @@ everything else (`submit`, `step`, `state_dict`, ...) from one thread, the engin
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import itertools
@@ -61,10 +60,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from rlax_pipe import router_replay
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model import ModelLike, as_model
-from rlax_pipe.sampler import device_loop, engine_state, episodes, page_pool, weight_check
+from rlax_pipe.sampler import (
+    device_loop, engine_state, episodes, page_pool, rollouts, weight_check)
 from rlax_pipe.sampler.config import Request, SamplerConfig
 from rlax_pipe.sampler.paged_cache import reference_only_reason, resolve_impl
 from rlax_pipe.sampler.replica import EngineReplica
@@ -204,15 +203,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     for r in self.replicas:
       r.version = params.version
     self._step_lock = threading.Lock()  # held while a step (or a state read) runs
-    self._uids = itertools.count()
-    self._group_replica: dict[Any, list[int]] = {}  # share key -> [replica, live members]
-    self._queue: collections.deque[SequenceState] = collections.deque()  # not yet on a replica
-    self._buffer: list[Rollout] = []  # finished by `settle`, returned by the next `step`
-    self._launches = 0
-    self._sums = dict(kv_utilization=0.0, kv_page_fill=0.0)
-    self._counts = dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
-                        live_token_steps=0, finished=0, aborted=0, weight_updates=0)
-    self._host_s = 0.0
+    self.book = engine_state.EngineBook()  # queue, counters, group placement, buffered rollouts
     self._weight_check = weight_check.WeightCheck()  # running weights vs the learner's
     self._weight_check.expect(self.weights.running)
 
@@ -235,7 +226,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
   @property
   def num_waiting(self) -> int:
     """Sequences waiting for a slot (new, filtered out by admission control, or preempted)."""
-    return len(self._queue) + sum(len(r.sched.waiting) for r in self.replicas)
+    return len(self.book.queue) + sum(len(r.sched.waiting) for r in self.replicas)
 
   @property
   def num_slots(self) -> int:
@@ -250,16 +241,16 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
 
   def stats(self) -> SamplerStats:
     """Counters and time averages (see `SamplerStats`)."""
-    steps = max(self._counts["decode_steps"], 1)
-    counts = dict(self._counts)
+    steps = max(self.book.counts["decode_steps"], 1)
+    counts = dict(self.book.counts)
     for name in _REPLICA_COUNTS:
       counts[name] = sum(r.counts.get(name, 0) for r in self.replicas)
     counts["parked_evictions"] = sum(r.sched.parked_evictions for r in self.replicas)
     return SamplerStats(
-        **counts, host_s=self._host_s,
+        **counts, host_s=self.book.host_s,
         device_call_s=sum(r.device_call_s for r in self.replicas),
         slot_occupancy=counts["generated_tokens"] / (steps * self.num_slots),
-        **{k: v / steps for k, v in self._sums.items()})
+        **{k: v / steps for k, v in self.book.sums.items()})
 
   # --- requests -----------------------------------------------------------------------------
   def submit(self, request: Request) -> None:
@@ -293,35 +284,35 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
           f"{cfg.num_pages} pages; increase SamplerConfig.num_pages to at least "
           f"{cfg.pages_for(longest)} (or lower max_new_tokens / max_seq_len).")
     key = (int(request.group_id), hashlib.blake2b(prompt.tobytes(), digest_size=8).hexdigest())
-    seq = SequenceState(uid=next(self._uids), request=request, prompt=prompt, max_new=max_new,
+    seq = SequenceState(uid=self.book.new_uid(), request=request, prompt=prompt, max_new=max_new,
                         budget=budget, tokens=prompt.tolist(), t_submit=self.clock(),
                         share_key=key)
-    self._queue.append(seq)
+    self.book.queue.append(seq)
     if len(self.replicas) == 1:
       self._distribute()
 
   def _distribute(self) -> None:
     """Hands queued requests (FIFO) to replicas: a group's replica if it has one, else the
     replica with the most free slots, while some replica has a free slot for it."""
-    while self._queue:
-      seq = self._queue[0]
-      entry = self._group_replica.get(seq.share_key)
+    while self.book.queue:
+      seq = self.book.queue[0]
+      entry = self.book.group_replica.get(seq.share_key)
       if entry is None:
         room = [r.cfg.num_slots - r.sched.num_active - len(r.sched.waiting)
                 for r in self.replicas]
         best = int(np.argmax(room))
         if room[best] <= 0 and len(self.replicas) > 1:
           return
-        entry = self._group_replica[seq.share_key] = [best, 0]
+        entry = self.book.group_replica[seq.share_key] = [best, 0]
       entry[1] += 1
-      self.replicas[entry[0]].sched.enqueue(self._queue.popleft())
+      self.replicas[entry[0]].sched.enqueue(self.book.queue.popleft())
 
   def _forget(self, seq: SequenceState) -> None:
-    entry = self._group_replica.get(seq.share_key)
+    entry = self.book.group_replica.get(seq.share_key)
     if entry is not None:
       entry[1] -= 1
       if entry[1] <= 0:
-        del self._group_replica[seq.share_key]
+        del self.book.group_replica[seq.share_key]
 
   def update_weights(self, update: WeightUpdate) -> None:
     """Takes ownership of newer weights; they run from the next dispatch boundary on.
@@ -353,17 +344,17 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
 
   def _abort(self, sample_id: int) -> Rollout | None:
     self._settle()
-    for seq in self._queue:
+    for seq in self.book.queue:
       if seq.request.sample_id == sample_id:
-        self._queue.remove(seq)
-        self._counts["aborted"] += 1
+        self.book.queue.remove(seq)
+        self.book.counts["aborted"] += 1
         return self._rollout(seq, "aborted", self.clock())
     for r in self.replicas:
       for seq in r.sched.running() + list(r.sched.waiting) + list(r.sched.parked.values()):
         if seq.request.sample_id == sample_id:
           r.sched.remove(seq)
           self._forget(seq)
-          self._counts["aborted"] += 1
+          self.book.counts["aborted"] += 1
           return self._rollout(seq, "aborted", self.clock())
     return None
 
@@ -372,7 +363,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     running): sample_id -> policy version of its first generated token (None before it has
     one). For the rollout worker's lost-sample check and in-flight staleness aborts."""
     with self._step_lock:
-      seqs = list(self._queue)
+      seqs = list(self.book.queue)
       for r in self.replicas:
         seqs += r.sched.running() + list(r.sched.waiting) + list(r.sched.parked.values())
       return {s.request.sample_id: (s.versions[0] if s.versions else None) for s in seqs}
@@ -387,14 +378,14 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
   def _abort_all(self) -> list[Rollout]:
     self._settle()
     now = self.clock()
-    out, self._buffer = self._buffer, []
+    out, self.book.buffer = self.book.buffer, []
     for r in self.replicas:
       for seq in r.sched.drain():
         self._forget(seq)
         out.append(self._rollout(seq, "aborted", now))
-    out.extend(self._rollout(seq, "aborted", now) for seq in self._queue)
-    self._queue.clear()
-    self._counts["aborted"] += sum(1 for x in out if x.finish_reason == "aborted")
+    out.extend(self._rollout(seq, "aborted", now) for seq in self.book.queue)
+    self.book.queue.clear()
+    self.book.counts["aborted"] += sum(1 for x in out if x.finish_reason == "aborted")
     return out
 
   # --- stepping -----------------------------------------------------------------------------
@@ -432,13 +423,13 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       self.on_span("sampler", "prefill", start, self.clock(), self.num_active, self.num_slots)
       start = self.clock()
     for r, params, mask in idle:
-      r.inflight = r.launch(params, self.cfg.sampling, queued=len(self._queue), nonfinite_V=mask)
+      r.inflight = r.launch(params, self.cfg.sampling, queued=len(self.book.queue), nonfinite_V=mask)
       if r.inflight is not None:
-        r.inflight.order, self._launches = self._launches, self._launches + 1
+        r.inflight.order, self.book.launches = self.book.launches, self.book.launches + 1
         # the weight check reads what this dispatch was given, not what the engine stores
         self._weight_check.observe(self.replicas.index(r), r.inflight.version,
                                    r.inflight.params)
-    finished, self._buffer = self._buffer, []
+    finished, self.book.buffer = self.book.buffer, []
     flying = [r for r in self.replicas if r.inflight is not None]
     if flying:
       oldest = min(flying, key=lambda r: r.inflight.order)
@@ -456,7 +447,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     flying = sorted((r for r in self.replicas if r.inflight is not None),
                     key=lambda r: r.inflight.order)
     if flying:
-      self._collect(flying, self._buffer, self.clock())
+      self._collect(flying, self.book.buffer, self.clock())
 
   def _collect(self, replicas: list[EngineReplica], finished: list[Rollout], start: float
                ) -> float:
@@ -474,9 +465,9 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       r.steps_total += st["steps"]
       tokens += st["tokens"]
       live_steps += round(st["live_token_steps"])
-      self._sums["kv_utilization"] += st["live_token_steps"] / (
+      self.book.sums["kv_utilization"] += st["live_token_steps"] / (
           self.cfg.num_pages * self.cfg.page_size * len(self.replicas))
-      self._sums["kv_page_fill"] += st["live_token_steps"] / (
+      self.book.sums["kv_page_fill"] += st["live_token_steps"] / (
           st["used_tokens"] * len(self.replicas))
       n_done += sum(seq.uid not in r.sched.parked for seq, _ in done)
       for seq, reason in done:
@@ -486,7 +477,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       if self.on_span is not None:
         self.on_span("sampler", "decode", start, now, st["tokens"] // max(st["steps"], 1),
                      self.num_slots)
-    c = self._counts
+    c = self.book.counts
     c["decode_steps"] = max(r.steps_total for r in self.replicas)
     c["dispatches"] += len(replicas)
     c["host_syncs"] += 1
@@ -499,7 +490,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
 
   def _add_host_time(self, t_start: float, waited: float, calls_before: float) -> None:
     calls = sum(r.device_call_s for r in self.replicas) - calls_before
-    self._host_s += time.perf_counter() - t_start - waited - calls
+    self.book.host_s += time.perf_counter() - t_start - waited - calls
 
   def run_to_completion(self, max_steps: int | None = None) -> list[Rollout]:
     """Steps until no work is left (or `max_steps` engine steps); returns rollouts in
@@ -513,9 +504,9 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     for _ in itertools.repeat(None) if max_steps is None else range(max_steps):
       if not self.has_work:
         break
-      dispatches = self._counts["dispatches"]
+      dispatches = self.book.counts["dispatches"]
       out.extend(self.step())
-      if self._counts["dispatches"] == dispatches:  # nothing admitted, nothing running
+      if self.book.counts["dispatches"] == dispatches:  # nothing admitted, nothing running
         raise RuntimeError(f"run_to_completion: admit_filter refuses all {self.num_waiting} "
                            "waiting requests and nothing is running.")
     return out
@@ -573,7 +564,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
     if self.weights.pending is not None:  # the outgoing version, where no dispatch ran it
       self._check_undispatched()
     if self.weights.swap():
-      self._counts["weight_updates"] += 1
+      self.book.counts["weight_updates"] += 1
       self._weight_check.expect(self.weights.running)
     self._release_retired()
 
@@ -596,28 +587,4 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
       r.sched.release_idle_pages()
 
   def _rollout(self, seq: SequenceState, reason: str, now: float) -> Rollout:
-    r = seq.request
-    episode = r.multi_turn and 0 in seq.mask  # environment tokens appended
-    return Rollout(
-        sample_id=r.sample_id, group_id=r.group_id, prompt_tokens=seq.prompt.copy(),
-        completion_tokens=np.asarray(seq.tokens[len(seq.prompt):], np.int32),
-        behavior_logprobs=np.asarray(seq.logprobs, np.float32),
-        policy_versions=np.asarray(seq.versions, np.int32), finish_reason=reason,
-        t_admit=seq.t_admit, t_first_token=seq.t_first_token, t_finish=now,
-        num_preemptions=seq.num_preemptions, prompt_index=r.prompt_index,
-        loss_mask=np.asarray(seq.mask, np.float32) if episode else None,
-        num_turns=1 + sum(1 for a, b in zip(seq.mask, seq.mask[1:]) if a == 0 and b == 1)
-        if episode else 1,
-        routes=None if episode else self._routes(seq))
-
-  def _routes(self, seq: SequenceState) -> np.ndarray | None:
-    """An MoE model's recorded routes [T, L_moe, k] (compact dtype), None for a dense one.
-
-    Multi-turn episodes (`rlax_pipe.envs`) carry no routes: their environment tokens are
-    prefilled, not decoded, so router replay does not cover them yet."""
-    cfg = getattr(self.model, "cfg", None)
-    if not getattr(self.model, "n_moe_layers", 0) or cfg is None:
-      return None
-    shape = (len(seq.routes), cfg.n_moe_layers, cfg.n_experts_per_tok)
-    dtype = router_replay.routes_dtype(cfg.n_experts)
-    return np.asarray(seq.routes, dtype).reshape(shape)
+    return rollouts.make_rollout(self.model, seq, reason, now)

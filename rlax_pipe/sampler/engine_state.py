@@ -8,12 +8,16 @@ read back first (`SamplerEngine.settle`). The device slot state (block tables, p
 flags) is not stored: it is a function of the host state and is re-sent in full at the next
 dispatch. Restoring into an engine built with the same model, sampler config and mesh reproduces
 its future exactly: same tokens, log-probs, versions and timings.
+
+The engine-level host state (queue, counters, group placement, buffered rollouts) is an
+`EngineBook` with public fields and its own `state_dict` / `load_state_dict`; the replicas'
+parts are read through the scheduler's, allocator's and prompt sharing's `state_dict` methods.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 from typing import Any
 
 import jax
@@ -21,9 +25,65 @@ import numpy as np
 
 from rlax_pipe.sampler.page_allocator import key_from_json, key_to_json
 from rlax_pipe.sampler.scheduler import SequenceState
-from rlax_pipe.types import WeightUpdate, rollout_from_dict, rollout_to_dict
+from rlax_pipe.types import Rollout, WeightUpdate, rollout_from_dict, rollout_to_dict
 
-# pylint: disable=protected-access  (the engine's own state, kept out of engine.py for size)
+
+def _zero_counts() -> dict[str, int]:
+  return dict(decode_steps=0, dispatches=0, host_syncs=0, generated_tokens=0,
+              live_token_steps=0, finished=0, aborted=0, weight_updates=0)
+
+
+@dataclasses.dataclass
+class EngineBook:
+  """`SamplerEngine`'s host bookkeeping above its replicas (mutated by the engine's thread).
+
+  Attributes:
+    queue: sequences submitted but not yet handed to a replica (FIFO).
+    buffer: rollouts finished by `settle`, returned by the next `step`.
+    group_replica: share key (group id, prompt hash) -> [replica index, live members].
+    counts: engine-level counters of `SamplerStats` (decode_steps, dispatches, host_syncs,
+      generated_tokens, live_token_steps, finished, aborted, weight_updates).
+    sums: per-decode-step sums of kv_utilization and kv_page_fill (divided by decode steps in
+      `SamplerStats`).
+    host_s: seconds of host work in `step` (see `SamplerStats.host_s`).
+    launches: dispatches launched (orders the read-backs; not part of the snapshot).
+    next_uid: uid of the next submitted sequence.
+  """
+
+  queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+  buffer: list[Rollout] = dataclasses.field(default_factory=list)
+  group_replica: dict[Any, list[int]] = dataclasses.field(default_factory=dict)
+  counts: dict[str, int] = dataclasses.field(default_factory=_zero_counts)
+  sums: dict[str, float] = dataclasses.field(
+      default_factory=lambda: dict(kv_utilization=0.0, kv_page_fill=0.0))
+  host_s: float = 0.0
+  launches: int = 0
+  next_uid: int = 0
+
+  def new_uid(self) -> int:
+    """The next sequence uid (0, 1, 2, ...)."""
+    uid, self.next_uid = self.next_uid, self.next_uid + 1
+    return uid
+
+  def state_dict(self) -> dict:
+    """JSON-able snapshot (`launches` excluded: a restored engine starts its ordering anew)."""
+    return {"next_uid": self.next_uid, "sums": dict(self.sums), "counts": dict(self.counts),
+            "host_s": self.host_s,
+            "groups": [[key_to_json(k), v[0], v[1]] for k, v in self.group_replica.items()],
+            "queue": [s.to_dict() for s in self.queue],
+            "buffer": [rollout_to_dict(r) for r in self.buffer]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores a `state_dict` (counters absent from it keep their values)."""
+    self.next_uid = int(state["next_uid"])
+    self.sums = {k: float(v) for k, v in state["sums"].items()}
+    self.counts.update({k: int(v) for k, v in state["counts"].items()})
+    self.host_s = float(state["host_s"])
+    self.group_replica = {key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
+    self.queue.clear()
+    self.queue.extend(SequenceState.from_dict(d) for d in state["queue"])
+    self.buffer = [rollout_from_dict(d) for d in state["buffer"]]
+    self.launches = 0
 
 
 def _host_leaves(tree: Any) -> list[np.ndarray]:
@@ -49,21 +109,15 @@ def _replica_state(r) -> dict:
 
 def state_dict(engine) -> dict:
   """See the module docstring; the engine holds its step lock and has settled."""
-  e, w = engine, engine.weights
+  w = engine.weights
   with w.lock:
     running, pending = w.running, w.pending
-  next_uid = next(e._uids)
-  e._uids = itertools.count(next_uid)
   return {
       "version": running.version, "params": _host_leaves(running.params),
       "pending": None if pending is None else {
           "version": pending.version, "params": _host_leaves(pending.params)},
-      "next_uid": next_uid, "sums": dict(e._sums), "counts": dict(e._counts),
-      "host_s": e._host_s,
-      "groups": [[key_to_json(k), v[0], v[1]] for k, v in e._group_replica.items()],
-      "queue": [s.to_dict() for s in e._queue],
-      "buffer": [rollout_to_dict(r) for r in e._buffer],
-      "replicas": [_replica_state(r) for r in e.replicas],
+      **engine.book.state_dict(),
+      "replicas": [_replica_state(r) for r in engine.replicas],
   }
 
 
@@ -153,12 +207,4 @@ def load_state_dict(engine, state: dict) -> None:
   e.weights.replace_all(running, pending)
   for r, rs in zip(e.replicas, state["replicas"]):
     _load_replica(r, rs)
-  e._uids = itertools.count(int(state["next_uid"]))
-  e._sums = {k: float(v) for k, v in state["sums"].items()}
-  e._counts.update({k: int(v) for k, v in state["counts"].items()})
-  e._host_s = float(state["host_s"])
-  e._group_replica = {key_from_json(k): [int(a), int(b)] for k, a, b in state["groups"]}
-  e._queue.clear()
-  e._queue.extend(SequenceState.from_dict(d) for d in state["queue"])
-  e._buffer = [rollout_from_dict(d) for d in state["buffer"]]
-  e._launches = 0
+  e.book.load_state_dict(state)

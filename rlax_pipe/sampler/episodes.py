@@ -70,7 +70,7 @@ class ParkedEpisodes:
       r, seq = self._find_parked(sample_id)
       r.sched.remove(seq)
       self._forget(seq)
-      self._counts["finished"] += 1
+      self.book.counts["finished"] += 1
 
   def parked_rollouts(self) -> list[Rollout]:
     """The episode so far of every parked sequence (finish_reason "eos"), replica by replica

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 import numpy as np
 
+from rlax_pipe import host_rules
 from rlax_pipe.model import Model
 from rlax_pipe.sampler import device_loop
 from rlax_pipe.sampler import page_pool
@@ -33,13 +34,12 @@ from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.sampler.page_allocator import PageAllocator
 from rlax_pipe.sampler.paged_cache import uses_combined_layout
 from rlax_pipe.sampler.prompt_sharing import PromptSharing
-from rlax_pipe.sampler import scheduler as scheduler_lib
 from rlax_pipe.sampler.scheduler import Scheduler, SequenceState, plan_prefill
 
 FLAG_ROW = device_loop.UPDATE_ROWS  # extra row of the update matrix: [0] = refill_at
 
 
-def _bucket(n: int, lo: int) -> int:
+def pow2_bucket(n: int, lo: int) -> int:
   """Smallest power of two >= max(n, lo)."""
   return max(lo, 1 << max(n - 1, 0).bit_length())
 
@@ -137,7 +137,7 @@ class EngineReplica:
     copies = self.sharing.take_copies()
     if not copies:
       return
-    n = _bucket(len(copies), 8)
+    n = pow2_bucket(len(copies), 8)
     src = np.zeros(n, np.int32)
     dst = np.full(n, self.cfg.num_pages, np.int32)
     src[:len(copies)], dst[:len(copies)] = zip(*copies)
@@ -150,7 +150,7 @@ class EngineReplica:
     fresh = self.alloc.take_fresh()
     if not fresh:
       return
-    n = _bucket(len(fresh), 16)
+    n = pow2_bucket(len(fresh), 16)
     pages = np.full(n, self.cfg.num_pages, np.int32)
     pages[:len(fresh)] = fresh
     self.pools = self._call(
@@ -210,10 +210,10 @@ class EngineReplica:
         seq.table_cols = len(held)
     self.sched.dirty.clear()
     waiting = len(self.sched.waiting) + queued
-    upd[FLAG_ROW, 0] = scheduler_lib.refill_at(waiting, b)  # refill freed slots in batches
+    upd[FLAG_ROW, 0] = host_rules.refill_at(waiting, b)  # refill freed slots in batches
     if not slots:
       return upd, None
-    n = _bucket(len(slots), 64)
+    n = pow2_bucket(len(slots), 64)
     deltas = np.full((3, n), b, np.int32)
     deltas[:, :len(slots)] = (slots, cols, pages)
     return upd, tuple(deltas)

@@ -403,11 +403,3 @@ def plan_prefill(seqs: Iterable[SequenceState], cfg: SamplerConfig
       rows = part[i:i + cfg.prefill_rows]
       calls.append((cfg.bucket_for(rows[-1].prefill_len - rows[-1].num_cached), rows))
   return calls
-
-
-def refill_at(waiting: int, num_slots: int) -> int:
-  """Finishes that end a decode dispatch early: min(waiting requests, ceil(num_slots / 8)), so
-  freed slots are refilled in batches and a dispatch is not cut short by every single finish
-  (0 when nothing waits: the dispatch runs its K steps or until every slot is done). The
-  engine's rule, shared with the simulator (`rlax_pipe.sim.simulator`)."""
-  return min(waiting, -(-num_slots // 8))

@@ -13,12 +13,12 @@ import numpy as np
 from rlax_pipe.sampler import device_loop
 from rlax_pipe.sampler import page_pool
 from rlax_pipe.sampler.config import SamplerConfig
-from rlax_pipe.sampler.replica import FLAG_ROW, EngineReplica, _bucket
+from rlax_pipe.sampler.replica import FLAG_ROW, EngineReplica, pow2_bucket
 
 
 def _powers(lo: int, hi: int) -> list[int]:
   out, n = [], lo
-  while n <= _bucket(hi, lo):
+  while n <= pow2_bucket(hi, lo):
     out.append(n)
     n *= 2
   return out

@@ -20,7 +20,7 @@ Model (what is simulated, what is assumed):
     only a group's first sample admitted under the current weights), then runs one decode
     dispatch of up to K steps, each advancing every active slot by one token; the dispatch
     stops early once min(waiting requests, ceil(slots / 8)) slots finished in it, or when every
-    slot is done (`rules.refill_at`, the engine's refill rule `sampler.scheduler.refill_at`, and
+    slot is done (`rules.refill_at`: the engine's own rule, `rlax_pipe.host_rules.refill_at`, and
     `sampler.device_loop.decode_dispatch`). The step costs
     `CostModel.engine_step` of one engine's share (ceil(x / num_engines) of the slot-steps, live
     tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens

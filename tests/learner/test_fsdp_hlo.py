@@ -1,7 +1,7 @@
 """FSDP + data + tensor parallelism, checked in the compiled program (8 virtual CPU devices).
 
 The learner's micro-batch program is compiled for `fsdp=4, tp=2` and `data=2, fsdp=4` meshes,
-and its optimized HLO is read (`hlo_analysis`): per-device activations hold 1 / (data x fsdp) of
+and its optimized HLO is read (`rlax_pipe.hlo_collectives`): per-device activations hold 1 / (data x fsdp) of
 the micro-batch rows, no activation collective runs over fsdp, weights are all-gathered over
 fsdp inside the layer loop and gradients are reduce-scattered over fsdp. On CPU XLA spells a
 reduce-scatter as an all-reduce whose result each device slices to its shard (its GPU and TPU
@@ -14,13 +14,14 @@ logits chunk C = 10; no weight has a dimension of 40 or 10.
 """
 
 import math
+import re
 
 import jax
 import pytest
 
+from rlax_pipe import hlo_collectives
 from rlax_pipe import learner as learner_lib
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.learner import hlo_analysis
 from rlax_pipe.learner.learner import lower_accumulate
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import transformer
@@ -30,6 +31,17 @@ MODEL = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads
                     d_ff=160)
 R, L, C = 56, 40, 10
 TINY_ELEMENTS = 64  # scalar statistics, counts and the lag histogram
+
+
+def array_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+  """Shapes of every array-valued instruction result in the HLO text (per device)."""
+  shapes = []
+  for line in hlo_text.splitlines():
+    m = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\(.*?\)|\S+)\s", line)
+    if m:
+      shapes.extend(tuple(int(d) for d in dims.split(",") if d)
+                    for _, dims in re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]", m.group(1)))
+  return shapes
 
 
 @pytest.mark.parametrize("mesh_axes", [(("fsdp", 4), ("tp", 2)), (("data", 2), ("fsdp", 4))],
@@ -48,17 +60,17 @@ def test_compiled_step_is_fsdp_with_data_parallel_activations(mesh_axes):
   # fsdp) rows, never the rows of a larger slice of the batch.
   larger = {R // d for d in (1, sizes.get("data", 1), sizes["fsdp"], sizes.get("tp", 1))} - {
       rows_local}
-  activations = [s for s in hlo_analysis.array_shapes(hlo)
+  activations = [s for s in array_shapes(hlo)
                  if (L in s or C in s) and set(s) - {1, L, C}]
   assert len(activations) > 100
   bad = [s for s in activations if rows_local not in s or larger & set(s)]
   assert not bad, f"activations not split {batch_split}-way over the batch: {bad[:5]}"
 
   # 2. Collectives over fsdp carry weights (or a few scalars), never activations.
-  weights = hlo_analysis.weight_shapes(
+  weights = hlo_collectives.weight_shapes(
       [s.shape for s in jax.tree.leaves(transformer.abstract_params(MODEL))],
       [sizes.get("tp", 1), sizes["fsdp"], sizes["fsdp"] * sizes.get("tp", 1)])
-  found = hlo_analysis.collectives(hlo, mesh)
+  found = hlo_collectives.collectives(hlo, mesh)
   over_fsdp = [c for c in found if "fsdp" in c.axes]
   for c in over_fsdp:
     for shape in c.shapes:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe.config import ModelConfig
@@ -63,7 +64,7 @@ def test_step_loss_matches_whole_batch_reference(objective, tmp_path):
   objective = dataclasses.replace(objective, kl_reference=str(tmp_path / "ref"))
   learner = learner_lib.Learner(TINY, _cfg(), objective, SAMPLING, devices=jax.devices()[:4],
                                 params=params)
-  batch = learner_lib.synthetic_batch(np.random.default_rng(2), B, L, TINY.vocab_size)
+  batch = synthetic_batch(np.random.default_rng(2), B, L, TINY.vocab_size)
   learner.train_step(batch)
   m = learner.flush()
   want = _reference_loss(params, ref, batch, objective)
@@ -85,11 +86,11 @@ def test_reference_defaults_to_initial_params_sharded_in_compute_dtype():
     assert r.dtype == jnp.bfloat16 and p.dtype == jnp.float32
     assert r.sharding.is_equivalent_to(p.sharding, r.ndim)
   rng = np.random.default_rng(3)
-  first = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size)
+  first = synthetic_batch(rng, B, L, TINY.vocab_size)
   learner.train_step(first)
   m1 = learner.flush()
   assert abs(float(m1["kl_ref"])) < 1e-5  # step 1: pi_theta = pi_ref (bf16 rounding apart)
-  learner.train_step(learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, version=1))
+  learner.train_step(synthetic_batch(rng, B, L, TINY.vocab_size, version=1))
   assert float(learner.flush()["kl_ref"]) > 0.0
   jax.tree.map(lambda r, p: np.testing.assert_array_equal(
       np.asarray(r, np.float32), np.asarray(jnp.asarray(p, jnp.bfloat16), np.float32)),

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe.config import LoraConfig, ModelConfig
 from rlax_pipe.logprobs import SamplingConfig
@@ -43,7 +44,7 @@ def test_only_adapters_are_trained_and_checkpointed(tmp_path):
   # Version 0 is the base: the merged params equal it exactly (B = 0).
   for got, want in zip(jax.tree.leaves(learner.merged_params()), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(got), want)
-  batch = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, max_lag=0)
+  batch = synthetic_batch(rng, B, L, TINY.vocab_size, max_lag=0)
   for _ in range(2):
     learner.train_step(batch)
   metrics = learner.flush()
@@ -97,7 +98,7 @@ def test_lora_with_kl_reference_is_the_frozen_base():
   assert jax.tree.structure(ref) == jax.tree.structure(base)
   for got, want in zip(jax.tree.leaves(ref), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(got), want)  # float32 model: no cast
-  batch = learner_lib.synthetic_batch(rng, B, L, TINY.vocab_size, max_lag=0)
+  batch = synthetic_batch(rng, B, L, TINY.vocab_size, max_lag=0)
   learner.train_step(batch)
   first = learner.flush()
   assert abs(float(first["kl_ref"])) < 1e-6

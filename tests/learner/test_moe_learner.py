@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe.config import ModelConfig
@@ -34,7 +35,7 @@ def test_router_terms_enter_the_loss_with_their_coefficients():
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda a: (0.3 * rng.standard_normal(a.shape)).astype(np.float32),
                         transformer.abstract_params(MOE))
-  batch = learner_lib.synthetic_batch(np.random.default_rng(1), 4, L, MOE.vocab_size,
+  batch = synthetic_batch(np.random.default_rng(1), 4, L, MOE.vocab_size,
                                       version=0, max_lag=2)
   off = _run(MOE, params, batch)
   on = _run(dataclasses.replace(MOE, router_aux_loss_coef=0.5, router_z_loss_coef=0.1),

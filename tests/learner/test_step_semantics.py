@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import count_compiles, synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe.config import ModelConfig
 from rlax_pipe.learner import optimizer, train_state, train_step
-from rlax_pipe.learner.benchmark import count_compiles
 from rlax_pipe.model import transformer
 from rlax_pipe.objectives import ObjectiveConfig
 
@@ -39,7 +39,7 @@ def _params():
 
 
 def batch(rows, seed, version=0, max_lag=2):
-  return learner_lib.synthetic_batch(np.random.default_rng(seed), rows, L, TINY.vocab_size,
+  return synthetic_batch(np.random.default_rng(seed), rows, L, TINY.vocab_size,
                                      version=version, max_lag=max_lag)
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import logprobs
 from rlax_pipe import objectives
@@ -187,7 +188,7 @@ def test_state_shardings_come_from_abstract_shapes():
 
 
 def test_synthetic_batch_respects_the_train_batch_contract():
-  b = learner_lib.synthetic_batch(np.random.default_rng(0), 4, 32, 64, samples_per_row=3,
+  b = synthetic_batch(np.random.default_rng(0), 4, 32, 64, samples_per_row=3,
                                   version=5, max_lag=2)
   mask = b.loss_mask > 0
   assert mask.any() and (b.segment_ids[mask] > 0).all()

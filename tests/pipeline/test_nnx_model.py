@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import sharding
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, OptimizerConfig
-from rlax_pipe.learner import synthetic_batch
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import DenseKVCache, NnxModel, attend_with_cache, gqa_attention
 from rlax_pipe.model import packed_causal_mask

@@ -1,31 +1,43 @@
-"""The host rules of `pipeline.rules` against the code they stand for: the learner's micro-batch
-split, the engine's refill rule, and a sample's lag (the token lag: test_staleness.py)."""
+"""The host rules of `pipeline.rules`: the learner's micro-batch split and the engine's refill
+rule (one copy each, in `rlax_pipe.host_rules`, used by the sampler, the learner and the
+simulator), and a sample's lag (the token lag: test_staleness.py)."""
 
 import numpy as np
 import pytest
 
-from rlax_pipe.learner import learner as learner_lib
+from rlax_pipe import host_rules
+from rlax_pipe import learner as learner_lib
 from rlax_pipe.pipeline import rules
-from rlax_pipe.sampler import scheduler
+from rlax_pipe.sampler import replica
 
 
 @pytest.mark.parametrize("micro_batch_rows", [None, 1, 2, 3, 8])
 @pytest.mark.parametrize("num_minibatches", [1, 2, 3, 4])
-def test_micro_batch_plan_is_the_learners_split(micro_batch_rows, num_minibatches):
+def test_micro_batch_plan_matches_its_closed_form(micro_batch_rows, num_minibatches):
+  """Independent reference: minibatch j holds ceil((rows - j) / m) rows (row r goes to minibatch
+  r mod m), hence ceil(that / micro_batch_rows) micro-batches of micro_batch_rows rows."""
   for rows in range(0, 20):
     got = rules.micro_batch_plan(rows, micro_batch_rows, num_minibatches)
     if micro_batch_rows is None:
       assert got == (num_minibatches, rows)
       continue
-    plan = learner_lib.plan_micro_batches(rows, micro_batch_rows, num_minibatches)
-    micro = sum(len(m) for m in plan)
+    per_minibatch = [max(0, -(-(rows - j) // num_minibatches)) for j in range(num_minibatches)]
+    micro = sum(-(-n // micro_batch_rows) for n in per_minibatch)
     assert got == (micro, micro * micro_batch_rows), rows
 
 
-def test_refill_at_is_the_engines_rule():
-  for waiting in range(0, 12):
-    for slots in range(1, 40):
-      assert rules.refill_at(waiting, slots) == scheduler.refill_at(waiting, slots)
+def test_shared_rules_have_one_source():
+  """The pipeline, the simulator, the engine's replica and the learner call the same functions."""
+  assert rules.refill_at is host_rules.refill_at is replica.host_rules.refill_at
+  assert rules.micro_batch_plan is host_rules.micro_batch_plan
+  assert learner_lib.plan_micro_batches is host_rules.plan_micro_batches
+  assert learner_lib.learner.plan_micro_batches is host_rules.plan_micro_batches
+
+
+@pytest.mark.parametrize("waiting, slots, want", [
+    (0, 32, 0), (3, 32, 3), (10, 32, 4), (10, 33, 5), (10, 1, 1), (1, 8, 1), (2, 8, 1)])
+def test_refill_at_is_min_of_waiting_and_an_eighth_of_the_slots(waiting, slots, want):
+  assert rules.refill_at(waiting, slots) == want
 
 
 def test_sample_lag_is_its_oldest_tokens_lag():

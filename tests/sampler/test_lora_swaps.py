@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from experiments.lib.learner_bench import synthetic_batch
 from rlax_pipe import learner as learner_lib
 from rlax_pipe import sharding as sh_lib
 from rlax_pipe.config import LoraConfig
@@ -45,7 +46,7 @@ def test_adapter_pushes_swap_in_flight_with_exact_token_versions(params):
     rollouts += engine.step()
     steps += 1
     if steps % 2 == 0 and learner.version < 3:  # a learner step and a push mid-generation
-      learner.train_step(learner_lib.synthetic_batch(rng, 2, 16, MODEL.vocab_size))
+      learner.train_step(synthetic_batch(rng, 2, 16, MODEL.vocab_size))
       learner.flush()
       v = learner.version
       by_version[v] = jax.device_get(learner.merged_params())

@@ -274,6 +274,13 @@ class LearnerSender:
         self._free_locked()
         self._cond.notify_all()
 
+  def wait_newer(self, have: int, stop: threading.Event) -> None:
+    """Blocks until a version newer than `have` was pushed (`latest > have`) or `stop` is set
+    (checked every poll interval)."""
+    with self._cond:
+      while self.latest <= have and not stop.is_set():
+        self._cond.wait(_POLL_S)
+
   def in_flight(self) -> int:
     """Transfers sent by this process and not yet acknowledged."""
     with self._cond:
@@ -331,9 +338,7 @@ class WeightCoordinator:
         have = int(self._kv.get(f"req/{replica}/{m}", _POLL_S)["have"])
       except KVTimeout:
         continue
-      with self._sender._cond:  # pylint: disable=protected-access
-        while self._sender.latest <= have and not self._stop.is_set():
-          self._sender._cond.wait(_POLL_S)  # pylint: disable=protected-access
+      self._sender.wait_newer(have, self._stop)
       if self._stop.is_set():
         return
       with self.writer.lock:  # versions in the log never go down (retire entries rely on it)

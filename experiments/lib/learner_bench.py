@@ -1,6 +1,10 @@
-"""Learner benchmarks: synthetic packed batches, throughput and MFU, compile counts, temporary
-memory (chunked vs full logits) and collectives, each read from a measurement or the compiled
-program."""
+"""Learner benchmarks (`experiments/bench_learner.py`): synthetic packed batches, throughput and
+MFU, compile counts, temporary memory (chunked vs full logits) and collectives, each read from a
+measurement or the compiled program.
+
+Experiment code, not library: the learner's tests import `synthetic_batch` and `count_compiles`
+from here (`from experiments.lib.learner_bench import ...`, the repository root on sys.path as
+`python3 -m pytest` puts it)."""
 
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ import numpy as np
 
 from jax.sharding import Mesh
 
+from rlax_pipe import hlo_collectives
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import objectives
 from rlax_pipe.learner import flops
-from rlax_pipe.learner import hlo_analysis
 from rlax_pipe.learner.config import LearnerConfig
-from rlax_pipe.learner.learner import Learner, lower_accumulate, reference_bytes
+from rlax_pipe.learner.learner import Learner, lower_accumulate
+from rlax_pipe.learner.reference import reference_bytes
 from rlax_pipe.model import ModelLike, as_model
 from rlax_pipe.types import TrainBatch
 
@@ -251,41 +256,11 @@ def collective_report(model: ModelLike, learner_cfg: LearnerConfig,
   """The micro-batch program's collectives on `mesh`, read from its compiled HLO.
 
   Returns:
-    mesh, summary (`hlo_analysis.summarize`: count / bytes / in-loop per op and mesh axes),
-    weight_all_gathers_over_fsdp, gradient_reduce_scatters_over_fsdp (reduce-scatter ops, or
-    all-reduces whose every use is a per-device slice, the CPU spelling),
-    activation_collectives_over_fsdp (collectives over fsdp moving an array that is neither a
-    weight-shaped array nor a few scalars; goal 0), how many of them run inside a loop (the
-    layer or chunk loops, i.e. once per layer), and each one's op, shapes, bytes and pass.
+    `hlo_collectives.collective_findings`: mesh, summary (count / bytes / in-loop per op and
+    mesh axes), weight all-gathers and gradient reduce-scatters over fsdp, activation
+    collectives over fsdp (goal 0), how many of them run inside a loop, and their detail.
   """
   hlo = lower_accumulate(model, learner_cfg, objective_cfg, sampling_cfg, mesh,
                          seq_len).compile().as_text()
-  return collective_findings(hlo, model, mesh)
-
-
-def collective_findings(hlo: str, model: ModelLike, mesh: Mesh) -> dict[str, Any]:
-  """`collective_report`'s findings from the optimized HLO text of a micro-batch program
-  already compiled on `mesh` (a CPU or a TPU topology mesh)."""
-  found = hlo_analysis.collectives(hlo, mesh)
-  sizes = dict(mesh.shape)
-  weights = hlo_analysis.weight_shapes(
-      [s.shape for s in jax.tree.leaves(as_model(model).abstract_params())],
-      [sizes.get("tp", 1), sizes.get("fsdp", 1), sizes.get("tp", 1) * sizes.get("fsdp", 1)])
-  over = [c for c in found if "fsdp" in c.axes]
-  small = lambda shape: int(np.prod(shape)) <= 64
-  activations = [c for c in over if any(s not in weights and not small(s) for s in c.shapes)]
-  return {
-      "mesh": {k: int(v) for k, v in sizes.items()},
-      "summary": hlo_analysis.summarize(found),
-      "weight_all_gathers_over_fsdp": sum(
-          c.op == "all-gather" and all(s in weights for s in c.shapes) for c in over),
-      "gradient_reduce_scatters_over_fsdp": sum(
-          c.backward and any(s in weights and (c.op == "reduce-scatter" or sl)
-                             for s, sl in zip(c.shapes, c.sliced)) for c in over),
-      "activation_collectives_over_fsdp": len(activations),
-      "activation_collectives_over_fsdp_in_loops": sum(c.in_loop for c in activations),
-      "activation_collectives_over_fsdp_detail": [
-          {"op": c.op, "shapes": c.shapes, "bytes": c.nbytes,
-           "pass": "backward" if c.backward else "forward", "in_loop": c.in_loop}
-          for c in activations],
-  }
+  shapes = [x.shape for x in jax.tree.leaves(as_model(model).abstract_params())]
+  return hlo_collectives.collective_findings(hlo, shapes, mesh)

@@ -9,7 +9,10 @@ explicit `{{0,2},{1,3}}`, iota `[2,2]<=[2,2]T(1,0)`, and Shardy's
 `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`; device ids are positions in the program's device
 assignment, i.e. in `mesh.devices.flat` for programs jitted with shardings on `mesh`.
 
-Two facts about XLA used by the readers of this module (tests, `experiments/bench_learner.py`):
+Used at run time by `rlax_pipe.aot` (the collectives of every compiled program it reports) and by
+the learner benchmark (`experiments/lib/learner_bench.py`) and tests.
+
+Two facts about XLA used by the readers of this module:
   * GSPMD writes "reduce to a sharded result" as an all-reduce whose result each device then
     slices to its shard (dynamic-slice by partition id). XLA's GPU and TPU pipelines fuse the
     pair into a reduce-scatter (ReduceScatterCreator); the CPU pipeline has no such pass, so on
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 from jax.sharding import Mesh
@@ -228,16 +231,6 @@ def summarize(found: Iterable[Collective]) -> dict[str, dict[str, int]]:
   return dict(sorted(out.items()))
 
 
-def array_shapes(hlo_text: str) -> list[tuple[int, ...]]:
-  """Shapes of every array-valued instruction result in the HLO text (per device)."""
-  shapes = []
-  for line in hlo_text.splitlines():
-    m = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\(.*?\)|\S+)\s", line)
-    if m:
-      shapes.extend(s for _, s in _shapes(m.group(1)))
-  return shapes
-
-
 def weight_shapes(param_shapes: Iterable[tuple[int, ...]],
                   shard_factors: Iterable[int]) -> set[tuple[int, ...]]:
   """Shapes a weight (or its gradient) may take in a per-device program: each param shape,
@@ -254,3 +247,50 @@ def weight_shapes(param_shapes: Iterable[tuple[int, ...]],
       for combo in itertools.product(*options):
         out.update(itertools.permutations(combo))
   return out
+
+
+def collective_findings(hlo: str, param_shapes: Iterable[tuple[int, ...]],
+                        mesh: Mesh) -> dict[str, Any]:
+  """What the collectives over the `fsdp` axis of a compiled learner micro-batch program move.
+
+  A collective over fsdp is a weight all-gather when every result shape is a weight's (see
+  `weight_shapes`, with the tp, fsdp and tp x fsdp splits of `mesh`), a gradient
+  reduce-scatter when it is in the backward pass and reduces a weight-shaped array (a
+  reduce-scatter op, or an all-reduce whose every use is a per-device slice: the CPU spelling),
+  and an activation collective when it moves an array that is neither weight-shaped nor a few
+  (<= 64) elements (goal: none).
+
+  Args:
+    hlo: optimized HLO text (`compiled.as_text()`) of a program jitted with shardings on `mesh`
+      (a CPU mesh or a TPU topology mesh).
+    param_shapes: the model's parameter shapes (global, unsharded).
+    mesh: that mesh; its axes named `fsdp` / `tp` (absent axes count as size 1).
+
+  Returns:
+    JSON-able dict: mesh (axis sizes), summary (`summarize`), weight_all_gathers_over_fsdp,
+    gradient_reduce_scatters_over_fsdp, activation_collectives_over_fsdp, how many of those run
+    inside a loop (`..._in_loops`: once per layer or chunk) and each one's op, shapes, bytes,
+    pass (forward / backward) and whether it is in a loop (`..._detail`).
+  """
+  found = collectives(hlo, mesh)
+  sizes = dict(mesh.shape)
+  tp, fsdp = sizes.get("tp", 1), sizes.get("fsdp", 1)
+  weights = weight_shapes(param_shapes, [tp, fsdp, tp * fsdp])
+  over = [c for c in found if "fsdp" in c.axes]
+  small = lambda shape: int(np.prod(shape)) <= 64
+  activations = [c for c in over if any(s not in weights and not small(s) for s in c.shapes)]
+  return {
+      "mesh": {k: int(v) for k, v in sizes.items()},
+      "summary": summarize(found),
+      "weight_all_gathers_over_fsdp": sum(
+          c.op == "all-gather" and all(s in weights for s in c.shapes) for c in over),
+      "gradient_reduce_scatters_over_fsdp": sum(
+          c.backward and any(s in weights and (c.op == "reduce-scatter" or sl)
+                             for s, sl in zip(c.shapes, c.sliced)) for c in over),
+      "activation_collectives_over_fsdp": len(activations),
+      "activation_collectives_over_fsdp_in_loops": sum(c.in_loop for c in activations),
+      "activation_collectives_over_fsdp_detail": [
+          {"op": c.op, "shapes": c.shapes, "bytes": c.nbytes,
+           "pass": "backward" if c.backward else "forward", "in_loop": c.in_loop}
+          for c in activations],
+  }

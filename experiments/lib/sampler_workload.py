@@ -1,4 +1,5 @@
-"""Paged continuous batching vs a static dense-KV batch on a long-tailed workload.
+"""Paged continuous batching vs a static dense-KV batch on a long-tailed workload
+(`experiments/bench_sampler.py`, the default suite).
 
 Both samplers get the same model, weights, prompts and per-request completion budgets. EOS is
 disabled, so every request generates exactly its budget and both produce the same number of
