@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable
 
 from rlax_pipe.envs import protocols
-from rlax_pipe.envs.base import EnvConfig, ToolCall, ToolResult
+from rlax_pipe.envs.base import EnvConfig, is_environment, ToolCall, ToolResult
 from rlax_pipe.envs.tool_pool import ToolPool
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tokenizer import Tokenizer
@@ -230,6 +230,16 @@ class EpisodeEngine:
     self.engine.continue_sequence(r.sample_id, ids)
     return None
 
+  def episode_metrics(self) -> dict[str, float]:
+    """The counters of this run so far, flat, for a metrics row (cumulative over the run,
+    resumes included, not per step): "env_<k>" for every `EPISODE_COUNTS` key (episodes
+    finished, model turns, tool calls, why episodes ended), "tool_<outcome>" for every
+    `TOOL_OUTCOMES` (tool calls by outcome: ok, error, timeout, ...), "tool_s" (seconds spent
+    in tool waves, on `clock`) and "tool_restarts" (workers killed since this process started)."""
+    return {**{f"env_{k}": v for k, v in self.counts.items()},
+            **{f"tool_{k}": v for k, v in self.tools.counts.items()},
+            "tool_s": self.tool_s, "tool_restarts": self.tools.restarts}
+
   # --- state ---------------------------------------------------------------------------------
   def state_dict(self) -> dict:
     """The engine's state (`SamplerEngine.state_dict`, same keys) with the episodes' own under
@@ -243,7 +253,8 @@ class EpisodeEngine:
                           rq.prompt_tokens.tolist()] for sid, rq in self._requests.items()],
             "pending": [[sid, [[c.name, c.arguments] for c in calls]]
                         for sid, (_, calls) in pending.items()],
-            "counts": dict(self.counts)}
+            "counts": dict(self.counts), "tool_counts": dict(self.tools.counts),
+            "tool_s": self.tool_s}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`; episodes that waited on tools run them again."""
@@ -266,4 +277,31 @@ class EpisodeEngine:
     for sid, calls in state["pending"]:
       self._waiting[int(sid)] = (parked[int(sid)], [ToolCall(n, a) for n, a in calls])
     self.counts.update(state.get("counts", {}))
+    self.tools.counts.update(state.get("tool_counts", {}))
+    self.tool_s = float(state.get("tool_s", self.tool_s))
 
+
+def evaluation_engine(engine: SamplerEngine, env, tok: Tokenizer, env_cfg=None,
+                      *, split: str = "eval", chat: bool | None = None):
+  """`engine` wrapped as an `EpisodeEngine` for evaluating environment `env` on `split`:
+  tool calls run synchronously in worker processes and see the held-out problem of each
+  request's prompt index. Close it (`.close()`) to end its tool workers.
+
+  Args:
+    engine: an idle sampler engine (its stop set ends a turn).
+    env: an environment (`is_environment`).
+    tok: the tokenizer.
+    env_cfg: `EnvConfig` limits (None = defaults).
+    split: the split of the problems evaluated.
+    chat: chat-template prompts (None = the tokenizer's prompt format).
+
+  Raises:
+    ValueError: when `env` has no tools, or from `EpisodeEngine`.
+  """
+  if not is_environment(env):
+    raise ValueError(f"evaluation_engine: {type(env).__name__} has no tools (call_tool, "
+                     "tool_names); evaluate it with the plain engine.")
+  chat = tok.prompt_format.kind == "chat" if chat is None else chat
+  return EpisodeEngine(engine, env, tok, None, env_cfg or EnvConfig(), chat=chat,
+                       problem_of=lambda rq: env.problem(rq.prompt_index, split),
+                       synchronous=True)
