@@ -34,6 +34,9 @@ _PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named ap
 # The calculator tool warm start (WORKSPACE_NOTES.md, "Issue 23: RL with and without a tool"):
 # the shipped single-turn warm start fine-tuned for 150 steps on a mixture in which 30% of the
 # problems are demonstrated as calculator episodes, the rest as before (worked / direct 50/50).
+# rlax_pipe/assets/sft_calculator is its output (config.json, model.safetensors,
+# sft_result.json of `python3 experiments/sft.py --config=experiments/configs/sft.py:calculator
+# --config.out_dir=<dir>`), the init of configs/pipeline_rl.py:calculator.
 CALCULATOR_SFT = dict(steps=150, learning_rate=1e-3, warmup_steps=10, tool_fraction=0.3)
 
 PRESETS = SIZE_PRESETS + TASK_PRESETS

@@ -41,7 +41,7 @@ from rlax_pipe.types import Rollout
 # on_span(component, kind, start_s, end_s, slots_active, slots_total), as the engine's hook
 SpanHook = Callable[[str, str, float, float, int, int], None]
 EPISODE_COUNTS: tuple[str, ...] = (
-    "episodes", "turns", "tool_calls", "ended_final_answer", "ended_max_turns",
+    "episodes", "turns", "tool_waves", "tool_calls", "ended_final_answer", "ended_max_turns",
     "ended_tool_failure", "ended_budget", "ended_sampler")
 
 
@@ -200,6 +200,7 @@ class EpisodeEngine:
     future, self._future = self._future, None
     results, owners, t0, t1 = future.result()
     self.tool_s += t1 - t0
+    self.counts["tool_waves"] += 1
     if self.on_span is not None:
       self.on_span("env", "tool", t0, t1, len(results), len(results))
     by_episode: dict[int, list[ToolResult]] = {}

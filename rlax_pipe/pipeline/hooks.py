@@ -187,7 +187,6 @@ class TrainLog:
         **clock_rows(job, time_s, stats.trained_tokens),
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
         "completion_tokens": result.completion_tokens,  # the model's tokens
-        "env_tokens": result.env_tokens,  # episodes' environment tokens (tool results)
         "token_lag_mean": lag_mean, "token_lag_max": lag_max,
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.trained_at - versions.min()) if versions.size else 0,
@@ -213,6 +212,7 @@ class TrainLog:
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
     episode_metrics = getattr(job.engine, "episode_metrics", None)
     if episode_metrics is not None:  # episodes: turns, tool calls and outcomes (run totals)
+      row["env_tokens"] = result.env_tokens  # environment tokens (tool results) of this step
       row.update(episode_metrics())
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
