@@ -256,6 +256,10 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
             params: Any = None) -> dict:
   """Trains the warm start, evaluates greedy and T=1 accuracy, writes the checkpoints.
 
+  An environment task (`envs.is_environment`, e.g. "arithmetic_calculator" with
+  `cfg.tool_fraction` > 0) is evaluated as episodes with its tools (`envs.evaluation_engine`),
+  and its chat prompts declare the tools (`envs.declare_tools`), as the RL job does.
+
   Two checkpoints of the final weights: `out_dir` as an HF model directory (config.json +
   model.safetensors + the tokenizer's files + generation_config.json, `model_dir.
   export_model_dir`; loadable with transformers, and what the RL job's `RunConfig.init` takes,

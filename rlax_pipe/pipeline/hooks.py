@@ -266,11 +266,11 @@ class Evaluation:
     mesh = job.eval_mesh or job.learner_mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
                                 WeightUpdate(version, params, params_owned(job)), mesh=mesh)
-    # An environment task is evaluated as episodes with its tools (`evaluation.episode_engine`).
+    # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).
     self.episodes = envs.is_environment(job.task)
     if self.episodes:
       self.engine = envs.evaluation_engine(self.engine, job.task, job.tok, cfg.env,
-                                              chat=cfg.prompt_format.kind == "chat")
+                                           chat=cfg.prompt_format.kind == "chat")
     self.sampled_engine = None
     if cfg.pipeline.eval_samples:
       version, params = self._params(job)
@@ -337,7 +337,7 @@ class Evaluation:
   def close(self) -> None:
     """Ends the tool workers of episode evaluation engines (nothing to do otherwise)."""
     for engine in (self.engine, self.sampled_engine):
-      if engine is not None and hasattr(engine, "tools"):
+      if isinstance(engine, envs.EpisodeEngine):
         engine.close()
 
   @staticmethod
