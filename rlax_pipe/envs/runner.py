@@ -236,7 +236,8 @@ class EpisodeEngine:
     resumes included, not per step): "env_<k>" for every `EPISODE_COUNTS` key (episodes
     finished, model turns, tool calls, why episodes ended), "tool_<outcome>" for every
     `TOOL_OUTCOMES` (tool calls by outcome: ok, error, timeout, ...), "tool_s" (seconds spent
-    in tool waves, on `clock`) and "tool_restarts" (workers killed since this process started)."""
+    in tool waves, on `clock`: wall seconds in threaded runs, 0 on a reproducible run's virtual
+    clock, which charges tool waves through `CostModel.tools` instead) and "tool_restarts" (workers killed since this process started)."""
     return {**{f"env_{k}": v for k, v in self.counts.items()},
             **{f"tool_{k}": v for k, v in self.tools.counts.items()},
             "tool_s": self.tool_s, "tool_restarts": self.tools.restarts}
