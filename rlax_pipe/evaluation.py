@@ -6,6 +6,10 @@ per problem at the sampling temperature, `evaluate_samples`).
 Prompts are encoded as in training (`tok.encode_prompt`, the same over-long-prompt policy) and
 completions graded as in training (the text after the reasoning block, `grading`); verifiers run
 in worker processes (`tasks.VerifierPool`).
+
+Environment tasks (tools, `rlax_pipe.envs`) are evaluated as episodes: wrap the engine with
+`envs.evaluation_engine` (tools run in worker processes as in training, on the held-out problems) and
+`evaluate` grades each episode's last turn, as training does, and counts turns and tool calls.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ class EvalResult:
     accuracy_by_difficulty: {difficulty: mean reward} (difficulty as defined by the task).
     num_filtered: problems skipped because their prompt does not fit (over-long, "filter").
     num_failed_rewards: verifier calls that failed (error, timeout, invalid).
+    count_by_difficulty: {difficulty: problems evaluated} (the n behind each accuracy).
+    mean_turns: mean model turns per problem (1.0 for single-turn tasks).
+    tool_use_by_difficulty: {difficulty: share of problems whose episode had > 1 turn, i.e.
+      got at least one tool result} ({} for single-turn engines).
+    tool_calls: tool calls run during this evaluation (`EpisodeEngine.counts`; 0 single-turn).
+    tool_failures: of them, calls that failed (`ToolPool.counts`, every outcome but "ok").
   """
 
   accuracy: float
@@ -44,6 +54,11 @@ class EvalResult:
   accuracy_by_difficulty: dict
   num_filtered: int = 0
   num_failed_rewards: int = 0
+  count_by_difficulty: dict = dataclasses.field(default_factory=dict)
+  mean_turns: float = 1.0
+  tool_use_by_difficulty: dict = dataclasses.field(default_factory=dict)
+  tool_calls: int = 0
+  tool_failures: int = 0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -111,7 +126,8 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
   The engine must be idle (no running or waiting requests); it is left idle.
 
   Args:
-    engine: a sampler engine holding the weights to evaluate.
+    engine: a sampler engine holding the weights to evaluate, or an `envs.evaluation_engine` around
+      one (an environment's episodes: the last turn is graded, turns and tool calls counted).
     task: the task that grades completions.
     tok: tokenizer used to encode prompts and decode completions.
     problems: problems to evaluate.
@@ -130,6 +146,10 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
   """
   if engine.has_work:
     raise RuntimeError("evaluate() needs an idle engine; it has requests in flight.")
+  counts = getattr(engine, "counts", None)  # an EpisodeEngine's episode counters
+  calls0 = counts["tool_calls"] if counts else 0
+  tools = getattr(engine, "tools", None)
+  fails0 = sum(v for k, v in tools.counts.items() if k != "ok") if tools is not None else 0
   kept = []
   for i, p in enumerate(problems):
     prepared = grading_lib.prepare_prompt(tok, p.prompt, engine.cfg.max_seq_len, grading)
@@ -140,8 +160,8 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
   rollouts = {r.sample_id: r for r in engine.run_to_completion()} if kept else {}
   markers = grading_lib.resolve_reasoning_markers(tok, grading)
   items = [(p, grading_lib.completion_for_grading(tok, rollouts[i].prompt_tokens,
-                                                  rollouts[i].completion_tokens, markers))
-           for i, p in enumerate(kept)]
+                                                  rollouts[i].last_turn_tokens, markers))
+           for i, p in enumerate(kept)]  # an episode is graded on its last turn
   pool = verifier if verifier is not None else VerifierPool(task, timeout_s=timeout_s)
   try:
     verdicts = pool.grade(items, list(range(len(kept))))
@@ -151,16 +171,25 @@ def evaluate(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tok
   rewards = [0.0 if math.isnan(v.reward) or (grading.overlong_policy != "keep"
                                              and grading_lib.is_cut(rollouts[i])) else v.reward
              for i, v in enumerate(verdicts)]
-  by_diff = {}
-  for p, reward in zip(kept, rewards):
+  by_diff, tool_use = {}, {}
+  for i, (p, reward) in enumerate(zip(kept, rewards)):
     by_diff.setdefault(float(p.difficulty), []).append(reward)
+    tool_use.setdefault(float(p.difficulty), []).append(float(rollouts[i].num_turns > 1))
   lengths = [rollouts[i].num_completion_tokens for i in range(len(kept))]
+  fails = sum(v for k, v in tools.counts.items() if k != "ok") if tools is not None else 0
   return EvalResult(
       accuracy=float(np.mean(rewards)) if rewards else 0.0, num_problems=len(kept),
       mean_completion_tokens=float(np.mean(lengths)) if lengths else 0.0,
       accuracy_by_difficulty={k: float(np.mean(v)) for k, v in sorted(by_diff.items())},
       num_filtered=len(problems) - len(kept),
-      num_failed_rewards=sum(v.failed for v in verdicts))
+      num_failed_rewards=sum(v.failed for v in verdicts),
+      count_by_difficulty={k: len(v) for k, v in sorted(by_diff.items())},
+      mean_turns=float(np.mean([rollouts[i].num_turns for i in range(len(kept))])) if kept
+      else 1.0,
+      tool_use_by_difficulty=({k: float(np.mean(v)) for k, v in sorted(tool_use.items())}
+                              if counts is not None else {}),
+      tool_calls=(counts["tool_calls"] - calls0) if counts else 0,
+      tool_failures=fails - fails0)
 
 
 def evaluate_samples(engine: SamplerEngine, task: task_base.Task, tok: tokenizer_lib.Tokenizer,
@@ -206,8 +235,8 @@ def evaluate_samples(engine: SamplerEngine, task: task_base.Task, tok: tokenizer
                             group_id=i, prompt_index=p.index))
   rollouts = {r.sample_id: r for r in engine.run_to_completion()} if kept else {}
   ids = sorted(rollouts)
-  items = [(kept[sid // num_samples], tok.decode(rollouts[sid].completion_tokens))
-           for sid in ids]
+  items = [(kept[sid // num_samples], tok.decode(rollouts[sid].last_turn_tokens))
+           for sid in ids]  # an episode is graded on its last turn
   pool = verifier if verifier is not None else VerifierPool(task, timeout_s=timeout_s)
   try:
     verdicts = pool.grade(items, ids) if items else []

@@ -24,6 +24,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rlax_pipe import envs
 from rlax_pipe import evaluation
 from rlax_pipe import model_dir
 from rlax_pipe import objectives
@@ -66,6 +67,12 @@ class SFTConfig:
       the direct demonstration is a fixed pseudo-random function of (problem index, seed), so
       it cannot be read off the prompt. 0 = reference solutions only. The shipped warm start
       uses 0.5 (WORKSPACE_NOTES.md, "SFT warm start").
+    tool_fraction: share g in [0, 1) of training problems demonstrated as a tool episode
+      (`tool_rollout`: the task's `tool_solution`, e.g. "3+5+2=</s>" + calculator result
+      "10\\n" (loss mask 0) + "A: 10</s>"), drawn per (index, seed) independently of the direct
+      answers; the rest follow `direct_answer_fraction`. Needs a task with a tool
+      (`envs.is_environment` and `tool_solution`, e.g. "arithmetic_calculator"). 0 = no tool
+      episodes (the single-turn warm start).
   """
 
   steps: int = 400
@@ -80,6 +87,7 @@ class SFTConfig:
   log_every: int = 10
   seed: int = 0
   direct_answer_fraction: float = 0.5
+  tool_fraction: float = 0.0
 
   def __post_init__(self):
     for name in ("steps", "rows", "seq_len", "learner_devices", "eval_problems", "eval_slots",
@@ -89,6 +97,8 @@ class SFTConfig:
     if not 0.0 <= self.direct_answer_fraction < 1.0:
       raise ValueError(f"SFTConfig.direct_answer_fraction={self.direct_answer_fraction} must be "
                        "in [0, 1).")
+    if not 0.0 <= self.tool_fraction < 1.0:
+      raise ValueError(f"SFTConfig.tool_fraction={self.tool_fraction} must be in [0, 1).")
     if not self.learning_rate > 0 or self.warmup_steps < 0 or self.weight_decay < 0:
       raise ValueError("SFTConfig: learning_rate must be > 0, warmup_steps and weight_decay >= 0.")
 
@@ -108,6 +118,15 @@ def answers_directly(index: int, fraction: float, seed: int = 0) -> bool:
   if fraction <= 0.0:
     return False
   return bool(np.random.default_rng((seed, index)).random() < fraction)
+
+
+def uses_tool(index: int, fraction: float, seed: int = 0) -> bool:
+  """Whether training problem `index` gets the tool-episode demonstration (SFTConfig.
+  tool_fraction): u = U[0, 1) from PCG64 seeded with (seed, index, 1), a stream apart from
+  `answers_directly`'s; True iff u < fraction."""
+  if fraction <= 0.0:
+    return False
+  return bool(np.random.default_rng((seed, index, 1)).random() < fraction)
 
 
 def demonstration(problem: task_base.Problem, direct: bool) -> str:
@@ -145,12 +164,52 @@ def reference_rollout(problem: task_base.Problem, tok: tokenizer_lib.Tokenizer,
                  prompt_index=problem.index)
 
 
+def tool_rollout(problem: task_base.Problem, task, tok: tokenizer_lib.Tokenizer,
+                 sample_id: int) -> Rollout:
+  """The tool-episode demonstration of `problem` as a two-turn Rollout, token for token what
+  `envs.EpisodeEngine` samples and appends: turn 1 (`tool_solution`'s call text + end id, loss
+  mask 1), the tool's result rendered by the environment's protocol (`envs.protocol_for`;
+  loss mask 0, the environment's tokens), turn 2 (the final answer + end id, loss mask 1).
+
+  Raises:
+    ValueError: when the task has no tool (`envs.is_environment`) or `tool_solution`, or its
+      protocol does not parse the demonstrated call.
+  """
+  from rlax_pipe import envs  # pylint: disable=import-outside-toplevel
+  if not (envs.is_environment(task) and callable(getattr(task, "tool_solution", None))):
+    raise ValueError(f"SFTConfig.tool_fraction > 0 needs a task with a tool and tool_solution "
+                     f"(e.g. --config.task=arithmetic_calculator); {type(task).__name__} has "
+                     "none.")
+  call_text, _, final = task.tool_solution(problem)
+  protocol = envs.protocol_for(task, chat=tok.prompt_format.kind == "chat")
+  calls = protocol.parse(call_text)
+  if not calls:
+    raise ValueError(f"the protocol of {type(task).__name__} does not parse its own "
+                     f"tool_solution call {call_text!r}.")
+  results = [envs.ToolResult(c, task.call_tool(problem, c), "ok") for c in calls]
+  end = completion_end_id(tok)
+  turn1 = tok.encode(call_text) + [end]
+  env = protocol.render(tok, results)
+  turn2 = tok.encode(final) + [end]
+  completion = np.asarray(turn1 + env + turn2, np.int32)
+  mask = np.concatenate([np.ones(len(turn1)), np.zeros(len(env)), np.ones(len(turn2))])
+  n = completion.shape[0]
+  return Rollout(sample_id=sample_id, group_id=sample_id,
+                 prompt_tokens=np.asarray(tok.encode_prompt(problem.prompt), np.int32),
+                 completion_tokens=completion, behavior_logprobs=np.zeros(n, np.float32),
+                 policy_versions=np.zeros(n, np.int32), finish_reason="eos", reward=1.0,
+                 prompt_index=problem.index, loss_mask=mask.astype(np.float32), num_turns=2)
+
+
 def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, rows: int,
-               seq_len: int, direct_answer_fraction: float = 0.0, seed: int = 0):
+               seq_len: int, direct_answer_fraction: float = 0.0, seed: int = 0,
+               tool_fraction: float = 0.0):
   """Packs consecutive training problems from index `start` into exactly `rows` rows.
 
   Problems whose prompt + demonstration exceed `seq_len` tokens are skipped. A share
-  `direct_answer_fraction` of problems is demonstrated by the bare answer (`answers_directly`).
+  `tool_fraction` of problems is demonstrated by a tool episode (`uses_tool`, `tool_rollout`;
+  its environment tokens are context, loss mask 0), and of the rest a share
+  `direct_answer_fraction` by the bare answer (`answers_directly`).
 
   Returns:
     (TrainBatch [rows, seq_len], next_index).
@@ -160,8 +219,11 @@ def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, r
   """
   items, lengths, index = [], [], start
   while True:
-    candidate = reference_rollout(task.problem(index), tok, index,
-                                  answers_directly(index, direct_answer_fraction, seed))
+    if uses_tool(index, tool_fraction, seed):
+      candidate = tool_rollout(task.problem(index), task, tok, index)
+    else:
+      candidate = reference_rollout(task.problem(index), tok, index,
+                                    answers_directly(index, direct_answer_fraction, seed))
     n = candidate.prompt_tokens.shape[0] + candidate.num_completion_tokens
     if n > seq_len:  # cannot be imitated in rows of this length: skipped
       index += 1
@@ -194,6 +256,10 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
             params: Any = None) -> dict:
   """Trains the warm start, evaluates greedy and T=1 accuracy, writes the checkpoints.
 
+  An environment task (`envs.is_environment`, e.g. "arithmetic_calculator" with
+  `cfg.tool_fraction` > 0) is evaluated as episodes with its tools (`envs.evaluation_engine`),
+  and its chat prompts declare the tools (`envs.declare_tools`), as the RL job does.
+
   Two checkpoints of the final weights: `out_dir` as an HF model directory (config.json +
   model.safetensors + the tokenizer's files + generation_config.json, `model_dir.
   export_model_dir`; loadable with transformers, and what the RL job's `RunConfig.init` takes,
@@ -222,6 +288,8 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
       fit its embedding.
   """
   out_dir = pathlib.Path(out_dir)
+  if envs.is_environment(task):  # chat prompts declare the tools, as the RL job's do
+    envs.declare_tools(tok, task)
   model = as_model(model or default_model_config(tok.vocab_size, cfg.seq_len))
   if cfg.learner_devices > len(jax.devices()):
     raise ConfigError(
@@ -250,7 +318,7 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
   t0, index, losses = time.perf_counter(), 0, []
   for step in range(cfg.steps):
     batch, index = next_batch(task, tok, index, cfg.rows, cfg.seq_len, cfg.direct_answer_fraction,
-                              cfg.seed)
+                              cfg.seed, cfg.tool_fraction)
     metrics = learner.train_step(batch)
     if metrics is not None:
       losses.append(float(metrics["loss"]))
@@ -277,7 +345,11 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
                          ("t1", SamplingConfig(temperature=1.0))):
     engine = eval_engine(model, params_dev, tok, slots=cfg.eval_slots,
                          max_seq_len=cfg.seq_len, sampling=sampling, seed=cfg.seed)
+    if envs.is_environment(task):  # episodes with the task's tools, as RL samples them
+      engine = envs.evaluation_engine(engine, task, tok)
     results[name] = evaluation.evaluate(engine, task, tok, problems)
+    if envs.is_environment(task):
+      engine.close()
   summary = {
       "steps": cfg.steps, "train_seconds": round(train_s, 1),
       "total_seconds": round(time.perf_counter() - t0, 1), "problems_seen": index,
@@ -285,6 +357,10 @@ def run_sft(task: task_base.Task, tok: tokenizer_lib.Tokenizer, cfg: SFTConfig,
       "greedy_accuracy": results["greedy"].accuracy, "t1_accuracy": results["t1"].accuracy,
       "eval_problems": cfg.eval_problems,
       "greedy_accuracy_by_difficulty": results["greedy"].accuracy_by_difficulty,
+      "greedy_count_by_difficulty": results["greedy"].count_by_difficulty,
+      **({"greedy_tool_use_by_difficulty": results["greedy"].tool_use_by_difficulty,
+          "greedy_tool_calls": results["greedy"].tool_calls,
+          "t1_tool_calls": results["t1"].tool_calls} if envs.is_environment(task) else {}),
       "config": dataclasses.asdict(cfg),
   }
   (out_dir / "sft_result.json").write_text(json.dumps(summary, indent=2))

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlax_pipe import envs
 from rlax_pipe import sft
 from rlax_pipe import tasks
 from rlax_pipe.config import ModelConfig
@@ -89,3 +90,32 @@ def test_sft_device_and_output_errors_name_the_fix(tmp_path):
     sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b")
   with pytest.raises(NotADirectoryError):  # before any training step
     sft.run_sft(task, tok, sft.SFTConfig(), tmp_path / "b" / "config.json" / "out")
+
+
+def test_tool_episode_demonstrations_mask_the_calculators_tokens():
+  """`tool_rollout` is the calculator episode token for token (turn 1 + end id, the protocol's
+  rendering of the tool result with loss mask 0, turn 2 + end id), packed with the
+  environment tokens outside the loss; a task without a tool is refused."""
+  tok, env = default_tokenizer(), envs.CalculatorArithmeticTask()
+  p = env.problem(2)
+  r = sft.tool_rollout(p, env, tok, sample_id=7)
+  call, result, final = env.tool_solution(p)
+  expected = (tok.encode(call) + [tok.eos_id] + tok.encode(result) + tok.encode(final)
+              + [tok.eos_id])
+  assert r.completion_tokens.tolist() == expected and r.num_turns == 2
+  env_at = np.flatnonzero(r.loss_mask == 0.0)
+  n1 = len(tok.encode(call)) + 1
+  assert env_at.tolist() == list(range(n1, n1 + len(tok.encode(result))))
+  assert tok.decode(r.last_turn_tokens) == final and env.reward(p, final) == 1.0
+  flags = [sft.uses_tool(i, 0.3, seed=0) for i in range(3000)]
+  assert abs(np.mean(flags) - 0.3) < 0.03 and not any(sft.uses_tool(i, 0.0) for i in range(50))
+  batch, nxt = sft.next_batch(env, tok, 0, rows=2, seq_len=384, tool_fraction=0.3)
+  tool_items = [i for i in range(nxt) if sft.uses_tool(i, 0.3)]
+  assert tool_items  # some packed problems are tool episodes
+  n_env = sum(len(tok.encode(env.tool_solution(env.problem(i))[1])) for i in tool_items)
+  comp = (batch.segment_ids > 0) & (batch.loss_mask == 0)
+  assert comp.sum() >= n_env  # prompts and tool results are context, never in the loss
+  with pytest.raises(ValueError, match="arithmetic_calculator"):
+    sft.next_batch(tasks.ArithmeticTask(), tok, 0, rows=2, seq_len=384, tool_fraction=0.5)
+  with pytest.raises(ValueError, match="tool_fraction"):
+    sft.SFTConfig(tool_fraction=1.0)

@@ -19,7 +19,11 @@ config the command line fills in: "jsonl", "dataset_file" (`tasks.DatasetFileCon
 eval_path, prompt / answer fields, formats, grader), "reasoning_gym"
 (`tasks.ReasoningGymConfig`: dataset, dataset_config, seed, ...); "calculator": the arithmetic
 task as a multi-turn environment with a calculator tool (task "arithmetic_calculator",
-`rlax_pipe.envs`; limits in --config.env.*); the tool preset "python" adds the sandboxed Python
+`rlax_pipe.envs`; limits in --config.env.*; the virtual clock charges
+--config.pipeline.cost_model.tool_wave_s per wave of tool calls); it starts from the shipped
+tool warm start rlax_pipe/assets/sft_calculator (made by experiments/sft.py
+--config=experiments/configs/sft.py:calculator; the single-turn one never calls the tool);
+the tool preset "python" adds the sandboxed Python
 tool to the run's task (--config.env.tool=python, tool results up to 256 tokens, 10 s per tool
 wave; snippet limits in --config.env.python.*: 4 s wall, 2 s CPU, 512 MiB; see
 `rlax_pipe.tasks.python_tool`), with a ```python block ending a turn as the call on raw prompts
@@ -32,6 +36,7 @@ Every field with its unit: `python3 experiments/pipeline_rl.py --helpfull`.
 """
 
 import dataclasses
+import pathlib
 
 from ml_collections import config_dict as config_dict_lib
 
@@ -41,6 +46,13 @@ from rlax_pipe.pipeline.config import BUILTIN_MOE_INIT, PipelineConfig, RunConfi
 from rlax_pipe.pipeline.staleness import StalenessConfig
 
 SIZE_PRESETS = ("default", "tiny", "tiny_moe")
+# Hand-set (like the rest of the default cost model, whose `source` says so): a warmed ToolPool
+# wave of 8 calculator calls took 1-14 ms on dev-cpu (2 cores, load ~28; WORKSPACE_NOTES.md,
+# "Issue 23: RL with and without a tool"). Calibrate for real runs.
+CALCULATOR_TOOL_WAVE_S = 0.005
+# The calculator preset's warm start: the shipped one fine-tuned with 30% calculator episodes
+# (`experiments/sft.py --config=experiments/configs/sft.py:calculator`; its sft_result.json).
+CALCULATOR_INIT = pathlib.Path(config_dict.__file__).resolve().parent / "assets" / "sft_calculator"
 TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
 _PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
 TOOL_PRESETS = ("python",)
@@ -105,6 +117,10 @@ def get_config(preset: str = "default"):
     cfg = dataclasses.replace(cfg, task_config=tasks.ArithmeticConfig())
   if "tiny" in names or "tiny_moe" in names:
     cfg = _tiny(cfg)
+  if task == "calculator":  # the virtual clock charges tool waves (`CostModel.tool_wave_s`)
+    cfg = dataclasses.replace(cfg, init=str(CALCULATOR_INIT), pipeline=dataclasses.replace(
+        cfg.pipeline, cost_model=dataclasses.replace(cfg.pipeline.cost_model,
+                                                     tool_wave_s=CALCULATOR_TOOL_WAVE_S)))
   if "tiny_moe" in names:
     cfg = dataclasses.replace(cfg, init=BUILTIN_MOE_INIT, export_hf=False,
                               run_dir="runs/pipeline_rl_tiny_moe")

@@ -5,6 +5,8 @@
   --config=experiments/configs/sft.py:reasoning_gym --config.task_config.dataset=chain_sum
   --config=experiments/configs/sft.py:dataset_file --config.init=/path/to/hf_model \
       --config.task_config.path=train.jsonl --config.prompt_format.kind=chat
+  --config=experiments/configs/sft.py:calculator   tool warm start: the shipped warm start
+      fine-tuned with a share of calculator-tool episodes (task "arithmetic_calculator")
   --config.sft.steps=200 --config.out_dir=/tmp/sft
 
 Fields: out_dir (the output, an HF model directory with the tokenizer, created); init (an HF
@@ -16,6 +18,7 @@ Presets combine with a comma: "tiny,reasoning_gym".
 """
 
 import dataclasses
+import pathlib
 
 import ml_collections
 from ml_collections import config_dict as config_dict_lib
@@ -26,7 +29,16 @@ from rlax_pipe import tasks
 from rlax_pipe.tokenizer import PromptFormat
 
 SIZE_PRESETS = ("default", "tiny")
-TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym")
+TASK_PRESETS = ("jsonl", "dataset_file", "reasoning_gym", "calculator")
+_PRESET_TASK = {"calculator": "arithmetic_calculator"}  # a task preset named apart from its task
+# The calculator tool warm start (WORKSPACE_NOTES.md, "Issue 23: RL with and without a tool"):
+# the shipped single-turn warm start fine-tuned for 150 steps on a mixture in which 30% of the
+# problems are demonstrated as calculator episodes, the rest as before (worked / direct 50/50).
+# rlax_pipe/assets/sft_calculator is its output (config.json, model.safetensors,
+# sft_result.json of `python3 experiments/sft.py --config=experiments/configs/sft.py:calculator
+# --config.out_dir=<dir>`), the init of configs/pipeline_rl.py:calculator.
+CALCULATOR_SFT = dict(steps=150, learning_rate=1e-3, warmup_steps=10, tool_fraction=0.3)
+
 PRESETS = SIZE_PRESETS + TASK_PRESETS
 
 
@@ -45,16 +57,23 @@ def get_config(preset: str = "default"):
   tiny = "tiny" in names
   if tiny:
     cfg = dataclasses.replace(cfg, steps=3, eval_problems=4, eval_slots=4, log_every=1)
-  task = next((p for p in names if p in TASK_PRESETS), "arithmetic")
+  preset_task = next((p for p in names if p in TASK_PRESETS), "arithmetic")
+  task = _PRESET_TASK.get(preset_task, preset_task)
+  if preset_task == "calculator" and not tiny:
+    cfg = dataclasses.replace(cfg, **CALCULATOR_SFT)
+  elif preset_task == "calculator":
+    cfg = dataclasses.replace(cfg, tool_fraction=CALCULATOR_SFT["tool_fraction"])
   out = ml_collections.ConfigDict()
   out.out_dir = "runs/sft_tiny" if tiny else (
-      "runs/sft_warm_start" if task == "arithmetic" else f"runs/sft_{task}")
+      "runs/sft_warm_start" if task == "arithmetic" else f"runs/sft_{preset_task}")
   out.init = config_dict_lib.placeholder(str)
+  if preset_task == "calculator":  # fine-tunes the shipped single-turn warm start
+    out.init = str(pathlib.Path(sft.__file__).resolve().parent / "assets" / "sft_arithmetic")
   out.tokenizer_path = config_dict_lib.placeholder(str)
   out.prompt_format = config_dict.to_config_dict(PromptFormat())
   out.task = task
   out.jsonl_path = config_dict_lib.placeholder(str)
-  if task == "arithmetic":
+  if task in ("arithmetic", "arithmetic_calculator"):
     out.task_config = config_dict_lib.placeholder(object)
   else:
     config_cls = tasks.TASKS[task][1]

@@ -27,6 +27,9 @@ Operations and their features (all counts are integers):
   learner step:  train_step_s + train_token_s * tokens + micro_batch_s * micro_batches
                  + learner_host_s   (tokens = rows x row length processed, padding included)
   weight push:   push_s + push_byte_s * bytes
+  tool calls:    tool_wave_s * waves + tool_call_s * calls   (multi-turn episodes, `rlax_pipe.envs`:
+                 a wave is one batch of tool calls run together in the worker processes, during
+                 which the reproducible sampler waits; shown as "env"/"tool" timeline spans)
 
 Virtual time is exact: every duration is rounded to a multiple of `QUANTUM` = 2^-30 s
 (0.93 ns), so every sum of durations below ~2^22 s is exact in float64, whatever the order of
@@ -93,6 +96,9 @@ class CostModel:
       MoE layer once (0 = a dense model; the module docstring's hit(b) scales it).
     moe_experts: X, routed experts per MoE layer (0 = dense; else >= moe_top_k).
     moe_top_k: k, experts each token is routed to (0 = dense; else >= 1).
+    tool_wave_s: per wave of tool calls of multi-turn episodes (process round trip); 0 = tool
+      time not modelled.
+    tool_call_s: per tool call in a wave.
     source: where the numbers come from ("measured: <run>", "analytic: <chip> ...", "default:
       hand-set, not a measurement").
   """
@@ -115,6 +121,8 @@ class CostModel:
   expert_step_s: float = 0.0
   moe_experts: float = 0.0
   moe_top_k: float = 0.0
+  tool_wave_s: float = 0.0
+  tool_call_s: float = 0.0
   source: str = "default: hand-set, not a measurement"
 
   def __post_init__(self):
@@ -183,6 +191,10 @@ class CostModel:
   def push(self, num_bytes: int) -> float:
     """Seconds of one weight push of `num_bytes` bytes (quantized)."""
     return float(quantize(self.push_s + self.push_byte_s * num_bytes))
+
+  def tools(self, waves: int, calls: int) -> float:
+    """Seconds of `waves` waves of tool calls holding `calls` calls in all (quantized)."""
+    return float(quantize(self.tool_wave_s * waves + self.tool_call_s * calls))
 
   # ---- storage ------------------------------------------------------------------------------
   def to_dict(self) -> dict[str, Any]:

@@ -18,10 +18,12 @@ from rlax_pipe.envs.base import ToolResult
 from rlax_pipe.envs.protocols import CALCULATOR_PROTOCOL
 from rlax_pipe.envs.protocols import ChatToolProtocol
 from rlax_pipe.envs.protocols import CodeBlockProtocol
+from rlax_pipe.envs.protocols import declare_tools
 from rlax_pipe.envs.protocols import PlainTextProtocol
 from rlax_pipe.envs.protocols import protocol_for
 from rlax_pipe.envs.runner import EPISODE_COUNTS
 from rlax_pipe.envs.runner import EpisodeEngine
+from rlax_pipe.envs.runner import evaluation_engine
 from rlax_pipe.envs.tool_pool import ToolPool
 from rlax_pipe.tasks.calculator import CalculatorArithmeticTask
 from rlax_pipe.tasks.calculator import evaluate

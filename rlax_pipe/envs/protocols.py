@@ -209,6 +209,27 @@ CALCULATOR_PROTOCOL = PlainTextProtocol(call_pattern=CalculatorArithmeticTask.ca
                                         error_format="error: {content}\n")
 
 
+def declare_tools(tok: Tokenizer, env) -> tuple[dict, ...] | None:
+  """Makes "chat" prompts of `tok` declare `env`'s tool schemas (`Tokenizer.set_prompt_tools`,
+  the chat template's `tools=`), as `ChatToolProtocol` renders tool results with them. No-op
+  for raw prompts or an environment without `tool_schemas()`. A template that ignores `tools`
+  (renders the same prompt with and without them) is left as is: nothing to declare.
+
+  Returns:
+    The declared schemas, or None when nothing was declared.
+  """
+  schemas = getattr(env, "tool_schemas", None)
+  if tok.prompt_format.kind != "chat" or not callable(schemas):
+    return None
+  tools = tuple(schemas())
+  probe = [{"role": "user", "content": "u"}]
+  if not tools or tok.apply_chat_template(probe, tools=list(tools)) == tok.apply_chat_template(
+      probe):
+    return None  # the template has no place for tool schemas
+  tok.set_prompt_tools(tools)
+  return tools
+
+
 def protocol_for(env, chat: bool = False):
   """The tool-call protocol of an environment: `ChatToolProtocol` with the environment's
   `tool_schemas()` (if it has them) for chat prompts; else `CodeBlockProtocol` when it has a

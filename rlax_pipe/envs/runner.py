@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable
 
 from rlax_pipe.envs import protocols
-from rlax_pipe.envs.base import EnvConfig, ToolCall, ToolResult
+from rlax_pipe.envs.base import EnvConfig, is_environment, ToolCall, ToolResult
 from rlax_pipe.envs.tool_pool import ToolPool
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tokenizer import Tokenizer
@@ -41,7 +41,7 @@ from rlax_pipe.types import Rollout
 # on_span(component, kind, start_s, end_s, slots_active, slots_total), as the engine's hook
 SpanHook = Callable[[str, str, float, float, int, int], None]
 EPISODE_COUNTS: tuple[str, ...] = (
-    "episodes", "turns", "tool_calls", "ended_final_answer", "ended_max_turns",
+    "episodes", "turns", "tool_waves", "tool_calls", "ended_final_answer", "ended_max_turns",
     "ended_tool_failure", "ended_budget", "ended_sampler")
 
 
@@ -200,6 +200,7 @@ class EpisodeEngine:
     future, self._future = self._future, None
     results, owners, t0, t1 = future.result()
     self.tool_s += t1 - t0
+    self.counts["tool_waves"] += 1
     if self.on_span is not None:
       self.on_span("env", "tool", t0, t1, len(results), len(results))
     by_episode: dict[int, list[ToolResult]] = {}
@@ -230,6 +231,17 @@ class EpisodeEngine:
     self.engine.continue_sequence(r.sample_id, ids)
     return None
 
+  def episode_metrics(self) -> dict[str, float]:
+    """The counters of this run so far, flat, for a metrics row (cumulative over the run,
+    resumes included, not per step): "env_<k>" for every `EPISODE_COUNTS` key (episodes
+    finished, model turns, tool calls, why episodes ended), "tool_<outcome>" for every
+    `TOOL_OUTCOMES` (tool calls by outcome: ok, error, timeout, ...), "tool_s" (seconds spent
+    in tool waves, on `clock`: wall seconds in threaded runs, 0 on a reproducible run's virtual
+    clock, which charges tool waves through `CostModel.tools` instead) and "tool_restarts" (workers killed since this process started)."""
+    return {**{f"env_{k}": v for k, v in self.counts.items()},
+            **{f"tool_{k}": v for k, v in self.tools.counts.items()},
+            "tool_s": self.tool_s, "tool_restarts": self.tools.restarts}
+
   # --- state ---------------------------------------------------------------------------------
   def state_dict(self) -> dict:
     """The engine's state (`SamplerEngine.state_dict`, same keys) with the episodes' own under
@@ -243,7 +255,8 @@ class EpisodeEngine:
                           rq.prompt_tokens.tolist()] for sid, rq in self._requests.items()],
             "pending": [[sid, [[c.name, c.arguments] for c in calls]]
                         for sid, (_, calls) in pending.items()],
-            "counts": dict(self.counts)}
+            "counts": dict(self.counts), "tool_counts": dict(self.tools.counts),
+            "tool_s": self.tool_s}
 
   def load_state_dict(self, state: dict) -> None:
     """Restores a `state_dict`; episodes that waited on tools run them again."""
@@ -266,4 +279,31 @@ class EpisodeEngine:
     for sid, calls in state["pending"]:
       self._waiting[int(sid)] = (parked[int(sid)], [ToolCall(n, a) for n, a in calls])
     self.counts.update(state.get("counts", {}))
+    self.tools.counts.update(state.get("tool_counts", {}))
+    self.tool_s = float(state.get("tool_s", self.tool_s))
 
+
+def evaluation_engine(engine: SamplerEngine, env, tok: Tokenizer, env_cfg=None,
+                      *, split: str = "eval", chat: bool | None = None):
+  """`engine` wrapped as an `EpisodeEngine` for evaluating environment `env` on `split`:
+  tool calls run synchronously in worker processes and see the held-out problem of each
+  request's prompt index. Close it (`.close()`) to end its tool workers.
+
+  Args:
+    engine: an idle sampler engine (its stop set ends a turn).
+    env: an environment (`is_environment`).
+    tok: the tokenizer.
+    env_cfg: `EnvConfig` limits (None = defaults).
+    split: the split of the problems evaluated.
+    chat: chat-template prompts (None = the tokenizer's prompt format).
+
+  Raises:
+    ValueError: when `env` has no tools, or from `EpisodeEngine`.
+  """
+  if not is_environment(env):
+    raise ValueError(f"evaluation_engine: {type(env).__name__} has no tools (call_tool, "
+                     "tool_names); evaluate it with the plain engine.")
+  chat = tok.prompt_format.kind == "chat" if chat is None else chat
+  return EpisodeEngine(engine, env, tok, None, env_cfg or EnvConfig(), chat=chat,
+                       problem_of=lambda rq: env.problem(rq.prompt_index, split),
+                       synchronous=True)

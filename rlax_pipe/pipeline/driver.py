@@ -156,6 +156,16 @@ def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
       live_token_steps=after.live_token_steps - before.live_token_steps)
 
 
+def tool_counts(engine) -> tuple[int, int]:
+  """(tool waves, tool calls) an episode engine (`envs.EpisodeEngine.counts`) has run so far;
+  (0, 0) for a single-turn engine. The reproducible driver charges their difference over an
+  engine step to the sampler's virtual clock (`CostModel.tools`)."""
+  counts = getattr(engine, "counts", None)
+  if not isinstance(counts, dict):
+    return 0, 0
+  return int(counts.get("tool_waves", 0)), int(counts.get("tool_calls", 0))
+
+
 def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: float) -> None:
   worker.check_lost(now, delivery_limit_s)
   worker.abort_too_stale()
@@ -205,7 +215,7 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
       _sampler_housekeeping(worker, st.t_s, delivery_limit(cfg, intervals))
       worker.top_up()
       if engine.has_work:
-        before = engine.stats()
+        before, tools_before = engine.stats(), tool_counts(engine)
         finished = worker.step(st.t_s)
         feats = engine_features(before, engine.stats(), st.installs)
         prefill_s, rest_s = cost.engine_step(feats)
@@ -220,6 +230,12 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
                           slots_active=round(feats.slot_steps / feats.decode_steps),
                           slots_total=engine.num_slots)
         st.t_s += rest_s
+        # episodes (`rlax_pipe.envs`): the step's tool waves, during which the sampler waits
+        (waves, calls), (waves0, calls0) = tool_counts(engine), tools_before
+        tool_s = cost.tools(waves - waves0, calls - calls0)
+        if tool_s > 0:
+          timeline.record("env", "tool", st.t_s, st.t_s + tool_s)
+          st.t_s += tool_s
         for r in finished:
           heapq.heappush(st.transit, (st.t_s, st.next_seq, r))
           st.next_seq += 1

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from rlax_pipe import costs as costs_lib
+from rlax_pipe import envs
 from rlax_pipe import evaluation
 from rlax_pipe import logprobs as logprobs_lib
 from rlax_pipe import model_dir
@@ -185,7 +186,7 @@ class TrainLog:
         "kind": "train", "step": step, "version": result.produced,
         **clock_rows(job, time_s, stats.trained_tokens),
         "wall_s": wall, "reward_mean": result.reward_mean, "samples": len(result.rollouts),
-        "completion_tokens": result.completion_tokens,
+        "completion_tokens": result.completion_tokens,  # the model's tokens
         "token_lag_mean": lag_mean, "token_lag_max": lag_max,
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.trained_at - versions.min()) if versions.size else 0,
@@ -209,6 +210,10 @@ class TrainLog:
     self._check_signal(step, row["signal_group_frac"])
     row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
+    episode_metrics = getattr(job.engine, "episode_metrics", None)
+    if episode_metrics is not None:  # episodes: turns, tool calls and outcomes (run totals)
+      row["env_tokens"] = result.env_tokens  # environment tokens (tool results) of this step
+      row.update(episode_metrics())
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     row["prompt_lengths"] = [int(r.prompt_tokens.shape[0]) for r in result.rollouts]
@@ -261,12 +266,21 @@ class Evaluation:
     mesh = job.eval_mesh or job.learner_mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
                                 WeightUpdate(version, params, params_owned(job)), mesh=mesh)
+    # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).
+    self.episodes = envs.is_environment(job.task)
+    if self.episodes:
+      self.engine = envs.evaluation_engine(self.engine, job.task, job.tok, cfg.env,
+                                           chat=cfg.prompt_format.kind == "chat")
     self.sampled_engine = None
     if cfg.pipeline.eval_samples:
       version, params = policy_params(job)
       self.sampled_engine = SamplerEngine(
           job.model, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling),
           WeightUpdate(version, params, params_owned(job)), mesh=mesh)
+      if self.episodes:
+        self.sampled_engine = envs.evaluation_engine(
+            self.sampled_engine, job.task, job.tok, cfg.env,
+            chat=cfg.prompt_format.kind == "chat")
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
 
@@ -304,10 +318,27 @@ class Evaluation:
                      "wall_s": job.clock.wall_s(), "eval_wall_s": seconds,
                      "mean_completion_tokens": res.mean_completion_tokens,
                      "eval_filtered_overlong": res.num_filtered,
-                     "eval_failed_rewards": res.num_failed_rewards, **sampled}, step)
+                     "eval_failed_rewards": res.num_failed_rewards,
+                     **(self._episode_row(res) if self.episodes else {}), **sampled}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems, measured %.1fs)", step,
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
+
+  @staticmethod
+  def _episode_row(res: evaluation.EvalResult) -> dict:
+    """Tool use of an episode evaluation: mean turns, tool calls and failures of this pass, and
+    per difficulty the problems, the accuracy and the share that called a tool."""
+    return {"eval_mean_turns": res.mean_turns, "eval_tool_calls": res.tool_calls,
+            "eval_tool_failures": res.tool_failures,
+            "heldout_count_by_difficulty": res.count_by_difficulty,
+            "heldout_accuracy_by_difficulty": res.accuracy_by_difficulty,
+            "heldout_tool_use_by_difficulty": res.tool_use_by_difficulty}
+
+  def close(self) -> None:
+    """Ends the tool workers of episode evaluation engines (nothing to do otherwise)."""
+    for engine in (self.engine, self.sampled_engine):
+      if isinstance(engine, envs.EpisodeEngine):
+        engine.close()
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     del result
@@ -317,6 +348,7 @@ class Evaluation:
 
   def on_end(self, job: Job, time_s: float) -> None:
     self.final_accuracy = self.evaluate(job, job.learner.step, time_s)
+    self.close()
 
 
 def policy_params(job: Job) -> tuple[int, object]:

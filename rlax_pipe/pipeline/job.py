@@ -403,6 +403,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   rd = record_lib.prepare_run_dir(cfg)
   tok = _tokenizer(cfg)
   task = _task(cfg)
+  if envs.is_environment(task):  # chat prompts declare the environment's tool schemas
+    envs.declare_tools(tok, task)
   plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
   logging.info("devices: %s", plan.describe())
   model, sampler_model, params0 = _models(cfg, model, params)

@@ -32,7 +32,8 @@ class StepResult:
       token in the loss).
     metrics: the learner's metrics of this step (numpy scalars / arrays).
     rollouts: the samples of the groups consumed (those without a reward, NaN, are not trained).
-    completion_tokens: completion tokens trained on (real tokens, no padding).
+    completion_tokens: completion tokens trained on (real tokens, no padding): the model's
+      tokens only; an episode's environment tokens (loss mask 0) are in `env_tokens`.
     reward_mean: mean reward of the samples that have one.
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
@@ -59,6 +60,7 @@ class StepResult:
   build_s: float = 0.0
   train_s: float = 0.0
   push_s: float = 0.0
+  env_tokens: int = 0  # environment tokens (tool results) of the episodes trained on
 
 
 def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
@@ -141,7 +143,8 @@ class Trainer:
     return StepResult(
         trained_at=trained_at, produced=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
-        completion_tokens=int(sum(r.num_completion_tokens for r in trained)),
+        completion_tokens=int(sum(r.completion_mask.sum() for r in trained)),  # model tokens
+        env_tokens=int(sum((1.0 - r.completion_mask).sum() for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
         sample_metrics=sample_metrics, rows=rows,
         micro_batches=micro, processed_rows=processed,

@@ -73,16 +73,31 @@ class CalculatorArithmeticTask(ArithmeticTask):
     """("calc",)."""
     return ("calc",)
 
+  def tool_schemas(self) -> tuple[dict, ...]:
+    """The JSON schema of "calc" (OpenAI function format), declared in chat prompts."""
+    return ({"type": "function", "function": {
+        "name": "calc", "description": "Exact value of a sum of integers, e.g. 3+5-2.",
+        "parameters": {"type": "object", "properties": {"expression": {
+            "type": "string", "description": "integers joined by + and -"}},
+                       "required": ["expression"]}}},)
+
   def call_tool(self, problem: task_base.Problem, call: ToolCall) -> str:
-    """The value of the call's expression as text (runs in a worker process).
+    """The value of the call's expression as text (runs in a worker process). The arguments
+    are the expression (plain-text protocol) or {"expression": ...} (chat tool calls).
 
     Raises:
-      ValueError: for another tool or an expression `evaluate` refuses.
+      ValueError: for another tool, arguments without an expression, or an expression
+        `evaluate` refuses.
     """
     del problem
     if call.name != "calc":
       raise ValueError(f"unknown tool {call.name!r}")
-    return str(evaluate(str(call.arguments)))
+    args = call.arguments
+    if isinstance(args, dict):
+      if "expression" not in args:
+        raise ValueError('calc needs {"expression": "<integers joined by + and ->"}')
+      args = args["expression"]
+    return str(evaluate(str(args)))
 
   def tool_solution(self, problem: task_base.Problem) -> tuple[str, str, str]:
     """A reference episode for warm starts: (turn 1 text, calculator result text, final turn

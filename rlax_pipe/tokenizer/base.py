@@ -91,6 +91,8 @@ class Tokenizer(abc.ABC):
     add_bos_default: whether a raw prompt gets BOS (`encode_prompt` with kind "raw").
     chat_template: the chat template, or None when the tokenizer ships none.
     prompt_format: the `PromptFormat` `encode_prompt` uses by default.
+    prompt_tools: JSON-schema tool descriptions that "chat" prompts declare (the template's
+      `tools=`), set by `set_prompt_tools` for an environment's episodes; None = no tools.
   """
 
   def __init__(self, *, chat_template: chat_lib.ChatTemplate | None = None,
@@ -101,6 +103,7 @@ class Tokenizer(abc.ABC):
                        "chat_template.jinja); use PromptFormat('raw').")
     self._chat_template = chat_template
     self._prompt_format = prompt_format
+    self._prompt_tools: tuple[dict, ...] | None = None
 
   # ---- backend ----------------------------------------------------------------------------------
   @property
@@ -261,13 +264,25 @@ class Tokenizer(abc.ABC):
     return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt,
                                       **kwargs)
 
+  @property
+  def prompt_tools(self) -> tuple[dict, ...] | None:
+    """The tool schemas "chat" prompts declare (`set_prompt_tools`), or None."""
+    return self._prompt_tools
+
+  def set_prompt_tools(self, tools: Sequence[dict] | None) -> None:
+    """Declares tools in every "chat" prompt `encode_prompt` renders from now on: the chat
+    template gets `tools=list(tools)` (as transformers' `apply_chat_template(tools=...)`), so
+    the model sees the schemas of the tools its episodes may call. None or () = no tools. Raw
+    prompts are unchanged (a raw prompt has no place for schemas)."""
+    self._prompt_tools = tuple(tools) if tools else None
+
   def encode_prompt(self, prompt: str, prompt_format: PromptFormat | None = None) -> list[int]:
     """Token ids of a task prompt in `prompt_format` (default: `self.prompt_format`).
 
     "raw": `encode(prompt, add_bos=add_bos_default)`. "chat": the template rendered for
-    [system?, user=prompt] with the generation prompt and `template_kwargs`, encoded without
-    adding BOS (the template writes BOS where the model expects it), as transformers does for
-    `tokenize=True`.
+    [system?, user=prompt] with the generation prompt, `template_kwargs` and the declared
+    `prompt_tools` (as `tools=`, when set), encoded without adding BOS (the template writes BOS
+    where the model expects it), as transformers does for `tokenize=True`.
 
     Args:
       prompt: the prompt text.
@@ -286,8 +301,9 @@ class Tokenizer(abc.ABC):
       messages = ([{"role": "system", "content": fmt.system_prompt}]
                   if fmt.system_prompt is not None else [])
       messages.append({"role": "user", "content": prompt})
+      tools = {} if self._prompt_tools is None else {"tools": list(self._prompt_tools)}
       ids = self.encode_chat_text(self.apply_chat_template(
-          messages, add_generation_prompt=True, **dict(fmt.template_kwargs)))
+          messages, add_generation_prompt=True, **tools, **dict(fmt.template_kwargs)))
     if not ids:
       raise ValueError(f"prompt {prompt!r} encodes to no token (format {fmt.kind!r}, no BOS); "
                        "a completion needs at least one prompt token to condition on.")

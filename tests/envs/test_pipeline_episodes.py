@@ -3,6 +3,8 @@ pipeline driver): episodes of several turns are trained (environment tokens mask
 sampler checkpoint holds the episodes' state, and the calculator preset's config builds."""
 
 import dataclasses
+import json
+import pathlib
 
 import numpy as np
 
@@ -39,10 +41,13 @@ def test_environment_task_trains_multi_turn_episodes(tmp_path, tiny_init, tiny_c
       cfg, task="echo_arithmetic", env=envs.EnvConfig(max_turns=2, tool_timeout_s=10.0),
       sampler=dataclasses.replace(cfg.sampler, eos_id=stops), sampler_mesh_axes=(("tp", 1),),
       learner=dataclasses.replace(cfg.learner, mesh_axes=(("fsdp", 1), ("tp", 1))),
-      pipeline=dataclasses.replace(cfg.pipeline, eval_problems=1))
+      pipeline=dataclasses.replace(
+          cfg.pipeline, eval_problems=1,
+          cost_model=dataclasses.replace(cfg.pipeline.cost_model, tool_wave_s=0.25)))
   hook = Inspect()
   summary = run_lib.run(cfg, hooks=[hook])
-  assert summary["steps"] == 1 and [r["step"] for r in train_rows(cfg.run_dir)] == [1]
+  rows = train_rows(cfg.run_dir)
+  assert summary["steps"] == 1 and [r["step"] for r in rows] == [1]
   runner = hook.engine
   assert isinstance(runner, envs.EpisodeEngine)
   assert runner.counts["episodes"] > 0 and runner.tools.counts["ok"] > 0
@@ -54,6 +59,24 @@ def test_environment_task_trains_multi_turn_episodes(tmp_path, tiny_init, tiny_c
     env_at = r.completion_mask == 0
     assert tok.decode(r.completion_tokens[env_at]) == "12\n"
     assert np.all(r.behavior_logprobs[env_at] == 0.0)
+  # metrics: model tokens apart from environment tokens; episode and tool counters (run totals)
+  row, res = rows[0], hook.results[0]
+  kept = [r for r in res.rollouts if np.isfinite(r.reward)]
+  assert row["completion_tokens"] == sum(int(r.completion_mask.sum()) for r in kept)
+  assert row["env_tokens"] == sum(int((r.completion_mask == 0).sum()) for r in kept) > 0
+  assert row["env_tool_calls"] >= row["tool_ok"] > 0 and row["env_episodes"] > 0
+  assert row["env_turns"] > row["env_episodes"] and row["tool_error"] == 0
+  # the virtual clock charges each tool wave (CostModel.tool_wave_s) as an "env"/"tool" span
+  spans = [json.loads(l) for l in open(f"{cfg.run_dir}/timeline.jsonl")]
+  tool = [s for s in spans if (s["component"], s["kind"]) == ("env", "tool")]
+  assert tool and all(abs(s["end"] - s["start"] - 0.25) < 1e-9 for s in tool)
+  assert len(tool) <= runner.counts["tool_waves"]
+  decode = [s for s in spans if s["kind"] == "decode"]
+  assert not any(t["start"] < d["end"] and d["start"] < t["end"] for t in tool for d in decode)
+  evals = [json.loads(l) for l in open(f"{cfg.run_dir}/metrics.jsonl")]
+  evals = [e for e in evals if e["kind"] == "eval"]
+  assert evals and all("eval_tool_calls" in e and "heldout_count_by_difficulty" in e
+                       for e in evals)  # held-out evaluation runs episodes too
 
 
 def test_calculator_preset_config():
@@ -61,3 +84,8 @@ def test_calculator_preset_config():
   cd = pipeline_rl.get_config("tiny,calculator")
   assert cd.task == "arithmetic_calculator" and cd.task_config.max_terms == 4
   assert cd.env.max_turns == envs.EnvConfig().max_turns
+  assert cd.pipeline.cost_model.tool_wave_s > 0  # the virtual clock charges tool waves
+  # the shipped tool warm start (configs/sft.py:calculator) is the preset's init
+  assert (pathlib.Path(cd.init) / "model.safetensors").exists()
+  sft_cd = __import__("experiments.configs.sft", fromlist=["get_config"]).get_config("calculator")
+  assert sft_cd.task == "arithmetic_calculator" and sft_cd.sft.tool_fraction > 0

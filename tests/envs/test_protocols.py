@@ -11,6 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rlax_pipe import envs
 from rlax_pipe import tokenizer as tokenizer_lib
+from rlax_pipe.tokenizer import chat_template
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A ChatML template with tools and tool messages (Qwen-like, written for this test).
@@ -98,3 +99,38 @@ def test_plain_text_protocol_and_calculator():
     envs.EnvConfig(on_tool_failure="ignore")
   with pytest.raises(ValueError, match="arguments"):
     envs.PlainTextProtocol(call_pattern="(?P<name>x)")
+
+
+def test_chat_prompts_declare_the_environments_tool_schemas(hf_dir):
+  """The pipeline's prompt path (`Tokenizer.encode_prompt`, what the rollout worker, the
+  evaluation and the SFT use) declares the environment's tools once `declare_tools` ran: the
+  ids equal transformers' `apply_chat_template(tools=...)`; a template without a place for
+  tools is left as is; raw prompts are untouched."""
+  env = envs.CalculatorArithmeticTask()
+  fmt = tokenizer_lib.PromptFormat(kind="chat")
+  tok = tokenizer_lib.load_tokenizer(hf_dir, prompt_format=fmt)
+  ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+  prompt = env.problem(0).prompt
+  plain = tok.encode_prompt(prompt)
+  assert envs.declare_tools(tok, env) == env.tool_schemas() == tok.prompt_tools
+  expected = ref.apply_chat_template([{"role": "user", "content": prompt}],
+                                     tools=list(env.tool_schemas()), tokenize=True,
+                                     add_generation_prompt=True)
+  expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+  declared = tok.encode_prompt(prompt)
+  assert declared == expected and declared != plain
+  assert "calc" in tok.decode(declared, stop_at_eos=False)
+  # the chat protocol's tool calls reach the calculator with JSON arguments
+  proto = envs.protocol_for(env, chat=True)
+  call = proto.parse('<tool_call>{"name": "calc", "arguments": {"expression": "3+4"}}'
+                     '</tool_call>')[0]
+  assert proto.tools == env.tool_schemas() and env.call_tool(env.problem(0), call) == "7"
+  with pytest.raises(ValueError, match="expression"):
+    env.call_tool(env.problem(0), envs.ToolCall("calc", {"expr": "3+4"}))
+  # a template that ignores tools: nothing declared
+  no_tools = tokenizer_lib.load_tokenizer(hf_dir, prompt_format=fmt)
+  no_tools._chat_template = chat_template.ChatTemplate(  # pylint: disable=protected-access
+      TEMPLATE.replace("{% if tools %}", "{% if false %}"))
+  assert envs.declare_tools(no_tools, env) is None and no_tools.prompt_tools is None
+  raw = tokenizer_lib.default_tokenizer()
+  assert envs.declare_tools(raw, env) is None and raw.prompt_tools is None
