@@ -89,6 +89,7 @@ def _single(name):
   from rlax_pipe.model import as_model  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.lora_channel import sampler_target  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.weight_channel import WeightChannel  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.types import WeightUpdate  # pylint: disable=import-outside-toplevel
   n = _DEVICES.value
   devs = jax.devices()
   lmesh = sharding.make_mesh(devs[:n], {"fsdp": n}, sharding.LEARNER_RULES)
@@ -99,7 +100,7 @@ def _single(name):
   times = []
   for v in range(_WARMUP.value + _REPEATS.value):
     t0 = time.perf_counter()
-    channel.push(params, v)
+    channel.push(WeightUpdate(v, params))
     update = channel.take(timeout=600)
     jax.block_until_ready(update.params)
     dt = time.perf_counter() - t0

@@ -192,8 +192,8 @@ def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightCha
   last_batch = None
 
   def deliver(now: float):
-    if rules.weights_deliverable(st.pending_arrival, now, worker.may_install_weights()):
-      worker.install(channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
+    if rules.weights_deliverable(st.pending_arrival, now, worker.may_update_weights()):
+      worker.update_weights(channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
       st.pending_arrival = None
       st.installs += 1
 
@@ -348,10 +348,10 @@ def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel
       while not stop.is_set():
         t0 = time.perf_counter()
         installs = 0
-        if worker.may_install_weights():
+        if worker.may_update_weights():
           w = channel.try_take()
           if w is not None:
-            worker.install(w)
+            worker.update_weights(w)
             installs = 1
         _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
         worker.top_up()

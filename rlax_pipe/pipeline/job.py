@@ -373,7 +373,7 @@ def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: 
   engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
                    on_span=None if reproducible else timeline.record)
   if state is None:
-    channel.push(learner.params, learner.version)
+    channel.push(WeightUpdate(learner.version, learner.params))
     return channel, SamplerEngine(sampler_model, cfg.sampler,
                                   channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
   leaves, treedef = jax.tree.flatten(target)
@@ -383,7 +383,7 @@ def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: 
                          WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
                          **engine_kw)
   engine.load_state_dict(state["engine"])
-  channel.push(learner.params, learner.version)  # pending, as it was
+  channel.push(WeightUpdate(learner.version, learner.params))  # pending, as it was
   timeline.load_state_dict(state["timeline"])
   return channel, engine
 

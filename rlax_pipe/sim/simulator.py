@@ -26,7 +26,7 @@ Model (what is simulated, what is assumed):
     tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
     generated so far. KV pages never run out (no preemption), and a weight swap does not
     re-prefill running sequences (`SamplerConfig.kv_policy="keep"`).
-  * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_install_weights`,
+  * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_update_weights`,
     `rules.sampler_moves_next`, `rules.weights_deliverable`; weight swaps are charged to the
     next engine step (`CostModel.install_s`). Under policy `drop` groups in flight whose oldest
     token is already too stale are given up when the learner's version changes, their requests
@@ -149,7 +149,7 @@ class _Run:
     return bool(self.active) or bool(self.waiting)
 
   def _deliver(self, now: float) -> None:
-    may = rules.may_install_weights(self.cfg.driver, self._has_work())
+    may = rules.may_update_weights(self.cfg.driver, self._has_work())
     if rules.weights_deliverable(None if self.pending is None else self.pending[0], now, may):
       self.version = self.pending[1]
       self.pending = None

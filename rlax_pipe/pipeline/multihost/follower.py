@@ -23,6 +23,7 @@ from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, weights_kv
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.types import WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
 
 
@@ -64,7 +65,7 @@ class FollowerProcess:
   def run(self) -> None:
     """Pushes the initial version, then one step per "train" message until "end"."""
     pcfg, off = self.cfg.pipeline, self.link.offset_s
-    self.sender.push(self.learner.params, self.learner.version)
+    self.sender.push(WeightUpdate(self.learner.version, self.learner.params))
     idle_since = time.monotonic()
     steps, train_s = 0, 0.0
     while True:

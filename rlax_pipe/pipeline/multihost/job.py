@@ -42,6 +42,7 @@ from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.run_dir import to_jsonable
+from rlax_pipe.types import WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
 
 
@@ -253,7 +254,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
       indent=2))
   for r in range(topo.num_replicas):
     hub.send(topo.replica_process(r), *messages.wire(messages.Init(rng=proxy.initial_rng(r))))
-  sender.push(learner.params, learner.version)
+  sender.push(WeightUpdate(learner.version, learner.params))
   side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: queue.close())
   eta = hooks_lib.Eta()

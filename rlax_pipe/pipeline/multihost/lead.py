@@ -68,15 +68,12 @@ class LeadSamplerSide:
     if isinstance(msg, messages.Rollouts):
       r = self._replica(p)
       rollouts = list(msg.rollouts)
-      proxy.returned(r, rollouts, msg.status)
-      job.worker.returned(rollouts)  # no longer outstanding; in transit until queued
+      proxy.returned(r, rollouts, msg.status)  # handed out by the proxy's next step
       checked = msg.status.get("checked")
       if checked is not None and self._checked.get(r) != checked[0]:
         self._checked[r] = checked[0]
         self.rows.put({"kind": "weights_check", "replica": r, "version": checked[0],
                        "checksum": checked[1]})
-      for graded in job.worker.grade_batch(rollouts):
-        job.queue.put(graded)
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
         job.timeline.record(*span)
@@ -108,6 +105,11 @@ class LeadSamplerSide:
             item = self.hub.inbox.get_nowait()
           except queue_lib.Empty:
             item = None
+        finished = self.proxy.step()
+        if finished:
+          self.job.worker.returned(finished)  # no longer outstanding; in transit until queued
+          for graded in self.job.worker.grade_batch(finished):
+            self.job.queue.put(graded)
         if not self._stopping.is_set():
           # samples lost on a replica or on their way to the queue: named, and re-dispatched
           # to the replica that had them or their group given up (issue #27 item 2)

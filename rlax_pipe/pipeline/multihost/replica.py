@@ -151,7 +151,7 @@ class ReplicaProcess:
           raise messages.ProtocolError("a second Init message from the lead.")
       if self._pending_update is None:
         self._pending_update = self.receiver.poll()
-      if self._pending_update is not None and rules.may_install_weights(driver, e.has_work):
+      if self._pending_update is not None and rules.may_update_weights(driver, e.has_work):
         update, self._pending_update = self._pending_update, None
         e.update_weights(update)
         self._installed(update.version)
