@@ -1,7 +1,7 @@
 """Discrete-event simulator of the three drivers (sync, async-batch, pipeline); host-side
 Python and numpy, no JAX computation.
 
-It replays the reproducible driver (`rlax_pipe.pipeline.driver.run_reproducible`) with modelled
+It replays the reproducible driver (`rlax_pipe.pipeline.driver.VirtualClocks`) with modelled
 instead of real compute, and it decides everything with THE SAME code as the real pipeline: the
 driver rules of `rlax_pipe.pipeline.rules` (when a group may start, when weights install, who
 moves next), a real `RolloutQueue` (the staleness admission `staleness.AdmissionLedger`, drops,
@@ -40,7 +40,7 @@ Model (what is simulated, what is assumed):
     micro-batches)` (rows from the packing rule; without `seq_len`, the batch's tokens); the push
     then takes `CostModel.push(push_bytes)`; the sampler sees the new version at its first step
     boundary at or after the push's end (newest version only).
-  * Interleaving: the two virtual clocks advance exactly as in `run_reproducible` (the actor with
+  * Interleaving: the two virtual clocks advance exactly as in `VirtualClocks` (the actor with
     the smaller clock moves; samples finished at sampler time t reach the queue at learner time
     >= t). Runs of engine steps during which nothing can change are advanced in one chunk
     (`CostModel.decode_run`, exact), so a run costs O(finished samples + learner steps) Python

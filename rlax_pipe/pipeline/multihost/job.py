@@ -20,6 +20,7 @@ from absl import logging
 import numpy as np
 
 from rlax_pipe import cluster
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.model import Model, ModelLike
@@ -28,12 +29,13 @@ from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
 from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline import record as record_lib
+from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.follower import (
     FollowerProcess, make_learner, open_link, restore_or_start)
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.lead import (
-    LeadSamplerSide, MultiprocessRecords, check_replica_manifests, drive, fault_on_error)
+    LeadClock, LeadSamplerSide, MultiprocessRecords, check_replica_manifests, fault_on_error)
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.replica import ReplicaProcess
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator, weights_kv
@@ -246,7 +248,8 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
       sampler_clock=None, vstate=driver_lib.VirtualState(),
       clock=job_lib.JobClock(False, offset), start_step=learner.step,
       last_eval=extra.get("last_eval") if extra else None,
-      eval_mesh=layout.process_mesh(0), eval_params=sender.local_params)
+      eval_mesh=layout.process_mesh(0), eval_params=sender.local_params,
+      cost_recorder=costs_lib.CostRecorder())
   (rd.path / "topology.json").write_text(json.dumps(
       {**topo.describe(), "learner_mesh": dict(mesh.shape),
        "replica_mesh": dict(cfg.sampler_mesh_axes),
@@ -257,28 +260,20 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
   sender.push(WeightUpdate(learner.version, learner.params))
   side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: queue.close())
-  eta = hooks_lib.Eta()
-  evaluation = hooks_lib.Evaluation(job, eta)
-  report = hooks_lib.Report(evaluation)
   records = MultiprocessRecords(side, sender, proxy, dcfg.record_samples)
-  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
-               records, *user_hooks, report]
   records.log_push(job, learner.version)
   side.start()
-  job.clock.wall0 = time.perf_counter()
-  if job.last_eval is None:
-    evaluation.evaluate(job, job.start_step, job.clock.offset)
-  todo = pcfg.num_steps - job.start_step
-  end = drive(job, hub, monitor, all_hooks, todo) if todo > 0 else time.perf_counter()
-  hub.broadcast(*messages.wire(messages.End()), role="learner")
-  side.stop(dcfg.transfer_timeout_s)
-  time_s = job.clock.time_s(end)
-  for hook in all_hooks:
-    hook.on_end(job, time_s)
+
+  def stop_processes() -> None:
+    hub.broadcast(*messages.wire(messages.End()), role="learner")
+    side.stop(dcfg.transfer_timeout_s)
+
+  summary = run_lib.run_job(job, LeadClock(hub, monitor), [records, *user_hooks],
+                            checkpoint_on_error=False, before_end=stop_processes)
   coordinator.end()
   sender.close(dcfg.transfer_timeout_s)
   _wait_for_goodbyes(hub, dcfg.connect_timeout_s)
-  summary = dict(report.summary)
+  summary = dict(summary)
   spans = job.timeline.spans()
   occupancy = {f"sampler/{r}": timeline_lib.slot_occupancy(spans, component=f"sampler/{r}")
                for r in range(topo.num_replicas)}
