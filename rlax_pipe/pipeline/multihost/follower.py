@@ -9,10 +9,8 @@ copy to the replicas it serves (`weights.LearnerSender`).
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
-from typing import Any
 
 from absl import logging
 
@@ -104,13 +102,3 @@ class FollowerProcess:
 def open_link(cfg: RunConfig, topology: Topology, monitor: FaultMonitor) -> Link:
   """A learner process's link to the lead."""
   return Link(topology, KVStore(), monitor, cfg.distributed, hello={"role": "learner"})
-
-
-def make_learner(cfg: RunConfig, learner_mesh: Any, model: Any, params: Any,
-                 checkpoint_dir: str) -> Learner:
-  """The `Learner` every learner process builds identically (its init is a collective)."""
-  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
-      cfg.learner.checkpoint, directory=checkpoint_dir))
-  objective_cfg = dataclasses.replace(cfg.objective, max_lag=cfg.pipeline.staleness.max_lag)
-  return Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
-                 params=params)
