@@ -1,7 +1,8 @@
 """The RL job's components, built in one function, and their checkpointed state.
 
 `build_job(cfg, model, params)` assembles tokenizer, task, meshes, learner, weight channel,
-sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`);
+sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`),
+for one process (`LocalPlacement`) or a multi-process job's lead (its `placement`);
 `Job.save(time_s)` checkpoints them. Every stateful component saves and restores through one
 protocol, `state_dict()` / `load_state_dict(state)`:
 
