@@ -28,6 +28,7 @@ from rlax_pipe.model import LoraAdapters, Transformer  # noqa: E402
 from rlax_pipe.objectives import ObjectiveConfig  # noqa: E402
 from rlax_pipe.pipeline.lora_channel import LoraWeightChannel, sampler_target  # noqa: E402
 from rlax_pipe.pipeline.weight_channel import WeightChannel  # noqa: E402
+from rlax_pipe.types import WeightUpdate  # noqa: E402
 
 _RANK = flags.DEFINE_integer("rank", 8, "LoRA rank (all 7 weight matrices adapted).")
 _ROUNDS = flags.DEFINE_integer("rounds", 20, "Timed hand-over rounds (after 3 untimed).")
@@ -51,7 +52,7 @@ def _hand_over_s(channel, tree) -> float:
   ts = []
   for v in range(3 + _ROUNDS.value):
     t0 = time.perf_counter()
-    channel.push(tree, v)
+    channel.push(WeightUpdate(v, tree))
     update = channel.take()
     jax.block_until_ready(update.params)
     ts.append(time.perf_counter() - t0)

@@ -100,6 +100,7 @@ def _single(name):
   from rlax_pipe.model import as_model  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.lora_channel import sampler_target  # pylint: disable=import-outside-toplevel
   from rlax_pipe.pipeline.weight_channel import WeightChannel  # pylint: disable=import-outside-toplevel
+  from rlax_pipe.types import WeightUpdate  # pylint: disable=import-outside-toplevel
   devs = jax.devices()
   n = max(1, min(_DEVICES.value, len(devs) // 2))
   # One device (a single GPU): both meshes on it, as a run on one device does.
@@ -112,7 +113,7 @@ def _single(name):
   times = []
   for v in range(_WARMUP.value + _REPEATS.value):
     t0 = time.perf_counter()
-    channel.push(params, v)
+    channel.push(WeightUpdate(v, params))
     update = channel.take(timeout=600)
     jax.block_until_ready(update.params)
     dt = time.perf_counter() - t0

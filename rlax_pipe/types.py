@@ -7,7 +7,8 @@ H query heads, K kv heads, D head dim, E embed, F mlp hidden, P pages, S page si
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import typing
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -220,3 +221,67 @@ class WeightUpdate:
   params: Any
   donated: bool = False
   checksum: Any = None
+
+
+# ---- the two interfaces of the pipeline floor (issue #25) ----------------------------------------
+# One hand-over verb per side: the learner side `push`es a `WeightUpdate` into a `WeightSink`; the
+# sampler side receives one with `update_weights`. Checked by tests/test_protocols.py (signatures,
+# not only names).
+
+
+@typing.runtime_checkable
+class WeightSink(Protocol):
+  """Where the learner hands each new policy version (the learner side of the hand-over).
+
+  Implemented by the in-process `pipeline.weight_channel.WeightChannel` (learner mesh -> sampler
+  mesh), `pipeline.lora_channel.LoraWeightChannel` (adapters only, merged on the sampler side)
+  and a multi-process job's `pipeline.multihost.weights.LearnerSender` (staging copies the
+  replicas fetch).
+  """
+
+  def push(self, update: WeightUpdate) -> None:
+    """Starts handing `update` (params of version `update.version`, learner shardings) over;
+    returns once the copy is dispatched. The sender may keep using (and donate) the params.
+
+    Raises:
+      ValueError: when `update.version` is older than the sink allows (each sink documents its
+        rule); ManifestError: when the params do not match the sink's manifest.
+    """
+    ...  # pylint: disable=unnecessary-ellipsis
+
+
+@typing.runtime_checkable
+class Sampler(Protocol):
+  """The sampler side as the `RolloutWorker` drives it.
+
+  Implemented by the local `sampler.SamplerEngine`, the multi-turn `envs.EpisodeEngine` that
+  wraps it, and, on a multi-process job's lead, `pipeline.multihost.remote.RemoteEngines` (the
+  replicas of other processes).
+  """
+
+  def submit(self, request: Any) -> None:
+    """Queues one `sampler.Request` (one sample of a group)."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def step(self) -> list[Rollout]:
+    """Advances the sampler; returns the samples that finished since the last call."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def abort(self, sample_id: int) -> Rollout | None:
+    """Stops sample `sample_id`; its aborted Rollout now, or None when it comes back later
+    (through `step`) or is not held."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def unfinished(self) -> dict[int, int | None]:
+    """Sample id -> oldest policy version among its tokens (None when not known or none yet) of
+    every request submitted and not yet handed back."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Receives a new policy version (the sampler side of the hand-over); it is used from the
+    sampler's next step boundary.
+
+    Raises:
+      ValueError: when `update.version` is not newer than the newest version received.
+    """
+    ...  # pylint: disable=unnecessary-ellipsis

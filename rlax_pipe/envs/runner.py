@@ -36,7 +36,7 @@ from rlax_pipe.envs.base import EnvConfig, is_environment, ToolCall, ToolResult
 from rlax_pipe.envs.tool_pool import ToolPool
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tokenizer import Tokenizer
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 # on_span(component, kind, start_s, end_s, slots_active, slots_total), as the engine's hook
 SpanHook = Callable[[str, str, float, float, int, int], None]
@@ -107,6 +107,16 @@ class EpisodeEngine:
     self._running.pop(sample_id, None)  # a result that still arrives is dropped
     self._requests.pop(sample_id, None)
     return self.engine.abort(sample_id)
+
+  def unfinished(self) -> dict[int, int | None]:
+    """The engine's unfinished requests (`SamplerEngine.unfinished`; an episode waiting on its
+    tools between two turns is not among them)."""
+    return self.engine.unfinished()
+
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Hands newer weights to the engine (`SamplerEngine.update_weights`); episodes waiting on
+    their tools continue with them at their next turn."""
+    self.engine.update_weights(update)
 
   def abort_all(self) -> list[Rollout]:
     """Stops every episode; see `SamplerEngine.abort_all`."""

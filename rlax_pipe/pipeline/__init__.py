@@ -1,6 +1,6 @@
-"""The RL pipeline: the job (`run.run`, `RunConfig`, `build_job`, step hooks), the drivers that
-interleave sampler and learner, the device-to-device weight channel, staleness policies, the
-rollout queue and sequence packing.
+"""The RL pipeline: the job (`run.run`, `RunConfig`, `build_job`, step hooks), the learner loop
+(`drive`) with its clocks (virtual, threaded), the device-to-device weight channel, staleness
+policies, the rollout queue and sequence packing.
 
 Nothing below this package (sampler, learner, model, tasks) imports it. Building blocks that are
 not re-exported here stay importable from their modules (e.g. `rlax_pipe.pipeline.staleness`
@@ -24,8 +24,9 @@ _EXPORTS: dict[str, str] = {
     "PipelineConfig": "rlax_pipe.pipeline.config",
     "RunConfig": "rlax_pipe.pipeline.config",
     "DeadlockError": "rlax_pipe.pipeline.driver",
-    "run_reproducible": "rlax_pipe.pipeline.driver",
-    "run_threaded": "rlax_pipe.pipeline.driver",
+    "drive": "rlax_pipe.pipeline.driver",
+    "ThreadedClock": "rlax_pipe.pipeline.driver",
+    "VirtualClocks": "rlax_pipe.pipeline.driver",
     "VirtualState": "rlax_pipe.pipeline.driver",
     "FILTER_MODES": "rlax_pipe.pipeline.group_filter",
     "GroupFilterConfig": "rlax_pipe.pipeline.group_filter",

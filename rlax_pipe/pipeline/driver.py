@@ -1,30 +1,34 @@
-"""Schedulers that run the sampler side and the learner side together.
+"""The one learner loop, `drive(job, clock, hooks)`, and the clocks that run the sampler side.
 
-Two modes, same components (`RolloutWorker`, `Trainer`, `WeightChannel`, `RolloutQueue`):
+`drive` runs the job's remaining learner steps: next batch -> train step (the trainer pushes the
+new version to the job's weight sink) -> step hooks (logging, evaluation, checkpoints). The
+clock decides how time moves and where the sampler side runs:
 
-- `run_reproducible`: one thread; a conservative discrete-event interleaving of engine steps and
-  learner steps on two virtual clocks (one per mesh) whose durations come from the cost model
-  (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the labelled hand-set
-  default). The actor with the smaller clock moves next; samples finished at sampler time t
-  become visible to the learner at learner time >= t; a push made at the end of a learner step
-  becomes visible to the sampler at its first step boundary after the push's arrival time (a
-  round-based sampler installs, when a round starts, the newest version that has arrived; a
-  version superseded while a round runs is skipped). Same seed, same run. Every rule it applies
-  is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
-- `run_threaded`: the sampler loop runs in its own thread, grading in a grader thread (off the
-  sampler's serial path) and the learner loop in the calling thread, on the real clock. Every
-  wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured interval
-  between batches) whose error says what was awaited; an exception on any side stops all and is
-  re-raised in the caller with its original traceback. With a `CostRecorder` it times every
-  operation for the measured cost model (`rlax_pipe.costs.fit`); an operation during which XLA
-  compiled anything (any thread, `CompileCounter`) is flagged and left out of the fit.
+- `VirtualClocks` (reproducible mode): one thread; a conservative discrete-event interleaving of
+  engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
+  the cost model (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the
+  labelled hand-set default). The actor with the smaller clock moves next; samples finished at
+  sampler time t become visible to the learner at learner time >= t; a push made at the end of a
+  learner step becomes visible to the sampler at its first step boundary after the push's
+  arrival time (a round-based sampler receives, when a round starts, the newest version that has
+  arrived; a version superseded while a round runs is skipped). Same seed, same run. Every rule
+  it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
+- `ThreadedClock` (threaded mode): the sampler loop runs in its own thread, grading in a grader
+  thread (off the sampler's serial path) and the learner loop in the calling thread, on the real
+  clock. Every wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured
+  interval between batches) whose error says what was awaited; an exception on any side stops
+  all and is re-raised in the caller with its original traceback. With the job's
+  `CostRecorder` it times every operation for the measured cost model (`rlax_pipe.costs.fit`);
+  an operation during which XLA compiled anything (any thread, `CompileCounter`) is flagged and
+  left out of the fit.
+- `multihost.lead.LeadClock` (a multi-process job's lead): the learner side of `RealClock` (the
+  same spans and cost records) with the replicas of other processes as the sampler side.
 
-Both record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
-wait_batch/hooks, channel: push) and call `on_step(result, now)` after every learner step
-(logging, evaluation, checkpoints). Both check every sampler step for samples lost in flight
-(in the engine, or between the engine and the queue: `delivery_limit`, half the learner's wait
-limit, under every staleness policy) and, under policy `drop`, abort groups that became too
-stale (`RolloutWorker`).
+All record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
+wait_batch/hooks, channel: push). The local sampler sides check every sampler step for samples
+lost in flight (in the engine, or between the engine and the queue: `delivery_limit`, half the
+learner's wait limit, under every staleness policy) and, under policy `drop`, abort groups that
+became too stale (`RolloutWorker`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import heapq
 import queue as queue_lib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 from absl import logging
 import jax
@@ -47,9 +51,6 @@ from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import QueueClosed, rollout_from_dict, rollout_to_dict
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import StepResult, Trainer
-from rlax_pipe.pipeline.weight_channel import WeightChannel
-
-OnStep = Callable[[StepResult, float], None]
 
 # jax.monitoring events whose durations are XLA compile work (tracing, lowering, compiling).
 COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
@@ -92,7 +93,7 @@ STARTUP_WAIT_S = 900.0
 
 @dataclasses.dataclass
 class VirtualState:
-  """Mutable state of `run_reproducible` (checkpointed with the run for exact resumes).
+  """Mutable state of `VirtualClocks` (checkpointed with the run for exact resumes).
 
   Attributes:
     t_s: sampler mesh clock (virtual seconds).
@@ -171,121 +172,142 @@ def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: f
   worker.abort_too_stale()
 
 
-def run_reproducible(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,
-                     cfg: PipelineConfig, timeline: timeline_lib.Timeline, num_steps: int,
-                     on_step: OnStep, start_time: float = 0.0,
-                     sampler_clock: timeline_lib.VirtualClock | None = None,
-                     state: VirtualState | None = None,
-                     cost: costs_lib.CostModel | None = None) -> float:
-  """Runs `num_steps` learner steps on virtual clocks (see module docstring).
+class VirtualClocks:
+  """The reproducible mode of `drive` (see the module docstring): one thread, a discrete-event
+  interleaving of engine steps and learner steps on two virtual clocks.
+
+  Reads from the job: `worker`, `trainer`, `channel`, `cfg.pipeline`, `timeline`, `vstate`
+  (the interleaving state, continued from and updated in place: a resumed run's is the
+  checkpointed one) and `sampler_clock` (None, or kept equal to the sampler's virtual time: the
+  engine's clock, so rollout timings are in virtual seconds).
 
   Args:
-    sampler_clock: if given, kept equal to the sampler's virtual time (the engine's clock, so
-      rollout timings are in virtual seconds).
-    state: the interleaving state to continue from and to update in place (a resumed run passes
-      the checkpointed one); None = a fresh one starting at `start_time`.
-    cost: the cost model (default `cfg.resolved_cost_model()`).
+    cost: the cost model (default `PipelineConfig.resolved_cost_model()`).
 
-  Returns:
-    The virtual time (seconds) at which the last learner step and its push completed.
-
-  Raises:
+  Raises (from `next_batch`):
     DeadlockError: when neither side can move.
   """
-  cost = cost or cfg.resolved_cost_model()
-  engine = worker.engine
-  st = state if state is not None else VirtualState(t_s=start_time, t_l=start_time)
-  steps_done = 0
-  # Virtual intervals between learner batches, for the delivery limit only (a run that loses
-  # nothing never reads it, so a resume that starts it empty stays exact).
-  intervals: collections.deque[float] = collections.deque(maxlen=20)
-  last_batch = None
 
-  def deliver(now: float):
-    if rules.weights_deliverable(st.pending_arrival, now, worker.may_install_weights()):
-      worker.install(channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
+  def __init__(self, cost: costs_lib.CostModel | None = None):
+    self._cost = cost
+    # Virtual intervals between learner batches, for the delivery limit only (a run that loses
+    # nothing never reads it, so a resume that starts it empty stays exact).
+    self._intervals: collections.deque[float] = collections.deque(maxlen=20)
+    self._last_batch: float | None = None
+
+  def idle_time(self, job) -> float:
+    """The run time of a session without a step: the resumed offset (virtual seconds)."""
+    return job.clock.offset
+
+  def start(self, job) -> None:
+    self._cost = self._cost or job.cfg.pipeline.resolved_cost_model()
+
+  def _deliver(self, job, now: float) -> None:
+    st, cfg = job.vstate, job.cfg.pipeline
+    if rules.weights_deliverable(st.pending_arrival, now, job.worker.may_update_weights()):
+      job.worker.update_weights(job.channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
       st.pending_arrival = None
       st.installs += 1
 
-  while steps_done < num_steps:
-    if rules.sampler_moves_next(st.t_s, st.t_l, st.learner_must_act):
+  def _sampler_moves(self, job) -> None:
+    """One event of the sampler side at its clock: an engine step, or a wait."""
+    st, worker, timeline = job.vstate, job.worker, job.timeline
+    engine, sampler_clock = worker.engine, job.sampler_clock
+    if sampler_clock is not None:
+      sampler_clock.set(st.t_s)
+    self._deliver(job, st.t_s)
+    _sampler_housekeeping(worker, st.t_s, delivery_limit(job.cfg.pipeline, self._intervals))
+    worker.top_up()
+    if engine.has_work:
+      before, tools_before = engine.stats(), tool_counts(engine)
+      finished = worker.step(st.t_s)
+      feats = engine_features(before, engine.stats(), st.installs)
+      prefill_s, rest_s = self._cost.engine_step(feats)
+      st.installs = 0
+      if prefill_s > 0:
+        timeline.record("sampler", "prefill", st.t_s, st.t_s + prefill_s)
+      st.t_s += prefill_s
       if sampler_clock is not None:
         sampler_clock.set(st.t_s)
-      deliver(st.t_s)
-      _sampler_housekeeping(worker, st.t_s, delivery_limit(cfg, intervals))
-      worker.top_up()
-      if engine.has_work:
-        before, tools_before = engine.stats(), tool_counts(engine)
-        finished = worker.step(st.t_s)
-        feats = engine_features(before, engine.stats(), st.installs)
-        prefill_s, rest_s = cost.engine_step(feats)
-        st.installs = 0
-        if prefill_s > 0:
-          timeline.record("sampler", "prefill", st.t_s, st.t_s + prefill_s)
-        st.t_s += prefill_s
-        if sampler_clock is not None:
-          sampler_clock.set(st.t_s)
-        if feats.decode_steps:  # a dispatch of K decode steps (slots: mean over its steps)
-          timeline.record("sampler", "decode", st.t_s, st.t_s + rest_s,
-                          slots_active=round(feats.slot_steps / feats.decode_steps),
-                          slots_total=engine.num_slots)
-        st.t_s += rest_s
-        # episodes (`rlax_pipe.envs`): the step's tool waves, during which the sampler waits
-        (waves, calls), (waves0, calls0) = tool_counts(engine), tools_before
-        tool_s = cost.tools(waves - waves0, calls - calls0)
-        if tool_s > 0:
-          timeline.record("env", "tool", st.t_s, st.t_s + tool_s)
-          st.t_s += tool_s
-        for r in finished:
-          heapq.heappush(st.transit, (st.t_s, st.next_seq, r))
-          st.next_seq += 1
-      else:
-        targets = [t for t in (st.pending_arrival, st.t_l) if t is not None and t > st.t_s]
-        if targets:
-          kind = timeline_lib.WAIT_WEIGHTS if st.pending_arrival in targets else (
-              timeline_lib.WAIT_ADMISSION)
-          timeline.record("sampler", kind, st.t_s, min(targets))
-          st.t_s = min(targets)
-        else:
-          st.learner_must_act = True
+      if feats.decode_steps:  # a dispatch of K decode steps (slots: mean over its steps)
+        timeline.record("sampler", "decode", st.t_s, st.t_s + rest_s,
+                        slots_active=round(feats.slot_steps / feats.decode_steps),
+                        slots_total=engine.num_slots)
+      st.t_s += rest_s
+      # episodes (`rlax_pipe.envs`): the step's tool waves, during which the sampler waits
+      (waves, calls), (waves0, calls0) = tool_counts(engine), tools_before
+      tool_s = self._cost.tools(waves - waves0, calls - calls0)
+      if tool_s > 0:
+        timeline.record("env", "tool", st.t_s, st.t_s + tool_s)
+        st.t_s += tool_s
+      for r in finished:
+        heapq.heappush(st.transit, (st.t_s, st.next_seq, r))
+        st.next_seq += 1
     else:
+      targets = [t for t in (st.pending_arrival, st.t_l) if t is not None and t > st.t_s]
+      if targets:
+        kind = timeline_lib.WAIT_WEIGHTS if st.pending_arrival in targets else (
+            timeline_lib.WAIT_ADMISSION)
+        timeline.record("sampler", kind, st.t_s, min(targets))
+        st.t_s = min(targets)
+      else:
+        st.learner_must_act = True
+
+  def next_batch(self, job) -> list:
+    """Moves whichever side is behind until the learner has a batch at its clock."""
+    st, trainer, cfg = job.vstate, job.trainer, job.cfg.pipeline
+    while True:
+      if rules.sampler_moves_next(st.t_s, st.t_l, st.learner_must_act):
+        self._sampler_moves(job)
+        continue
       filtered = trainer.queue.filtered_groups()
       while st.transit and st.transit[0][0] <= st.t_l:
         trainer.queue.put(heapq.heappop(st.transit)[2])
-      deliver(st.t_s)
+      self._deliver(job, st.t_s)
       groups = trainer.queue.try_get_batch(cfg.groups_per_step, trainer.version)
-      if groups is None:
-        # t_l == t_s, every finished sample is queued, the sampler is stuck (and no group the
-        # filter dropped released an admission) ...
-        if rules.deadlocked(st.learner_must_act, filtered, trainer.queue.filtered_groups()):
-          # ... unless a sample handed back by the engine never reached the queue: time moves on
-          # to when the sampler names it lost (and re-dispatches it or gives up its group).
-          due = worker.next_delivery_deadline(delivery_limit(cfg, intervals))
-          if due is None:
-            raise DeadlockError(_deadlock_message(worker, trainer))
-          if due > st.t_s:
-            timeline.record("sampler", timeline_lib.WAIT_ADMISSION, st.t_s, due)
-            st.t_s = due
-          st.learner_must_act = False
-          continue
-        st.learner_must_act = False  # (a filtered group released an admission: sampler moves)
-        timeline.record("learner", timeline_lib.WAIT_BATCH, st.t_l, st.t_s)
-        st.t_l = st.t_s  # nothing to train before the sampler's clock: wait for it
+      if groups is not None:
+        st.learner_must_act = False
+        if self._last_batch is not None:
+          self._intervals.append(st.t_l - self._last_batch)
+        self._last_batch = st.t_l
+        return groups
+      # t_l == t_s, every finished sample is queued, the sampler is stuck (and no group the
+      # filter dropped released an admission) ...
+      if rules.deadlocked(st.learner_must_act, filtered, trainer.queue.filtered_groups()):
+        # ... unless a sample handed back by the engine never reached the queue: time moves on
+        # to when the sampler names it lost (and re-dispatches it or gives up its group).
+        due = job.worker.next_delivery_deadline(delivery_limit(cfg, self._intervals))
+        if due is None:
+          raise DeadlockError(_deadlock_message(job.worker, trainer))
+        if due > st.t_s:
+          job.timeline.record("sampler", timeline_lib.WAIT_ADMISSION, st.t_s, due)
+          st.t_s = due
+        st.learner_must_act = False
         continue
-      st.learner_must_act = False
-      if last_batch is not None:
-        intervals.append(st.t_l - last_batch)
-      last_batch = st.t_l
-      result = trainer.train_on(groups)
-      dt = cost.train(result.processed_rows * cfg.seq_len, result.micro_batches)
-      push = cost.push(result.push_bytes)
-      timeline.record("learner", "train_step", st.t_l, st.t_l + dt)
-      timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + push)
-      st.t_l += dt + push
-      st.pending_arrival = st.t_l
-      steps_done += 1
-      on_step(result, st.t_l)
-  return st.t_l
+      st.learner_must_act = False  # (a filtered group released an admission: sampler moves)
+      job.timeline.record("learner", timeline_lib.WAIT_BATCH, st.t_l, st.t_s)
+      st.t_l = st.t_s  # nothing to train before the sampler's clock: wait for it
+
+  def train(self, job, groups) -> tuple[StepResult, float]:
+    """The learner step and its push, timed by the cost model; returns (result, the virtual
+    time the push completed: when the new version may reach the sampler)."""
+    st = job.vstate
+    result = job.trainer.train_on(groups)
+    dt = self._cost.train(result.processed_rows * job.cfg.pipeline.seq_len,
+                          result.micro_batches)
+    push = self._cost.push(result.push_bytes)
+    job.timeline.record("learner", "train_step", st.t_l, st.t_l + dt)
+    job.timeline.record("channel", "push", st.t_l + dt, st.t_l + dt + push)
+    st.t_l += dt + push
+    st.pending_arrival = st.t_l
+    return result, st.t_l
+
+  def after_hooks(self, job, result: StepResult, now: float) -> None:
+    del job, result, now  # hooks take no virtual time
+
+  def stop(self, job) -> float:
+    """The virtual time at which the last learner step and its push completed."""
+    return job.vstate.t_l
 
 
 def wait_timeout(cfg: PipelineConfig, intervals) -> float:
@@ -336,100 +358,212 @@ class _Grader:
     self._thread.join(timeout=timeout)
 
 
-def run_threaded(worker: RolloutWorker, trainer: Trainer, channel: WeightChannel,
-                 cfg: PipelineConfig, timeline: timeline_lib.Timeline, num_steps: int,
-                 on_step: OnStep, recorder: costs_lib.CostRecorder | None = None) -> float:
-  """Runs `num_steps` learner steps with the sampler loop in a background thread.
+class RealClock:
+  """The learner side of the real-clock modes of `drive`: waits for a batch with a limit, trains,
+  records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
+  the timed learner operations (train_step, push, learner_host) for `costs.fit_cost_model`,
+  an operation during which XLA compiled anything flagged (`CompileCounter`).
+  The sampler side runs elsewhere: `ThreadedClock` adds a local sampler thread; a multi-process
+  job's lead (`multihost.lead.LeadClock`) has the replicas.
+
+  Reads from the job: `trainer`, `cfg.pipeline`, `timeline` (its clock is `time.perf_counter`)
+  and `cost_recorder`.
+  """
+
+  def __init__(self):
+    self._intervals: collections.deque[float] = collections.deque(maxlen=20)
+    self._last_batch: float | None = None
+
+  def idle_time(self, job) -> float:
+    del job
+    return time.perf_counter()
+
+  def start(self, job) -> None:
+    recorder = job.cost_recorder
+    self._compiles = CompileCounter(
+        recorder.add_compile if recorder is not None else None).__enter__()
+
+  def wait_limit(self, job) -> float | None:
+    """Seconds the learner waits for its next batch (`wait_timeout`)."""
+    return wait_timeout(job.cfg.pipeline, self._intervals)
+
+  def on_closed(self, job) -> None:
+    """The queue was closed while the learner waited (a failed side closes it): raise that
+    side's error if there is one (else the `QueueClosed` propagates)."""
+    del job
+
+  def next_batch(self, job) -> list:
+    """The next batch (`RolloutQueue.get_batch` at the trainer's version, within `wait_limit`).
+
+    Raises:
+      QueueTimeout: no batch within the limit; QueueClosed (or the error of the side that
+        closed the queue).
+    """
+    clock = job.timeline.now
+    t0 = clock()
+    try:
+      groups = job.trainer.queue.get_batch(job.cfg.pipeline.groups_per_step, job.trainer.version,
+                                           timeout=self.wait_limit(job))
+    except QueueClosed:
+      self.on_closed(job)
+      raise
+    t1 = clock()
+    if self._last_batch is not None:
+      self._intervals.append(t1 - self._last_batch)
+    self._last_batch = t1
+    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
+    self._t_batch = t1
+    return groups
+
+  def step(self, job, groups) -> StepResult:
+    """The learner step on `groups` (`Trainer.train_on`)."""
+    return job.trainer.train_on(groups)
+
+  def train(self, job, groups) -> tuple[StepResult, float]:
+    t1 = self._t_batch
+    result = self.step(job, groups)
+    t2 = job.timeline.now()
+    job.timeline.record("learner", "train_step", t1, t2)
+    return result, t2
+
+  def after_hooks(self, job, result: StepResult, now: float) -> None:
+    t2, t3 = now, job.timeline.now()
+    job.timeline.record("learner", "hooks", t2, t3)
+    recorder = job.cost_recorder
+    if recorder is not None:  # (the timeline's clock is perf_counter in the real-clock modes)
+      recorder.record("train_step", result.train_s, start_s=self._t_batch + result.build_s,
+                      tokens=result.processed_rows * job.cfg.pipeline.seq_len,
+                      micro_batches=result.micro_batches)
+      recorder.record("push", result.push_s, start_s=t2 - result.push_s,
+                      bytes=result.push_bytes)
+      recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
+
+  def stop(self, job) -> float:
+    self._compiles.__exit__()
+    return job.timeline.now()
+
+
+class ThreadedClock(RealClock):
+  """The threaded mode of `drive` (see the module docstring): the sampler loop in a background
+  thread, grading in a grader thread, the learner loop in the calling thread, on the real
+  clock. With the job's `CostRecorder`, every sampler-loop iteration that runs the engine is
+  recorded too.
+
+  Reads from the job, besides `RealClock`'s: `worker`, `channel`.
+
+  Raises (from `drive`): whatever any side raised (the sampler's or grader's exception with its
+  traceback); `QueueTimeout` when no batch arrives within the wait limit (`wait_timeout`).
+  """
+
+  def start(self, job) -> None:
+    worker, trainer, channel, timeline = job.worker, job.trainer, job.channel, job.timeline
+    cfg, recorder, engine = job.cfg.pipeline, job.cost_recorder, job.worker.engine
+    self._stop = threading.Event()
+    self._errors: list[BaseException] = []
+    self._grader = grader = _Grader(worker, trainer, self._errors)
+    self._limit_s = limit_s = [delivery_limit(cfg, [])]  # updated by the learner loop
+    stop, errors, clock = self._stop, self._errors, timeline.now
+
+    def sampler_loop():
+      try:
+        while not stop.is_set():
+          t0 = time.perf_counter()
+          installs = 0
+          if worker.may_update_weights():
+            w = channel.try_take()
+            if w is not None:
+              worker.update_weights(w)
+              installs = 1
+          _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
+          worker.top_up()
+          if engine.has_work:
+            before = engine.stats()
+            finished = worker.engine_step(time.monotonic())
+            after = engine.stats()
+            grader.submit(finished)
+            if recorder is not None:
+              f = engine_features(before, after, installs)
+              recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                              **dataclasses.asdict(f))
+          else:
+            t_wait = clock()
+            time.sleep(0.002)
+            timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, clock())
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+        trainer.queue.close()
+
+    super().start(job)
+    self._thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
+    self._thread.start()
+
+  def on_closed(self, job) -> None:
+    if self._errors:
+      raise self._errors[0]
+
+  def next_batch(self, job) -> list:
+    groups = super().next_batch(job)
+    self._limit_s[0] = delivery_limit(job.cfg.pipeline, self._intervals)
+    return groups
+
+  def after_hooks(self, job, result: StepResult, now: float) -> None:
+    super().after_hooks(job, result, now)
+    if self._errors:
+      raise self._errors[0]
+
+  def stop(self, job) -> float:
+    self._stop.set()
+    limit = job.cfg.pipeline.wait_timeout_s or STARTUP_WAIT_S
+    self._thread.join(timeout=limit)
+    if self._thread.is_alive():
+      logging.error("sampler thread did not stop within %.0f s", limit)
+    self._grader.close(timeout=limit)
+    return super().stop(job)
+
+
+class Clock(Protocol):
+  """How `drive` moves time: `VirtualClocks` (reproducible), `ThreadedClock` (threaded) or
+  a multi-process lead's `multihost.lead.LeadClock`."""
+
+  def idle_time(self, job) -> float: ...
+  def start(self, job) -> None: ...
+  def next_batch(self, job) -> list: ...
+  def train(self, job, groups) -> tuple[StepResult, float]: ...
+  def after_hooks(self, job, result: StepResult, now: float) -> None: ...
+  def stop(self, job) -> float: ...
+
+
+def drive(job, clock: Clock, hooks: Sequence) -> float:
+  """The learner loop of every mode: runs the job's remaining learner steps
+  (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step -> push (the
+  trainer's) -> `hook.on_step(job, result, run time)` for every hook in order.
 
   Args:
-    recorder: if given, every sampler-loop iteration that runs the engine, every train step,
-      push and the learner's host work per step are recorded for `costs.fit_cost_model`.
+    job: the job (`pipeline.job.Job`; the clock says which of its parts it reads).
+    clock: `VirtualClocks()`, `ThreadedClock()` or a lead's `LeadClock`.
+    hooks: step hooks (`hooks.StepHook`): logging, evaluation, checkpoints, ...
 
   Returns:
-    Wall-clock time (seconds, the timeline's clock) at the end.
+    The clock's time at the end (virtual seconds, or `time.perf_counter()`); with no step left,
+    the clock's `idle_time`.
 
   Raises:
-    Whatever any side raised (the sampler's or grader's exception with its traceback);
-    `QueueTimeout` when no batch arrives within the wait limit (`wait_timeout`).
+    Whatever the clock raises (`DeadlockError`, `QueueTimeout`, a sampler side's error) or a
+    hook raises; the clock is stopped first (its threads joined).
   """
-  engine = worker.engine
-  stop = threading.Event()
-  errors: list[BaseException] = []
-  clock = timeline.now
-  grader = _Grader(worker, trainer, errors)
-  limit_s = [delivery_limit(cfg, [])]  # updated by the learner loop, read by the sampler's
-
-  def sampler_loop():
-    try:
-      while not stop.is_set():
-        t0 = time.perf_counter()
-        installs = 0
-        if worker.may_install_weights():
-          w = channel.try_take()
-          if w is not None:
-            worker.install(w)
-            installs = 1
-        _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
-        worker.top_up()
-        if engine.has_work:
-          before = engine.stats()
-          finished = worker.engine_step(time.monotonic())
-          after = engine.stats()
-          grader.submit(finished)
-          if recorder is not None:
-            f = engine_features(before, after, installs)
-            recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
-                            **dataclasses.asdict(f))
-        else:
-          t_wait = clock()
-          time.sleep(0.002)
-          timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, clock())
-    except BaseException as e:  # pylint: disable=broad-except
-      errors.append(e)
-      trainer.queue.close()
-
-  compiles = CompileCounter(recorder.add_compile if recorder is not None else None).__enter__()
-  thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
-  thread.start()
-  intervals: collections.deque[float] = collections.deque(maxlen=20)
-  last_batch = None
+  todo = job.cfg.pipeline.num_steps - job.start_step
+  if todo <= 0:
+    return clock.idle_time(job)
+  clock.start(job)
   try:
-    for _ in range(num_steps):
-      t0 = clock()
-      try:
-        groups = trainer.queue.get_batch(cfg.groups_per_step, trainer.version,
-                                         timeout=wait_timeout(cfg, intervals))
-      except QueueClosed:
-        if errors:
-          raise errors[0]  # pylint: disable=raise-missing-from
-        raise
-      t1 = clock()
-      if last_batch is not None:
-        intervals.append(t1 - last_batch)
-        limit_s[0] = delivery_limit(cfg, intervals)
-      last_batch = t1
-      timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
-      result = trainer.train_on(groups)
-      t2 = clock()
-      timeline.record("learner", "train_step", t1, t2)
-      on_step(result, t2)
-      t3 = clock()
-      timeline.record("learner", "hooks", t2, t3)
-      if recorder is not None:  # (the timeline's clock is perf_counter in threaded mode)
-        recorder.record("train_step", result.train_s, start_s=t1 + result.build_s,
-                        tokens=result.processed_rows * cfg.seq_len,
-                        micro_batches=result.micro_batches)
-        recorder.record("push", result.push_s, start_s=t2 - result.push_s,
-                        bytes=result.push_bytes)
-        recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
-      if errors:
-        raise errors[0]
-  finally:
-    stop.set()
-    limit = cfg.wait_timeout_s or STARTUP_WAIT_S
-    thread.join(timeout=limit)
-    if thread.is_alive():
-      logging.error("sampler thread did not stop within %.0f s", limit)
-    grader.close(timeout=limit)
-    compiles.__exit__()
-  return clock()
+    for _ in range(todo):
+      groups = clock.next_batch(job)
+      result, now = clock.train(job, groups)
+      time_s = job.clock.time_s(now)
+      for hook in hooks:
+        hook.on_step(job, result, time_s)
+      clock.after_hooks(job, result, now)
+  except BaseException:
+    clock.stop(job)
+    raise
+  return clock.stop(job)

@@ -1,7 +1,8 @@
 """The RL job's components, built in one function, and their checkpointed state.
 
 `build_job(cfg, model, params)` assembles tokenizer, task, meshes, learner, weight channel,
-sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`);
+sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`),
+for one process (`LocalPlacement`) or a multi-process job's lead (its `placement`);
 `Job.save(time_s)` checkpoints them. Every stateful component saves and restores through one
 protocol, `state_dict()` / `load_state_dict(state)`:
 
@@ -29,7 +30,7 @@ import dataclasses
 import pathlib
 import shutil
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 from absl import logging
 import jax
@@ -198,7 +199,7 @@ def _sampler_target(model: Model, mesh) -> Any:
                       abstract, shardings)
 
 
-def _restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
+def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
   """Restores the newest checkpoint (resume) and makes the run dir a record of it."""
   if not cfg.resume:
     return None
@@ -221,7 +222,7 @@ def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
           "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
 
 
-def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
+def tokenizer_for(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `cfg.tokenizer_path`, else of the init directory, else the shipped one."""
   init = None if cfg.init in (BUILTIN_INIT, BUILTIN_MOE_INIT) else cfg.init
   field = "tokenizer_path" if cfg.tokenizer_path is not None else "init"
@@ -231,7 +232,7 @@ def _tokenizer(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
     raise ConfigError(f"RunConfig.{field}={getattr(cfg, field)!r} (tokenizer): {e}") from None
 
 
-def _task(cfg: RunConfig):
+def task_for(cfg: RunConfig):
   try:
     return envs.add_tool(tasks.make_task(cfg.task, config_checks.task_config_of(cfg)), cfg.env)
   except ConfigError:
@@ -259,7 +260,7 @@ def stop_ids_for(cfg: RunConfig, tok, model: Model) -> Any:
   return model_dir.stop_set(tok, tuple(getattr(model_cfg, "eos_token_ids", ())))
 
 
-def _check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
+def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
   """The tokenizer's ids index the model's embedding; sequences fit the model's context; top-p
   leaves more than the argmax token (`config_checks` has the rules that need no model)."""
   context = getattr(model, "max_seq_len", None)
@@ -321,7 +322,7 @@ def _load_sampler_state(rd: RunDir, step: int) -> dict | None:
   return state
 
 
-def _models(cfg: RunConfig, model: ModelLike | None, params: Any) -> tuple[Model, Model, Any]:
+def models_for(cfg: RunConfig, model: ModelLike | None, params: Any) -> tuple[Model, Model, Any]:
   """(learner model, sampler model, initial params)."""
   if model is None:
     model_cfg, params = load_initial_params(cfg.init)
@@ -373,7 +374,7 @@ def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: 
   engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
                    on_span=None if reproducible else timeline.record)
   if state is None:
-    channel.push(learner.params, learner.version)
+    channel.push(WeightUpdate(learner.version, learner.params))
     return channel, SamplerEngine(sampler_model, cfg.sampler,
                                   channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
   leaves, treedef = jax.tree.flatten(target)
@@ -383,13 +384,107 @@ def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: 
                          WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
                          **engine_kw)
   engine.load_state_dict(state["engine"])
-  channel.push(learner.params, learner.version)  # pending, as it was
+  channel.push(WeightUpdate(learner.version, learner.params))  # pending, as it was
   timeline.load_state_dict(state["timeline"])
   return channel, engine
 
 
-def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None) -> Job:
+def make_learner(cfg: RunConfig, learner_mesh: Any, model: Model, params: Any,
+                 checkpoint_dir: str) -> Learner:
+  """The run's `Learner` on `learner_mesh` (every learner process of a multi-process job builds
+  it identically: its init is a collective), checkpointing into `checkpoint_dir`, its objective's
+  `max_lag` the staleness config's (the one source of the setting)."""
+  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
+      cfg.learner.checkpoint, directory=checkpoint_dir))
+  objective_cfg = dataclasses.replace(cfg.objective, max_lag=cfg.pipeline.staleness.max_lag)
+  return Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
+                 params=params)
+
+
+class Placement(Protocol):
+  """Where a job's parts run: what `build_job` asks of a single-process job (`LocalPlacement`)
+  or of a multi-process job's lead (`multihost.job.LeadPlacement`).
+
+  Attributes:
+    plan: the device plan (None in a multi-process job: its topology.json says it).
+    eval_mesh, eval_params: as `Job.eval_mesh` / `Job.eval_params`.
+  """
+
+  plan: devices_lib.DevicePlan | None
+  eval_mesh: Any
+  eval_params: Callable[[], tuple[int, Any]] | None
+
+  def place(self, cfg: RunConfig, model: Model, stops: Any,
+            rd: RunDir) -> tuple[RunConfig, Any]:
+    """(`cfg` with the mesh shapes and the stop set resolved, the learner mesh)."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def record(self, rd: RunDir, cfg: RunConfig, learner: Learner, tok, stops: Any) -> None:
+    """Writes where the job runs into the run directory."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+  def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
+              task, state: dict | None, extra: dict | None, sampler_clock, timeline):
+    """(weight sink, sampler engine), the learner's version pushed; restored from `state` (an
+    exact resume) or `extra` (the checkpoint's sampling keys)."""
+    ...  # pylint: disable=unnecessary-ellipsis
+
+
+class LocalPlacement:
+  """One process: sampler and learner meshes from the devices present (`devices.plan_devices`),
+  an in-process weight channel and a local `SamplerEngine` (an `envs.EpisodeEngine` around it
+  for a multi-turn environment)."""
+
+  def __init__(self):
+    self.plan: devices_lib.DevicePlan | None = None
+    self.eval_mesh, self.eval_params = None, None
+    self._sampler_mesh = None
+
+  def place(self, cfg: RunConfig, model: Model, stops: Any,
+            rd: RunDir) -> tuple[RunConfig, Any]:
+    del model, rd
+    self.plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes,
+                                         jax.devices())
+    logging.info("devices: %s", self.plan.describe())
+    cfg = _resolve(cfg, self.plan, stops)
+    learner_mesh, self._sampler_mesh = devices_lib.make_meshes(self.plan)
+    return cfg, learner_mesh
+
+  def record(self, rd: RunDir, cfg: RunConfig, learner: Learner, tok, stops: Any) -> None:
+    rd.write_json("run_info.json", {
+        "devices": self.plan.describe(), "sampler_mesh_axes": self.plan.sampler_mesh_axes,
+        "learner_mesh_axes": self.plan.learner_mesh_axes, "stop_ids": stops,
+        "tokenizer": str(tok.source), "prompt_format": cfg.prompt_format,
+        "start_step": learner.step})
+
+  def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
+              task, state: dict | None, extra: dict | None, sampler_clock, timeline):
+    reproducible = cfg.pipeline.mode == "reproducible"
+    channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, self._sampler_mesh,
+                                     state, sampler_clock, timeline)
+    if envs.is_environment(task):  # multi-turn episodes with tools (`rlax_pipe.envs`)
+      engine = envs.EpisodeEngine(engine, task, tok, None, cfg.env,
+                                  chat=cfg.prompt_format.kind == "chat", synchronous=reproducible,
+                                  on_span=None if reproducible else timeline.record,
+                                  clock=engine.clock)
+      if state is not None:
+        engine.load_episode_state(state["engine"])
+    if state is None and extra and extra.get("sampler_rng") is not None:
+      # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
+      # would otherwise replay the first run's stream from key(seed)).
+      engine.load_rng_state(engine_keys(extra["sampler_rng"]))
+    return channel, engine
+
+
+def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None, *,
+              placement: Placement | None = None) -> Job:
   """Builds (and with `cfg.resume`, restores) every component of a run.
+
+  Args:
+    cfg: the run (as given: config.json records it and a resume checks it).
+    model, params: as `run.run`.
+    placement: where the parts run; None = `LocalPlacement()` (one process). A multi-process
+      job's lead passes its `multihost.job.LeadPlacement`.
 
   Raises:
     ConfigError: for a user's mistake, naming the config field and the fix: a run dir that
@@ -400,32 +495,22 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   """
   given = cfg
   pcfg = cfg.pipeline
+  placement = placement or LocalPlacement()
   rd = record_lib.prepare_run_dir(cfg)
-  tok = _tokenizer(cfg)
-  task = _task(cfg)
+  tok = tokenizer_for(cfg)
+  task = task_for(cfg)
   if envs.is_environment(task):  # chat prompts declare the environment's tool schemas
     envs.declare_tools(tok, task)
-  plan = devices_lib.plan_devices(cfg.sampler_mesh_axes, cfg.learner.mesh_axes, jax.devices())
-  logging.info("devices: %s", plan.describe())
-  model, sampler_model, params0 = _models(cfg, model, params)
+  model, sampler_model, params0 = models_for(cfg, model, params)
   stops = stop_ids_for(cfg, tok, model)
-  _check_vocab(cfg, model, tok, stops)
+  check_vocab(cfg, model, tok, stops)
   job_checks.check_job_settings(cfg, model)
-  cfg = _resolve(cfg, plan, stops)
-  learner_mesh, sampler_mesh = devices_lib.make_meshes(plan)
-  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
-      cfg.learner.checkpoint, directory=rd.checkpoint_dir))
-  objective_cfg = dataclasses.replace(cfg.objective, max_lag=pcfg.staleness.max_lag)
-  learner = Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
-                    params=params0)
-  extra = _restore_learner(cfg=given, learner=learner, rd=rd)
+  cfg, learner_mesh = placement.place(cfg, model, stops, rd)
+  learner = make_learner(cfg, learner_mesh, model, params0, rd.checkpoint_dir)
+  extra = restore_learner(cfg=given, learner=learner, rd=rd)
   if extra is None:
     rd.write_config(given)
-  rd.write_json("run_info.json", {
-      "devices": plan.describe(), "sampler_mesh_axes": plan.sampler_mesh_axes,
-      "learner_mesh_axes": plan.learner_mesh_axes, "stop_ids": stops,
-      "tokenizer": str(tok.source), "prompt_format": cfg.prompt_format,
-      "start_step": learner.step})
+  placement.record(rd, cfg, learner, tok, stops)
   offset = float(extra.get("time_s", 0.0)) if extra else 0.0
   reproducible = pcfg.mode == "reproducible"
   state = _load_sampler_state(rd, learner.step) if (extra and reproducible) else None
@@ -435,19 +520,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   sampler_clock = timeline_lib.VirtualClock(vstate.t_s) if reproducible else None
   timeline = timeline_lib.Timeline(clock=sampler_clock if reproducible else time.perf_counter,
                                    path=rd.path / "timeline.jsonl", truncate=state is None)
-  channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, sampler_mesh, state,
-                                   sampler_clock, timeline)
-  if envs.is_environment(task):  # multi-turn episodes with tools (`rlax_pipe.envs`)
-    engine = envs.EpisodeEngine(engine, task, tok, None, cfg.env,
-                                chat=cfg.prompt_format.kind == "chat", synchronous=reproducible,
-                                on_span=None if reproducible else timeline.record,
-                                clock=engine.clock)
-    if state is not None:
-      engine.load_episode_state(state["engine"])
-  if state is None and extra and extra.get("sampler_rng") is not None:
-    # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
-    # would otherwise replay the first run's stream from key(seed)).
-    engine.load_rng_state(engine_keys(extra["sampler_rng"]))
+  channel, engine = placement.sampler(cfg, model, sampler_model, learner, tok, task, state,
+                                      extra, sampler_clock, timeline)
   queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness, pcfg.group_filter)
            if extra else RolloutQueue(pcfg.staleness, pcfg.group_size, pcfg.group_filter))
   worker = RolloutWorker(engine, task, tok, queue, pcfg)  # one worker: it owns verifier processes
@@ -463,10 +537,11 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
       worker_state["in_transit"] = []
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
-  return Job(cfg=cfg, given_cfg=given, plan=plan, run_dir=rd, tok=tok, task=task, model=model,
-             learner_mesh=learner_mesh, learner=learner, channel=channel, engine=engine,
-             queue=queue, worker=worker, trainer=trainer, timeline=timeline,
+  return Job(cfg=cfg, given_cfg=given, plan=placement.plan, run_dir=rd, tok=tok, task=task,
+             model=model, learner_mesh=learner_mesh, learner=learner, channel=channel,
+             engine=engine, queue=queue, worker=worker, trainer=trainer, timeline=timeline,
              sampler_clock=sampler_clock, vstate=vstate,
              clock=JobClock(reproducible, offset), start_step=learner.step,
              last_eval=extra.get("last_eval") if extra else None,
-             cost_recorder=None if reproducible else costs_lib.CostRecorder())
+             cost_recorder=None if reproducible else costs_lib.CostRecorder(),
+             eval_mesh=placement.eval_mesh, eval_params=placement.eval_params)

@@ -6,8 +6,9 @@ holds one copy of the base, a new policy version is fully described by its adapt
 
   1. at construction copies the learner's frozen base once onto the sampler shardings (device to
      device, through a one-off `WeightChannel` of the full params manifest; `base_bytes`);
-  2. on every `push(adapters, version)` moves only the adapters (an inner `WeightChannel` whose
-     manifest is the adapters', so `stats().bytes_per_version` is the adapter bytes);
+  2. on every `push(WeightUpdate(version, adapters))` moves only the adapters (an inner
+     `WeightChannel` whose manifest is the adapters', so `stats().bytes_per_version` is the
+     adapter bytes);
   3. on `try_take` / `take` checks the landed adapters against the learner's checksums (exact),
      merges W' = W + (alpha / r) B A on the sampler mesh (a jitted `LoraAdapters.merge` with the
      sampler's out_shardings; the base copy is read, never modified) and hands the engine an
@@ -54,7 +55,7 @@ class LoraWeightChannel:
 
   Example:
     channel = LoraWeightChannel(learner.lora, learner.base_params, sampler_mesh)
-    channel.push(learner.params, learner.version)   # the adapters: A, B of every target
+    channel.push(WeightUpdate(learner.version, learner.params))  # the adapters: A, B of each target
     update = channel.take()                          # merged params, for SamplerEngine
   """
 
@@ -77,7 +78,7 @@ class LoraWeightChannel:
     model = lora.model
     base_target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
     once = WeightChannel(base_target)
-    once.push(base, 0)
+    once.push(WeightUpdate(0, base))
     self._base = once.take().params
     once.close()
     self.base_bytes = once.stats().bytes_per_version
@@ -99,10 +100,11 @@ class LoraWeightChannel:
     """Bytes moved per pushed version (the adapters)."""
     return adapter_bytes(self.lora.abstract_params())
 
-  def push(self, params: Any, version: int) -> None:
-    """Starts copying the adapters `params` (learner shardings) as `version`; see
-    `WeightChannel.push` (same rules and errors; the manifest is the adapters')."""
-    self._adapters.push(params, version)
+  def push(self, update: WeightUpdate) -> None:
+    """Starts copying the adapters `update.params` (learner shardings) as `update.version`
+    (`types.WeightSink`); see `WeightChannel.push` (same rules and errors; the manifest is the
+    adapters')."""
+    self._adapters.push(update)
 
   def poll(self) -> int | None:
     """Version that `try_take` would return now, else None."""

@@ -141,15 +141,16 @@ class RolloutWorker:
     """Newest version handed to the engine (the engine owns the number)."""
     return self.engine.latest_version
 
-  def install(self, update: WeightUpdate) -> None:
-    """Hands newer weights (and their ownership) to the engine; it swaps them in at its next
-    step boundary, before any token of a group started from now on is generated."""
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Hands newer weights (and their ownership) to the engine (`types.Sampler.update_weights`);
+    it swaps them in at its next step boundary, before any token of a group started from now on
+    is generated."""
     self.engine.update_weights(update)
 
   # ---- rules --------------------------------------------------------------------------------
-  def may_install_weights(self) -> bool:
-    """Whether new weights may be installed now (`rules.may_install_weights`)."""
-    return rules.may_install_weights(self.cfg.driver, self.engine.has_work)
+  def may_update_weights(self) -> bool:
+    """Whether the engine may receive new weights now (`rules.may_update_weights`)."""
+    return rules.may_update_weights(self.cfg.driver, self.engine.has_work)
 
   def _free_slots(self) -> int:
     e = self.engine

@@ -249,8 +249,9 @@ def deadlocked(sampler_stuck: bool, filtered_before: int, filtered_after: int) -
   return sampler_stuck and filtered_after == filtered_before
 
 
-def may_install_weights(driver: str, has_work: bool) -> bool:
-  """Whether new weights may be installed now (pipeline: always; rounds: between rounds)."""
+def may_update_weights(driver: str, has_work: bool) -> bool:
+  """Whether the sampler may receive new weights now (pipeline: always; rounds: between
+  rounds)."""
   return driver == "pipeline" or not has_work
 
 
@@ -260,7 +261,7 @@ def sampler_moves_next(t_sampler: float, t_learner: float, learner_must_act: boo
   return t_sampler < t_learner or (t_sampler == t_learner and not learner_must_act)
 
 
-def weights_deliverable(pending_arrival: float | None, now: float, may_install: bool) -> bool:
+def weights_deliverable(pending_arrival: float | None, now: float, may_update: bool) -> bool:
   """Whether a pushed version that arrives at `pending_arrival` is installed at sampler time
   `now` (a push becomes visible at the first step boundary at or after its arrival)."""
-  return pending_arrival is not None and pending_arrival <= now and may_install
+  return pending_arrival is not None and pending_arrival <= now and may_update

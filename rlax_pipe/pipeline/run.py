@@ -12,7 +12,7 @@ never trained; queued samples are restored and trained once. Components are buil
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 
@@ -23,24 +23,6 @@ from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig  # pylint: disable
 from rlax_pipe.pipeline.job import Job, build_job
 from rlax_pipe.pipeline.job import builtin_warm_start_path  # pylint: disable=unused-import
 from rlax_pipe.pipeline.job import load_initial_params  # pylint: disable=unused-import
-from rlax_pipe.pipeline.trainer import StepResult
-
-
-def _drive(job: Job, hooks: Sequence[hooks_lib.StepHook], todo: int) -> float:
-  """Runs `todo` learner steps with the configured driver; returns the driver's end time."""
-  pcfg = job.cfg.pipeline
-
-  def on_step(result: StepResult, now: float) -> None:
-    time_s = job.clock.time_s(now)
-    for hook in hooks:
-      hook.on_step(job, result, time_s)
-
-  if job.reproducible:
-    return driver_lib.run_reproducible(
-        job.worker, job.trainer, job.channel, pcfg, job.timeline, todo, on_step,
-        start_time=job.clock.offset, sampler_clock=job.sampler_clock, state=job.vstate)
-  return driver_lib.run_threaded(job.worker, job.trainer, job.channel, pcfg, job.timeline, todo,
-                                 on_step, recorder=job.cost_recorder)
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
@@ -69,6 +51,32 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
     from rlax_pipe.pipeline import multihost  # pylint: disable=import-outside-toplevel
     return multihost.run(cfg, model=model, params=params, hooks=hooks)
   job = build_job(cfg, model, params)
+  clock = driver_lib.VirtualClocks() if job.reproducible else driver_lib.ThreadedClock()
+  return run_job(job, clock, hooks)
+
+
+def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHook] = (), *,
+            checkpoint_on_error: bool = True,
+            before_end: Callable[[], None] | None = None) -> dict:
+  """Runs a built job to its end with the step hooks every job runs; returns the summary.
+
+  The sequence: logging, evaluation, checkpoint and export hooks, then `hooks`, then the report;
+  a first held-out evaluation unless the resumed checkpoint had one; `driver.drive`; then every
+  hook's `on_end` at the end's run time.
+
+  Args:
+    job: a job from `build_job` (single process) or a multi-process job's lead.
+    clock: `driver.VirtualClocks()`, `driver.ThreadedClock()` or a lead's `LeadClock`.
+    hooks: step hooks run after checkpoints and before the report.
+    checkpoint_on_error: on an error in `drive`, checkpoint learner and pipeline state before
+      re-raising (a multi-process job cannot: its learner processes checkpoint together, and
+      they stop on the fault; it resumes from its last periodic checkpoint).
+    before_end: called after the last step, before the `on_end` hooks (a lead stops its
+      replicas and collects their last rows here).
+
+  Raises:
+    Whatever `drive` or a hook raised.
+  """
   logging.info("run directory: %s  (TensorBoard: tensorboard --logdir %s)", job.run_dir.path,
                job.run_dir.path / "tb")
   logging.info("run time is %s; wall-clock numbers are measured.",
@@ -82,22 +90,22 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   job.clock.wall0 = time.perf_counter()
   if job.last_eval is None:
     evaluation.evaluate(job, job.start_step, job.clock.offset)
-  todo = cfg.pipeline.num_steps - job.start_step
-  if todo > 0:
-    try:
-      end = _drive(job, all_hooks, todo)
-    except BaseException:
-      logging.error("run stopped by an error at learner step %d; checkpointing before re-raising.",
-                    job.learner.step)
-      try:
-        job.save(job.vstate.t_l if job.reproducible else job.clock.offset)
-        job.learner.close()
-        job.worker.close()
-      except Exception as e:  # pylint: disable=broad-except
-        logging.error("checkpoint after the error failed too: %s", e)
+  try:
+    end = driver_lib.drive(job, clock, all_hooks)
+  except BaseException:
+    if not checkpoint_on_error:
       raise
-  else:
-    end = job.clock.offset if job.reproducible else time.perf_counter()
+    logging.error("run stopped by an error at learner step %d; checkpointing before re-raising.",
+                  job.learner.step)
+    try:
+      job.save(job.vstate.t_l if job.reproducible else job.clock.offset)
+      job.learner.close()
+      job.worker.close()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error("checkpoint after the error failed too: %s", e)
+    raise
+  if before_end is not None:
+    before_end()
   time_s = job.clock.time_s(end)
   for hook in all_hooks:
     hook.on_end(job, time_s)

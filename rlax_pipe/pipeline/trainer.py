@@ -17,7 +17,7 @@ from rlax_pipe import grading
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import Group, RolloutQueue
 from rlax_pipe.pipeline.weight_channel import WeightChannel
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ class Trainer:
     self.version = version
     t2 = time.perf_counter()
     self.queue.set_learner_version(version)
-    self.channel.push(self.learner.params, version)
+    self.channel.push(WeightUpdate(version, self.learner.params))
     t3 = time.perf_counter()
     rows = int(batch.tokens.shape[0])
     micro, processed = self.micro_batch_plan(rows)

@@ -17,7 +17,8 @@ same slice of the array; otherwise it silently assembles the whole array on the 
 Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built (the per-leaf
 plan and the manifest: `transfer_plan`).
 
-Versioning and ownership: `push(params, version)` returns as soon as the copies are dispatched;
+Versioning and ownership: `push(WeightUpdate(version, params))` returns as soon as the copies
+are dispatched;
 the sampler calls `try_take()` between decode steps, which returns the new version only once all
 its arrays are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. A take hands
 out a `WeightUpdate(version, params, donated=True)` and the channel forgets it: from then on the
@@ -111,7 +112,7 @@ class WeightChannel:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_params, sampler_shardings)
     channel = WeightChannel(target)
-    channel.push(learner_params, version=3)        # returns at once
+    channel.push(WeightUpdate(3, learner_params))        # returns at once
     ...                                            # between two decode steps:
     update = channel.try_take()                    # None until the copy is complete
     if update is not None: engine.update_weights(update)   # the engine now owns the arrays
@@ -233,17 +234,20 @@ class WeightChannel:
         landed[i] = y
     return landed, intermediates
 
-  def push(self, params: Any, version: int) -> None:
-    """Starts copying `params` (learner shardings) to the sampler as `version`; returns at once.
+  def push(self, update: WeightUpdate) -> None:
+    """Starts copying `update.params` (learner shardings) to the sampler as `update.version`;
+    returns at once (`types.WeightSink`).
 
-    The caller may keep using (and donate) `params` afterwards: the copies and the checksums
-    are ordered before any later computation that consumes them.
+    The caller may keep using (and donate) the params afterwards: the copies and the checksums
+    are ordered before any later computation that consumes them (the channel makes its own
+    copy, so `update.donated` and `update.checksum` are not read: the channel computes the
+    checksums of what it sends).
 
     Args:
-      params: pytree matching the manifest; leaves are `jax.Array`s on the learner mesh (host
-        arrays are accepted and uploaded directly).
-      version: policy version: newer than the version the sampler took last and not older than
-        the last successful push (an equal one retries it, replacing the pending copy).
+      update: `params`, a pytree matching the manifest whose leaves are `jax.Array`s on the
+        learner mesh (host arrays are accepted and uploaded directly); `version`, the policy
+        version: newer than the version the sampler took last and not older than the last
+        successful push (an equal one retries it, replacing the pending copy).
 
     Raises:
       ManifestError: naming the first mismatching leaf.
@@ -251,6 +255,7 @@ class WeightChannel:
       Whatever `verify` raises (debug mode); that copy is then discarded and the version may be
       pushed again.
     """
+    params, version = update.params, update.version
     check_manifest(self._manifest, params, what=f"pushed params (version {version})")
     with self._cond:
       if version <= self._taken_version or version < self._last_pushed:

@@ -329,7 +329,7 @@ class SamplerEngine(weight_check.CheckedWeights, engine_state.SamplingKeys,
         one, or the weights differ in tree, shape, dtype or sharding from the running ones (that
         would recompile).
     """
-    self.weights.offer(update)
+    self.weights.update_weights(update)
     if self._step_lock.acquire(blocking=False):  # between steps: swap now
       try:
         self._apply_pending_weights()

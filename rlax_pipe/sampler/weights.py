@@ -122,7 +122,7 @@ class EngineWeights:
                   for i, v in enumerate(views)]
     return views
 
-  def offer(self, update: WeightUpdate) -> None:
+  def update_weights(self, update: WeightUpdate) -> None:
     """Makes `update` the pending version (a superseded pending donated one is freed).
 
     Raises:

@@ -1,7 +1,7 @@
 """Discrete-event simulator of the three drivers (sync, async-batch, pipeline); host-side
 Python and numpy, no JAX computation.
 
-It replays the reproducible driver (`rlax_pipe.pipeline.driver.run_reproducible`) with modelled
+It replays the reproducible driver (`rlax_pipe.pipeline.driver.VirtualClocks`) with modelled
 instead of real compute, and it decides everything with THE SAME code as the real pipeline: the
 driver rules of `rlax_pipe.pipeline.rules` (when a group may start, when weights install, who
 moves next), a real `RolloutQueue` (the staleness admission `staleness.AdmissionLedger`, drops,
@@ -26,7 +26,7 @@ Model (what is simulated, what is assumed):
     tokens, prefill calls and tokens). A slot's live tokens are its prompt plus the tokens
     generated so far. KV pages never run out (no preemption), and a weight swap does not
     re-prefill running sequences (`SamplerConfig.kv_policy="keep"`).
-  * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_install_weights`,
+  * Driver rules: `rules.begin_top_up`, `rules.may_start_group`, `rules.may_update_weights`,
     `rules.sampler_moves_next`, `rules.weights_deliverable`; weight swaps are charged to the
     next engine step (`CostModel.install_s`). Under policy `drop` groups in flight whose oldest
     token is already too stale are given up when the learner's version changes, their requests
@@ -40,7 +40,7 @@ Model (what is simulated, what is assumed):
     micro-batches)` (rows from the packing rule; without `seq_len`, the batch's tokens); the push
     then takes `CostModel.push(push_bytes)`; the sampler sees the new version at its first step
     boundary at or after the push's end (newest version only).
-  * Interleaving: the two virtual clocks advance exactly as in `run_reproducible` (the actor with
+  * Interleaving: the two virtual clocks advance exactly as in `VirtualClocks` (the actor with
     the smaller clock moves; samples finished at sampler time t reach the queue at learner time
     >= t). Runs of engine steps during which nothing can change are advanced in one chunk
     (`CostModel.decode_run`, exact), so a run costs O(finished samples + learner steps) Python
@@ -149,7 +149,7 @@ class _Run:
     return bool(self.active) or bool(self.waiting)
 
   def _deliver(self, now: float) -> None:
-    may = rules.may_install_weights(self.cfg.driver, self._has_work())
+    may = rules.may_update_weights(self.cfg.driver, self._has_work())
     if rules.weights_deliverable(None if self.pending is None else self.pending[0], now, may):
       self.version = self.pending[1]
       self.pending = None

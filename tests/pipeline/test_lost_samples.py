@@ -18,6 +18,7 @@ from rlax_pipe import tokenizer as tokenizer_lib
 from rlax_pipe.pipeline import config as pconfig
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import driver, staleness
+from rlax_pipe.pipeline.job import JobClock
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.sampler import SamplerConfig
@@ -259,8 +260,17 @@ class _DropsOnce(RolloutQueue):
     return super().put(rollout, learner_version)
 
 
+def _job(worker, trainer, channel, cfg, num_steps):
+  """The parts of a `Job` that `driver.drive` and its clocks read (no model, no run dir)."""
+  return types.SimpleNamespace(
+      worker=worker, trainer=trainer, channel=channel,
+      cfg=types.SimpleNamespace(pipeline=dataclasses.replace(cfg, num_steps=num_steps)),
+      timeline=timeline_lib.Timeline(), vstate=driver.VirtualState(), sampler_clock=None,
+      clock=JobClock(reproducible=False, offset=0.0), start_step=0, cost_recorder=None)
+
+
 class _Trainer:
-  """The learner side of `run_reproducible` without a model: counts versions and groups."""
+  """The learner side of `driver.drive` without a model: counts versions and groups."""
 
   def __init__(self, queue, cfg):
     self.queue, self.cfg = queue, cfg
@@ -283,8 +293,7 @@ def test_reproducible_run_names_and_redispatches_a_sample_lost_on_its_way(policy
   trainer = _Trainer(worker.queue, cfg)
   channel = types.SimpleNamespace(take=lambda timeout: trainer.version)
   try:
-    end = driver.run_reproducible(worker, trainer, channel, cfg, timeline_lib.Timeline(), 6,
-                            on_step=lambda result, now: None)
+    end = driver.drive(_job(worker, trainer, channel, cfg, 6), driver.VirtualClocks(), ())
     m = worker.pop_metrics()
     assert worker.queue.lost and end > 0.1  # (the run outlived the delivery limit)
     assert (m["samples_lost"], m["samples_redispatched"]) == (1, 1)
@@ -339,8 +348,7 @@ def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
                         if trainer.version > engine.latest_version else None))
   try:
     t0 = time.monotonic()
-    driver.run_threaded(worker, trainer, channel, cfg, timeline_lib.Timeline(), 25,
-                        on_step=lambda result, now: None)
+    driver.drive(_job(worker, trainer, channel, cfg, 25), driver.ThreadedClock(), ())
     assert time.monotonic() - t0 > 1.0
     m = worker.pop_metrics()
     assert worker.queue.lost and (m["samples_lost"], m["samples_redispatched"]) == (1, 1)

@@ -160,6 +160,10 @@ def test_four_processes_train_with_in_flight_updates(tmp_path, tiny_init, jax_ca
   [follower] = _rows(run_dir, "learner_process")
   assert follower["process"] == 1 and follower["steps"] == 6 and follower["version"] == 6
   assert sorted(r["replica"] for r in _rows(run_dir, "replica")) == [0, 1]
+  # The lead times its learner operations as a threaded single-process job does (issue #25).
+  ops = collections.Counter(json.loads(l)["op"] for l in
+                            (run_dir / "cost_records.jsonl").read_text().splitlines())
+  assert ops["train_step"] == ops["push"] == ops["learner_host"] == 6
 
 
 def _wait_for_step(run_dir, step, procs, timeout_s):

@@ -27,9 +27,8 @@ class Sink:
   def __init__(self):
     self.versions = []
 
-  def push(self, params, version):
-    del params
-    self.versions.append(version)
+  def push(self, update):
+    self.versions.append(update.version)
 
 
 def _group(gid, version, rng, logprob=None):

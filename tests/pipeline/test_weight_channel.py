@@ -10,6 +10,7 @@ import pytest
 
 from rlax_pipe import sharding as sh_lib
 from rlax_pipe.pipeline import weight_channel as wc
+from rlax_pipe.types import WeightUpdate
 
 AXES = {
     "embed": ("vocab", "embed"),
@@ -68,7 +69,7 @@ def _push_and_check(lsh, ssh, target, host_reads):
   jax.block_until_ready(params)
   channel = wc.WeightChannel(target)
   host_reads.clear()
-  channel.push(params, version=1)
+  channel.push(WeightUpdate(1, params))
   got = channel.take(timeout=10)
   jax.block_until_ready(got.params)
   assert host_reads == [], f"host round trip for leaves of shape {host_reads}"
@@ -132,14 +133,15 @@ def test_versions_and_ownership():
   channel = wc.WeightChannel(target)
   assert channel.try_take() is None and channel.stats().current_version == -1
   p1 = jax.device_put(_values(1), lsh)
-  channel.push(p1, 1)
+  channel.push(WeightUpdate(1, p1))
   first_incoming = channel._pending.leaves  # pylint: disable=protected-access
-  channel.push(jax.device_put(_values(2), lsh), 2)  # supersedes version 1 before it is taken
+  # supersedes version 1 before it is taken:
+  channel.push(WeightUpdate(2, jax.device_put(_values(2), lsh)))
   assert all(x.is_deleted() for x in first_incoming)
   taken2 = channel.take(timeout=10)
   assert taken2.version == 2 and taken2.donated and channel.stats().superseded == 1
   np.testing.assert_array_equal(np.asarray(taken2.params["norm"]), _values(2)["norm"])
-  channel.push(jax.device_put(_values(3), lsh), 3)
+  channel.push(WeightUpdate(3, jax.device_put(_values(3), lsh)))
   taken3 = channel.take(timeout=10)
   assert taken3.version == 3
   # A taken version belongs to its receiver: the channel never deletes it (the engine does,
@@ -147,7 +149,7 @@ def test_versions_and_ownership():
   assert not any(x.is_deleted() for x in jax.tree.leaves(taken2.params))
   assert not any(x.is_deleted() for x in jax.tree.leaves(p1))  # learner copies untouched
   with pytest.raises(ValueError, match="not newer"):
-    channel.push(jax.device_put(_values(4), lsh), 3)
+    channel.push(WeightUpdate(3, jax.device_put(_values(4), lsh)))
   s = channel.stats()
   assert (s.pushes, s.takes, s.current_version, s.pending_version) == (3, 2, 3, -1)
   assert s.bytes_per_version == 16 * 8 * 4 + 2 * 8 * 4 * 4 * 4 + 2 * 8 * 12 * 2 + 8 * 4 + 4
@@ -158,7 +160,7 @@ def test_versions_and_ownership():
 def test_try_take_waits_for_readiness(monkeypatch):
   lsh, _, target = _setup(jax.devices()[:4], {"fsdp": 2, "tp": 2}, jax.devices()[4:], {"tp": 4})
   channel = wc.WeightChannel(target)
-  channel.push(jax.device_put(_values(1), lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(_values(1), lsh)))
   monkeypatch.setattr(wc, "_all_ready", lambda arrays: False)
   assert channel.poll() is None and channel.try_take() is None
   monkeypatch.undo()
@@ -171,7 +173,7 @@ def test_second_push_does_not_recompile():
   lsh, _, target = _setup(jax.devices()[:4], {"fsdp": 2, "tp": 2}, jax.devices()[4:], {"tp": 4})
   channel = wc.WeightChannel(target)
   for v in range(1, 4):
-    channel.push(jax.device_put(_values(v), lsh), v)
+    channel.push(WeightUpdate(v, jax.device_put(_values(v), lsh)))
     channel.take(timeout=10)
   (plans, hop1, hop3), = channel._plans.values()  # pylint: disable=protected-access
   assert hop1 is not None and hop1._cache_size() == 1  # pylint: disable=protected-access
@@ -184,15 +186,16 @@ def test_manifest_errors_name_the_leaf():
   good = _values(0)
   bad_shape = dict(good, norm=np.zeros((9,), np.float32))
   with pytest.raises(wc.ManifestError, match=r"\['norm'\] has shape \(9,\)"):
-    channel.push(bad_shape, 1)
+    channel.push(WeightUpdate(1, bad_shape))
   bad_dtype = dict(good, layers=dict(good["layers"], w_up=good["layers"]["w_up"].astype(
       np.float32)))
   with pytest.raises(wc.ManifestError, match=r"\['layers'\]\['w_up'\].*dtype float32.*bfloat16"):
-    channel.push(bad_dtype, 1)
+    channel.push(WeightUpdate(1, bad_dtype))
   missing = {k: v for k, v in good.items() if k != "norm"}
   with pytest.raises(wc.ManifestError, match=r"missing leaves \[\"\['norm'\]\"\]"):
-    channel.push(missing, 1)
-  channel.push(jax.device_put(good, lsh), 1)  # a failed push did not consume the version
+    channel.push(WeightUpdate(1, missing))
+  # a failed push did not consume the version:
+  channel.push(WeightUpdate(1, jax.device_put(good, lsh)))
   assert channel.take(timeout=10).version == 1
 
 
@@ -214,14 +217,14 @@ def test_debug_verify_hook():
       raise AssertionError(f"probe mismatch at version {version}")
 
   quiet = wc.WeightChannel(target, verify=verify, debug=False)
-  quiet.push(jax.device_put(_values(1), lsh), 1)
+  quiet.push(WeightUpdate(1, jax.device_put(_values(1), lsh)))
   assert seen == []
   channel = wc.WeightChannel(target, verify=verify, debug=True)
-  channel.push(jax.device_put(_values(1), lsh), 1)
-  channel.push(jax.device_put(_values(2), lsh), 2)
+  channel.push(WeightUpdate(1, jax.device_put(_values(1), lsh)))
+  channel.push(WeightUpdate(2, jax.device_put(_values(2), lsh)))
   assert seen == [1, 2]
   with pytest.raises(AssertionError, match="probe mismatch at version 3"):
-    channel.push(jax.device_put(_values(4), lsh), 3)  # wrong weights for version 3
+    channel.push(WeightUpdate(3, jax.device_put(_values(4), lsh)))  # wrong weights for version 3
   assert channel.take(timeout=10).version == 2  # the failed version was discarded
 
 
@@ -241,7 +244,7 @@ def test_threaded_push_and_poll():
   t = threading.Thread(target=sampler)
   t.start()
   for v, p in enumerate(versions):
-    channel.push(p, v)
+    channel.push(WeightUpdate(v, p))
   t.join(timeout=30)
   assert not t.is_alive()
   assert taken == sorted(taken) and taken[-1] == 5
@@ -280,7 +283,7 @@ def test_expert_sharded_learner_weights_reach_another_sampler_layout(host_reads,
   params = jax.block_until_ready(jax.device_put(values, lsh))
   channel = wc.WeightChannel(target)
   host_reads.clear()
-  channel.push(params, version=3)
+  channel.push(WeightUpdate(3, params))
   got = channel.take(timeout=10)
   jax.block_until_ready(got.params)
   assert host_reads == [], f"host round trip for leaves of shape {host_reads}"

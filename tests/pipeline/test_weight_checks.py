@@ -65,7 +65,7 @@ def test_checksum_is_exact_across_layouts_and_sees_a_permutation():
 
 
 def _engine_with(channel, lsh, smesh, version_params):
-  channel.push(jax.device_put(version_params, lsh), 0)
+  channel.push(WeightUpdate(0, jax.device_put(version_params, lsh)))
   engine = SamplerEngine(MODEL, CFG, channel.take(timeout=30), mesh=smesh)
   for i in range(2):
     engine.submit(Request(prompt_tokens=np.array([1, 5, 7]), sample_id=i))
@@ -83,7 +83,7 @@ def test_a_channel_that_lands_old_arrays_under_a_new_version_is_caught(monkeypat
   real = channel._transfer  # pylint: disable=protected-access
   monkeypatch.setattr(channel, "_transfer",
                       lambda leaves: real(jax.tree.leaves(jax.device_put(v0, lsh))))
-  channel.push(jax.device_put(v1, lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(v1, lsh)))
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError,
                      match=r"version 1 on the sampler engine's decode dispatch \(replica 0\) "
@@ -107,7 +107,7 @@ def test_an_engine_that_keeps_decoding_with_old_weights_is_caught(monkeypatch):
     return True
 
   monkeypatch.setattr(engine_weights.EngineWeights, "swap", stale_swap)
-  channel.push(jax.device_put(_params(1), lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(_params(1), lsh)))
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError, match="version 1"):
     for _ in range(3):
@@ -133,7 +133,7 @@ def test_an_engine_whose_dispatch_reads_a_stale_copy_is_caught(monkeypatch):
   engine = _engine_with(channel, lsh, smesh, _params(0))
   engine.step()
   monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
-  channel.push(jax.device_put(_params(1), lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(_params(1), lsh)))
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError,
                      match=r"version 1 on the sampler engine's decode dispatch \(replica 0\)"):
@@ -153,12 +153,12 @@ def test_a_version_that_never_ran_a_dispatch_is_checked_on_what_the_next_would_r
   channel = wc.WeightChannel(target)
   engine = _engine_with(channel, lsh, smesh, _params(0))
   engine.step()
-  channel.push(jax.device_put(_params(1), lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(_params(1), lsh)))
   engine.update_weights(channel.take(timeout=30))
   engine.check_weights()  # an engine about to stop: version 1 never decoded
   assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
   monkeypatch.setattr(engine_weights.EngineWeights, "swap", _stale_views_swap)
-  channel.push(jax.device_put(_params(2), lsh), 2)
+  channel.push(WeightUpdate(2, jax.device_put(_params(2), lsh)))
   engine.update_weights(channel.take(timeout=30))
   with pytest.raises(param_checksum.WeightMismatchError, match="version 2"):
     engine.check_weights()
@@ -173,7 +173,7 @@ def test_a_version_swapped_out_before_any_dispatch_is_checked():
   engine.run_to_completion()
   assert engine.weight_checks == 1
   for v in (1, 2):
-    channel.push(jax.device_put(_params(v), lsh), v)
+    channel.push(WeightUpdate(v, jax.device_put(_params(v), lsh)))
     engine.update_weights(channel.take(timeout=30))
     engine.step()  # nothing to decode: the swap only
   assert engine.weight_checks == 2 and engine.last_weight_check[0] == 1
@@ -186,7 +186,7 @@ def test_a_correct_in_flight_update_passes_the_check():
   channel = wc.WeightChannel(target)
   engine = _engine_with(channel, lsh, smesh, _params(0))
   engine.step()
-  channel.push(jax.device_put(_params(1), lsh), 1)
+  channel.push(WeightUpdate(1, jax.device_put(_params(1), lsh)))
   engine.update_weights(channel.take(timeout=30))
   for _ in range(3):
     engine.step()
@@ -205,17 +205,17 @@ def test_a_rejected_push_can_be_retried_with_the_same_version():
   channel = wc.WeightChannel(target, verify=verify, debug=True)
   params = jax.device_put(_params(0), lsh)
   with pytest.raises(RuntimeError, match="probe logits differ"):
-    channel.push(params, 5)
-  channel.push(params, 5)  # the retry of version 5 is not refused as "not newer"
-  channel.push(params, 5)  # nor is a second copy of the pending version (it replaces it)
+    channel.push(WeightUpdate(5, params))
+  channel.push(WeightUpdate(5, params))  # the retry of version 5 is not refused as "not newer"
+  channel.push(WeightUpdate(5, params))  # nor a second copy of the pending version (replaces it)
   update = channel.take(timeout=30)
   assert update.version == 5 and calls == [5, 5, 5]
   np.testing.assert_array_equal(param_checksum.host(update.checksum),
                                 param_checksum.host(param_checksum.checksum(params)))
   with pytest.raises(ValueError, match="not newer than the version the sampler took"):
-    channel.push(params, 5)  # version 5 was taken: now it is old
+    channel.push(WeightUpdate(5, params))  # version 5 was taken: now it is old
   with pytest.raises(ValueError, match="not newer"):
-    channel.push(params, 4)
+    channel.push(WeightUpdate(4, params))
 
 
 def test_lag0_logprob_mismatch_alarm():

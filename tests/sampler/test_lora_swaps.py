@@ -16,6 +16,7 @@ from rlax_pipe.model.lora import adapter_bytes
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
 from rlax_pipe.sampler import Request, SamplerEngine
+from rlax_pipe.types import WeightUpdate
 
 from test_sampler_engine import (  # pylint: disable=wrong-import-order
     CFG, MODEL, SAMPLING, _keep_reference, params)  # noqa: F401  (pytest fixture)
@@ -33,7 +34,7 @@ def test_adapter_pushes_swap_in_flight_with_exact_token_versions(params):
   smesh = sh_lib.make_mesh(jax.devices()[4:6], {"tp": 2}, sh_lib.SAMPLER_RULES)
   channel = LoraWeightChannel(learner.lora, learner.base_params, smesh)
   by_version = {0: jax.device_get(learner.merged_params())}
-  channel.push(learner.params, 0)
+  channel.push(WeightUpdate(0, learner.params))
   engine = SamplerEngine(MODEL, dataclasses.replace(CFG, num_pages=40,
                                                     decode_steps_per_dispatch=2),
                          channel.take(timeout=60), mesh=smesh)
@@ -50,7 +51,7 @@ def test_adapter_pushes_swap_in_flight_with_exact_token_versions(params):
       learner.flush()
       v = learner.version
       by_version[v] = jax.device_get(learner.merged_params())
-      channel.push(learner.params, v)
+      channel.push(WeightUpdate(v, learner.params))
       engine.update_weights(channel.take(timeout=60))
   assert engine.stats().weight_updates == 3 and set(by_version) == {0, 1, 2, 3}
   # Only the adapters travelled: bytes per version = A + B of the three targets.

@@ -9,10 +9,8 @@ copy to the replicas it serves (`weights.LearnerSender`).
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import time
-from typing import Any
 
 from absl import logging
 
@@ -23,6 +21,7 @@ from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, weights_kv
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.types import WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
 
 
@@ -64,7 +63,7 @@ class FollowerProcess:
   def run(self) -> None:
     """Pushes the initial version, then one step per "train" message until "end"."""
     pcfg, off = self.cfg.pipeline, self.link.offset_s
-    self.sender.push(self.learner.params, self.learner.version)
+    self.sender.push(WeightUpdate(self.learner.version, self.learner.params))
     idle_since = time.monotonic()
     steps, train_s = 0, 0.0
     while True:
@@ -103,13 +102,3 @@ class FollowerProcess:
 def open_link(cfg: RunConfig, topology: Topology, monitor: FaultMonitor) -> Link:
   """A learner process's link to the lead."""
   return Link(topology, KVStore(), monitor, cfg.distributed, hello={"role": "learner"})
-
-
-def make_learner(cfg: RunConfig, learner_mesh: Any, model: Any, params: Any,
-                 checkpoint_dir: str) -> Learner:
-  """The `Learner` every learner process builds identically (its init is a collective)."""
-  learner_cfg = dataclasses.replace(cfg.learner, checkpoint=dataclasses.replace(
-      cfg.learner.checkpoint, directory=checkpoint_dir))
-  objective_cfg = dataclasses.replace(cfg.objective, max_lag=cfg.pipeline.staleness.max_lag)
-  return Learner(model, learner_cfg, objective_cfg, cfg.sampler.sampling, mesh=learner_mesh,
-                 params=params)

@@ -24,24 +24,21 @@ from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.model import Model, ModelLike
 from rlax_pipe.pipeline import devices as devices_lib
-from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
 from rlax_pipe.pipeline import job as job_lib
-from rlax_pipe.pipeline import record as record_lib
+from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.follower import (
-    FollowerProcess, make_learner, open_link, restore_or_start)
+    FollowerProcess, open_link, restore_or_start)
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.lead import (
-    LeadSamplerSide, MultiprocessRecords, check_replica_manifests, drive, fault_on_error)
+    LeadClock, LeadSamplerSide, MultiprocessRecords, check_replica_manifests, fault_on_error)
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.replica import episode_task, ReplicaProcess
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator, weights_kv
-from rlax_pipe.pipeline.rollout_queue import RolloutQueue
-from rlax_pipe.pipeline.rollout_worker import RolloutWorker
-from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.run_dir import to_jsonable
+from rlax_pipe.types import WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
 
 
@@ -120,9 +117,9 @@ def with_stop_set(cfg: RunConfig, model: Model) -> tuple[RunConfig, Any]:
     ConfigError: as `job.build_job` for a tokenizer or task file that cannot be read or a
       tokenizer that does not fit the model.
   """
-  tok = job_lib._tokenizer(cfg)  # pylint: disable=protected-access
+  tok = job_lib.tokenizer_for(cfg)
   stops = job_lib.stop_ids_for(cfg, tok, model)
-  job_lib._check_vocab(cfg, model, tok, stops)  # pylint: disable=protected-access
+  job_lib.check_vocab(cfg, model, tok, stops)
   return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops)), tok
 
 
@@ -154,7 +151,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   logging.info("multi-process job: %s", json.dumps(topo.describe()))
   try:
     if topo.is_lead:
-      out = _run_lead(given, cfg, topo, monitor, model, params, hooks)
+      out = _run_lead(given, topo, monitor, model, params, hooks)
     elif topo.role == "learner":
       _run_follower(cfg, topo, monitor, model, params)
       out = {"process": topo.process_id, "role": topo.role, "name": topo.name()}
@@ -169,16 +166,16 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
 
 
 def _run_follower(cfg, topo, monitor, model, params) -> None:
-  model, _, params0 = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
+  model, _, params0 = job_lib.models_for(cfg, model, params)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
   link = open_link(cfg, topo, monitor)  # first: the lead waits for every link
-  learner = make_learner(cfg, learner_mesh(cfg, topo), model, params0, _checkpoint_dir(cfg))
+  learner = job_lib.make_learner(cfg, learner_mesh(cfg, topo), model, params0, _checkpoint_dir(cfg))
   restore_or_start(learner, cfg.resume, topo.name())
   FollowerProcess(cfg, topo, monitor, link, learner, layout).run()
 
 
 def _run_replica(cfg, topo, monitor, model, params) -> None:
-  model, sampler_model, _ = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
+  model, sampler_model, _ = job_lib.models_for(cfg, model, params)
   cfg, tok = with_stop_set(cfg, model)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
   replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout, task=episode_task(cfg),
@@ -188,105 +185,105 @@ def _run_replica(cfg, topo, monitor, model, params) -> None:
   replica.finish()
 
 
-def _restore_pipeline(extra: dict, queue: RolloutQueue, worker: RolloutWorker,
-                      proxy: RemoteEngines) -> None:
-  """The lead's part of a resume: queue, task iterator and the replicas' sampling keys; samples
-  that were in flight on the replicas are lost with them (counted as wasted, never trained)."""
-  for gid in extra["in_flight_groups"]:
-    queue.discard_group(int(gid))
-  worker_state = dict(extra["worker"])
-  worker_state["round_open"] = 0
-  worker_state["truncated"] = []
-  # the requests and rollouts in flight went with the replicas (their groups were discarded
-  # above): nothing of them is outstanding or in transit in this session
-  worker_state["outstanding"], worker_state["detached"], worker_state["in_transit"] = [], [], []
-  worker.load_state_dict(worker_state)
-  if extra.get("sampler_rng") is not None:
-    proxy.load_rng_state(extra["sampler_rng"])
+class LeadPlacement:
+  """The lead's answers to `job.build_job` (`job.Placement`): the learner mesh over every learner
+  process, the replicas of other processes as the sampler (`RemoteEngines`), the
+  `LearnerSender` as the weight sink, held-out evaluation on the lead's own devices.
+
+  `place` opens the lead's links (`hub`, waiting for every process) and checks that every
+  replica expects the layout the learner sends; `sampler` starts the weight protocol
+  (`sender`, `coordinator`) and pushes the learner's version.
+
+  Args:
+    topology: the job.
+    monitor: the fault monitor (a fault is also appended to run_dir/faults.jsonl).
+  """
+
+  def __init__(self, topology: cluster.Topology, monitor: cluster.FaultMonitor):
+    self.topology, self.monitor = topology, monitor
+    self.plan, self.eval_mesh, self.eval_params = None, None, None
+    self.hub: cluster.Hub | None = None
+    self.sender: LearnerSender | None = None
+    self.coordinator: WeightCoordinator | None = None
+    self.proxy: RemoteEngines | None = None
+
+  def place(self, cfg: RunConfig, model: Model, stops: Any, rd) -> tuple[RunConfig, Any]:
+    topo = self.topology
+    self.monitor.on_fault(lambda message: record_fault(rd.path, message))
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    host = cluster.topology.local_address_towards(distributed.global_state.coordinator_address)
+    self.hub = cluster.Hub(topo, cluster.KVStore(), self.monitor, cfg.distributed, host)
+    self._hellos = self.hub.accept_all()
+    cfg = with_meshes(cfg, topo)
+    self.layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
+    check_replica_manifests(topo, self._hellos, self.layout.manifest())
+    self.eval_mesh = self.layout.process_mesh(0)
+    cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops))
+    self._mesh = learner_mesh(cfg, topo)
+    return cfg, self._mesh
+
+  def record(self, rd, cfg: RunConfig, learner, tok, stops: Any) -> None:
+    del learner, tok, stops
+    topo = self.topology
+    (rd.path / "topology.json").write_text(json.dumps(
+        {**topo.describe(), "learner_mesh": dict(self._mesh.shape),
+         "replica_mesh": dict(cfg.sampler_mesh_axes),
+         "weights_from": {r: r % topo.num_learner_processes for r in range(topo.num_replicas)}},
+        indent=2))
+
+  def sampler(self, cfg: RunConfig, model, sampler_model, learner, tok, task, state, extra,
+              sampler_clock, timeline):
+    del model, sampler_model, tok, task, state, sampler_clock, timeline
+    topo, dcfg = self.topology, cfg.distributed
+    self.sender = LearnerSender(self.layout, weights_kv(), self.monitor, dcfg)
+    self.coordinator = WeightCoordinator(topo, weights_kv(), self.monitor, self.sender,
+                                         self.layout.digest())
+    self.proxy = RemoteEngines(self.hub, topo, cfg.sampler,
+                               {r: self._hellos[topo.replica_process(r)]["slots"]
+                                for r in range(topo.num_replicas)})
+    for replica in self.proxy.replicas.values():  # a lower bound: its first version is newer
+      replica.version = learner.version
+    if extra and extra.get("sampler_rng") is not None:
+      # the replicas' sampling keys; the samples in flight on them were lost with them
+      # (`build_job` discards their groups: counted as wasted, never trained)
+      self.proxy.load_rng_state(extra["sampler_rng"])
+    self.eval_params = self.sender.local_params
+    self.sender.push(WeightUpdate(learner.version, learner.params))
+    return self.sender, self.proxy
 
 
-def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
-              user_hooks) -> dict:
-  """The lead's part; `given` is the config as given (what config.json records and a resume
-  checks), `cfg` the one resolved for this topology."""
-  pcfg, dcfg = cfg.pipeline, cfg.distributed
-  rd = record_lib.prepare_run_dir(given)
-  monitor.on_fault(lambda message: record_fault(rd.path, message))
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  host = cluster.topology.local_address_towards(distributed.global_state.coordinator_address)
-  hub = cluster.Hub(topo, cluster.KVStore(), monitor, dcfg, host)
-  hellos = hub.accept_all()
-  model, _, params0 = job_lib._models(cfg, model, params)  # pylint: disable=protected-access
-  layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
-  check_replica_manifests(topo, hellos, layout.manifest())
-  cfg, tok = with_stop_set(cfg, model)
-  task = job_lib._task(cfg)  # pylint: disable=protected-access
-  mesh = learner_mesh(cfg, topo)
-  learner = make_learner(cfg, mesh, model, params0, rd.checkpoint_dir)
-  extra = job_lib._restore_learner(given, learner, rd)  # pylint: disable=protected-access
-  if extra is None:
-    rd.write_config(given)
-  sender = LearnerSender(layout, weights_kv(), monitor, dcfg)
-  coordinator = WeightCoordinator(topo, weights_kv(), monitor, sender, layout.digest())
-  proxy = RemoteEngines(hub, topo, cfg.sampler,
-                        {r: hellos[topo.replica_process(r)]["slots"]
-                         for r in range(topo.num_replicas)})
-  for state in proxy.replicas.values():  # a lower bound: a replica's first version is newer
-    state.version = learner.version
-  queue = (RolloutQueue.from_state_dict(extra["queue"], pcfg.staleness, pcfg.group_filter)
-           if extra else RolloutQueue(pcfg.staleness, pcfg.group_size, pcfg.group_filter))
-  worker = RolloutWorker(proxy, task, tok, queue, pcfg)
-  if extra:
-    _restore_pipeline(extra, queue, worker, proxy)
-  offset = float(extra.get("time_s", 0.0)) if extra else 0.0
-  job = job_lib.Job(
-      cfg=cfg, given_cfg=given, plan=None, run_dir=rd, tok=tok, task=task, model=model, learner_mesh=mesh, learner=learner,
-      channel=sender, engine=proxy, queue=queue, worker=worker,
-      trainer=Trainer(learner, queue, sender, pcfg), timeline=timeline_lib.Timeline(path=rd.path / "timeline.jsonl"),
-      sampler_clock=None, vstate=driver_lib.VirtualState(),
-      clock=job_lib.JobClock(False, offset), start_step=learner.step,
-      last_eval=extra.get("last_eval") if extra else None,
-      eval_mesh=layout.process_mesh(0), eval_params=sender.local_params)
-  (rd.path / "topology.json").write_text(json.dumps(
-      {**topo.describe(), "learner_mesh": dict(mesh.shape),
-       "replica_mesh": dict(cfg.sampler_mesh_axes),
-       "weights_from": {r: r % topo.num_learner_processes for r in range(topo.num_replicas)}},
-      indent=2))
+def _run_lead(given: RunConfig, topo, monitor, model, params, user_hooks) -> dict:
+  """The lead's part: the job built by `job.build_job` with a `LeadPlacement` and run by
+  `run.run_job` with a `LeadClock`; `given` is the config as given (what config.json records
+  and a resume checks)."""
+  place = LeadPlacement(topo, monitor)
+  job = job_lib.build_job(given, model, params, placement=place)
+  hub, proxy, sender, dcfg = place.hub, place.proxy, place.sender, job.cfg.distributed
   for r in range(topo.num_replicas):
     hub.send(topo.replica_process(r), *messages.wire(messages.Init(rng=proxy.initial_rng(r))))
-  sender.push(learner.params, learner.version)
   side = LeadSamplerSide(job, hub, proxy, monitor)
-  monitor.on_fault(lambda message: queue.close())
-  eta = hooks_lib.Eta()
-  evaluation = hooks_lib.Evaluation(job, eta)
-  report = hooks_lib.Report(evaluation)
+  monitor.on_fault(lambda message: job.queue.close())
   records = MultiprocessRecords(side, sender, proxy, dcfg.record_samples)
-  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
-               records, *user_hooks, report]
-  records.log_push(job, learner.version)
+  records.log_push(job, job.learner.version)
   side.start()
-  job.clock.wall0 = time.perf_counter()
-  if job.last_eval is None:
-    evaluation.evaluate(job, job.start_step, job.clock.offset)
-  todo = pcfg.num_steps - job.start_step
-  end = drive(job, hub, monitor, all_hooks, todo) if todo > 0 else time.perf_counter()
-  hub.broadcast(*messages.wire(messages.End()), role="learner")
-  side.stop(dcfg.transfer_timeout_s)
-  time_s = job.clock.time_s(end)
-  for hook in all_hooks:
-    hook.on_end(job, time_s)
-  coordinator.end()
+
+  def stop_processes() -> None:
+    hub.broadcast(*messages.wire(messages.End()), role="learner")
+    side.stop(dcfg.transfer_timeout_s)
+
+  summary = dict(run_lib.run_job(job, LeadClock(hub, monitor), [records, *user_hooks],
+                                 checkpoint_on_error=False, before_end=stop_processes))
+  place.coordinator.end()
   sender.close(dcfg.transfer_timeout_s)
   _wait_for_goodbyes(hub, dcfg.connect_timeout_s)
-  summary = dict(report.summary)
   spans = job.timeline.spans()
   occupancy = {f"sampler/{r}": timeline_lib.slot_occupancy(spans, component=f"sampler/{r}")
                for r in range(topo.num_replicas)}
   summary["slot_occupancy_per_replica"] = occupancy
   summary["slot_occupancy"] = float(np.mean(list(occupancy.values())))
   summary["topology"] = to_jsonable(topo.describe())
-  summary["queue"] = to_jsonable(dataclasses.asdict(queue.stats()))
-  (rd.path / "summary.json").write_text(json.dumps(summary, indent=2))
+  summary["queue"] = to_jsonable(dataclasses.asdict(job.queue.stats()))
+  (job.run_dir.path / "summary.json").write_text(json.dumps(summary, indent=2))
   monitor.close()
   hub.close()
   return summary

@@ -5,10 +5,11 @@ Two threads, as in the single-process threaded driver:
   graded by the one `RolloutWorker` and put into the one `RolloutQueue`; spans and rows are kept
   for the run directory) and tops every replica up through `RemoteEngines` (the worker's rules
   and the queue's staleness admission, per replica);
-- the learner loop (`drive`, the calling thread): takes a batch from the queue, sends it to the
-  other learner processes, trains in lockstep with them, pushes the new version (every learner
-  process re-lays it out; replicas get it by request), and runs the step hooks (metrics,
-  evaluation on this process's devices, checkpoints of the learner processes together).
+- the learner loop (`driver.drive` with a `LeadClock`, the calling thread): takes a batch from
+  the queue, sends it to the other learner processes, trains in lockstep with them, pushes the
+  new version (every learner process re-lays it out; replicas get it by request), and runs the
+  step hooks (metrics, evaluation on this process's devices, checkpoints of the learner
+  processes together).
 """
 
 from __future__ import annotations
@@ -17,19 +18,16 @@ import json
 import queue as queue_lib
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 import numpy as np
 
-from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
 from rlax_pipe.pipeline import driver as driver_lib
-from rlax_pipe.pipeline.hooks import StepHook
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.weights import LearnerSender
-from rlax_pipe.pipeline.rollout_queue import QueueClosed
 from rlax_pipe.pipeline.trainer import StepResult
 from rlax_pipe.pipeline.multihost import messages
 
@@ -68,15 +66,12 @@ class LeadSamplerSide:
     if isinstance(msg, messages.Rollouts):
       r = self._replica(p)
       rollouts = list(msg.rollouts)
-      proxy.returned(r, rollouts, msg.status)
-      job.worker.returned(rollouts)  # no longer outstanding; in transit until queued
+      proxy.returned(r, rollouts, msg.status)  # handed out by the proxy's next step
       checked = msg.status.get("checked")
       if checked is not None and self._checked.get(r) != checked[0]:
         self._checked[r] = checked[0]
         self.rows.put({"kind": "weights_check", "replica": r, "version": checked[0],
                        "checksum": checked[1]})
-      for graded in job.worker.grade_batch(rollouts):
-        job.queue.put(graded)
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
         job.timeline.record(*span)
@@ -108,6 +103,11 @@ class LeadSamplerSide:
             item = self.hub.inbox.get_nowait()
           except queue_lib.Empty:
             item = None
+        finished = self.proxy.step()
+        if finished:
+          self.job.worker.returned(finished)  # no longer outstanding; in transit until queued
+          for graded in self.job.worker.grade_batch(finished):
+            self.job.queue.put(graded)
         if not self._stopping.is_set():
           # samples lost on a replica or on their way to the queue: named, and re-dispatched
           # to the replica that had them or their group given up (issue #27 item 2)
@@ -191,34 +191,40 @@ class MultiprocessRecords:
     self._drain(job, job.learner.step)
 
 
-def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
-          todo: int) -> float:
-  """The lead's learner loop: `todo` steps; returns the clock at the end.
+class LeadClock(driver_lib.RealClock):
+  """The lead's clock for `driver.drive`: the real-clock learner side (the same spans and cost
+  records as a threaded single-process job), where each step's batch is first sent to the other
+  learner processes (they train in lockstep) and the step runs under the job's wait limit. The
+  sampler side is the `LeadSamplerSide` thread (started before `drive`).
 
-  Raises:
+  Args:
+    hub: links to every other process.
+    monitor: fault monitor: a fault elsewhere is raised at the next wait or step boundary.
+
+  Raises (from `drive`):
     ProcessFault: when the job failed elsewhere (the queue is closed on a fault).
     QueueTimeout: no batch within `wait_timeout_s`.
   """
-  pcfg, clock = job.cfg.pipeline, job.timeline.now
-  for _ in range(todo):
-    t0 = clock()
-    try:
-      groups = job.queue.get_batch(pcfg.groups_per_step, job.trainer.version,
-                                   timeout=pcfg.wait_timeout_s)
-    except QueueClosed:
-      monitor.check()
-      raise
-    t1 = clock()
-    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
-    hub.broadcast(*messages.wire(messages.Train(tuple(groups))), role="learner")
-    with monitor.deadline("a learner step", pcfg.wait_timeout_s):
-      result = job.trainer.train_on(groups)
-    t2 = clock()
-    job.timeline.record("learner", "train_step", t1, t2)
-    for hook in hooks:
-      hook.on_step(job, result, job.clock.time_s(t2))
-    monitor.check()
-  return clock()
+
+  def __init__(self, hub: Hub, monitor: FaultMonitor):
+    super().__init__()
+    self.hub, self.monitor = hub, monitor
+
+  def wait_limit(self, job: Job) -> float | None:
+    return job.cfg.pipeline.wait_timeout_s
+
+  def on_closed(self, job: Job) -> None:
+    del job
+    self.monitor.check()
+
+  def step(self, job: Job, groups) -> StepResult:
+    self.hub.broadcast(*messages.wire(messages.Train(tuple(groups))), role="learner")
+    with self.monitor.deadline("a learner step", job.cfg.pipeline.wait_timeout_s):
+      return job.trainer.train_on(groups)
+
+  def after_hooks(self, job: Job, result: StepResult, now: float) -> None:
+    super().after_hooks(job, result, now)
+    self.monitor.check()
 
 
 def check_replica_manifests(topology: Topology, hellos: dict[int, dict], manifest: list) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from rlax_pipe.cluster import Hub, Topology
 from rlax_pipe.sampler import Request, SamplerConfig
-from rlax_pipe.types import Rollout
+from rlax_pipe.types import Rollout, WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
 
 
@@ -67,6 +67,7 @@ class RemoteEngines:
                      for r in range(topology.num_replicas)}
     self._target: int | None = None
     self.holder: dict[int, int] = {}  # sample id -> replica (until trained or discarded)
+    self._finished: list[Rollout] = []  # returned, not yet handed out by `step`
 
   # ---- what the worker reads -------------------------------------------------------------------
   @contextlib.contextmanager
@@ -136,7 +137,25 @@ class RemoteEngines:
                      *messages.wire(messages.Abort((int(sample_id),))))
     return None
 
-  def unfinished(self) -> dict[int, None]:
+  def step(self) -> list[Rollout]:
+    """The rollouts the replicas sent back since the last call (booked by `returned`; the
+    replicas step themselves, on their own processes)."""
+    out, self._finished = self._finished, []
+    return out
+
+  def update_weights(self, update: WeightUpdate) -> None:
+    """Refused: the replicas fetch each version from the learner processes' `LearnerSender`
+    (the job's `types.WeightSink`) through the `WeightCoordinator`; the lead holds no replica
+    weights to replace.
+
+    Raises:
+      TypeError: always, naming the route to use instead.
+    """
+    raise TypeError(f"RemoteEngines.update_weights(version {update.version}): replicas of a "
+                    "multi-process job take new versions from the learner's LearnerSender "
+                    "(push the update there); the lead's proxy holds no weights.")
+
+  def unfinished(self) -> dict[int, int | None]:
     """Sample ids sent and not returned (their oldest token version is not known here)."""
     return {sid: None for s in self.replicas.values() for sid in s.outstanding}
 
@@ -150,10 +169,12 @@ class RemoteEngines:
     return len(batch)
 
   def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:
-    """Books finished (or aborted) rollouts and the replica's status message."""
+    """Books finished (or aborted) rollouts (handed out by the next `step`) and the replica's
+    status message."""
     state = self.replicas[replica]
     for r in rollouts:
       state.outstanding.pop(int(r.sample_id), None)
+    self._finished.extend(rollouts)
     self.update(replica, status)
 
   def update(self, replica: int, status: dict) -> None:

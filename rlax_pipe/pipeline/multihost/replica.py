@@ -66,7 +66,7 @@ def episode_task(cfg: RunConfig) -> Any:
   task_cls = tasks.TASKS.get(cfg.task, (None,))[0]
   if not cfg.env.tool and not envs.is_environment(task_cls):
     return None
-  return job_lib._task(cfg)  # pylint: disable=protected-access
+  return job_lib.task_for(cfg)
 
 
 class ReplicaProcess:
@@ -188,7 +188,7 @@ class ReplicaProcess:
           raise messages.ProtocolError("a second Init message from the lead.")
       if self._pending_update is None:
         self._pending_update = self.receiver.poll()
-      if self._pending_update is not None and rules.may_install_weights(driver, e.has_work):
+      if self._pending_update is not None and rules.may_update_weights(driver, e.has_work):
         update, self._pending_update = self._pending_update, None
         e.update_weights(update)
         self._installed(update.version)

@@ -139,7 +139,8 @@ class _Snapshot:
 class LearnerSender:
   """A learner process's side: staging copies per version, sending, freeing on acknowledgement.
 
-  `push(params, version)` is the weight-channel call the `Trainer` makes after every step; every
+  `push(WeightUpdate(version, params))` is the weight-sink call the `Trainer` makes after every
+  step; every
   learner process makes it for the same versions in the same order (its re-layout is a
   collective on the learner mesh). It returns after dispatching the re-layout (an independent
   copy: the learner may donate `params` at once) and the checksums.
@@ -177,13 +178,16 @@ class LearnerSender:
     self._on_push.append(callback)
 
   # ---- learner thread ---------------------------------------------------------------------
-  def push(self, params: Any, version: int) -> None:
-    """Re-lays `params` out into this process's replica-layout copy and keeps it as `version`.
+  def push(self, update: WeightUpdate) -> None:
+    """Re-lays `update.params` out into this process's replica-layout copy and keeps it as
+    `update.version` (`types.WeightSink`; `donated` and `checksum` are not read: the copy is
+    this sender's own, and it computes the checksums the replicas check).
 
     Raises:
       ManifestError: if `params` does not match the model's params tree.
       ValueError: if `version` is not newer than the last pushed one.
     """
+    params, version = update.params, update.version
     check_manifest(self._manifest, params, what=f"pushed params (version {version})")
     if version <= self.latest:
       raise ValueError(f"LearnerSender.push: version {version} is not newer than {self.latest}.")
