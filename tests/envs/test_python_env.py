@@ -80,7 +80,7 @@ def test_preset_adds_the_tool_to_the_task():
   cfg = from_config_dict(RunConfig, pipeline_rl.get_config("tiny,python"))
   assert cfg.task == "arithmetic" and cfg.env.tool == "python"
   assert cfg.env.python.wall_s < cfg.env.tool_timeout_s
-  task = job_lib._task(cfg)  # pylint: disable=protected-access
+  task = job_lib.task_for(cfg)
   assert isinstance(task, envs.PythonToolTask) and envs.is_environment(task)
   assert task.task.config.max_terms == 4
   # a multi-process replica builds the task only when its requests are episodes
