@@ -20,6 +20,7 @@ from absl import logging
 import numpy as np
 
 from rlax_pipe import cluster
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.model import Model, ModelLike
@@ -245,7 +246,8 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
       sampler_clock=None, vstate=driver_lib.VirtualState(),
       clock=job_lib.JobClock(False, offset), start_step=learner.step,
       last_eval=extra.get("last_eval") if extra else None,
-      eval_mesh=layout.process_mesh(0), eval_params=sender.local_params)
+      eval_mesh=layout.process_mesh(0), eval_params=sender.local_params,
+      cost_recorder=costs_lib.CostRecorder())  # both roles' timed operations (lead.py)
   (rd.path / "topology.json").write_text(json.dumps(
       {**topo.describe(), "learner_mesh": dict(mesh.shape),
        "replica_mesh": dict(cfg.sampler_mesh_axes),
@@ -263,6 +265,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
   all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
                records, *user_hooks, report]
   records.log_push(job, learner.version)
+  compiles = driver_lib.CompileCounter(job.cost_recorder.add_compile).__enter__()
   side.start()
   job.clock.wall0 = time.perf_counter()
   if job.last_eval is None:
@@ -271,6 +274,7 @@ def _run_lead(given: RunConfig, cfg: RunConfig, topo, monitor, model, params,
   end = drive(job, hub, monitor, all_hooks, todo) if todo > 0 else time.perf_counter()
   hub.broadcast(*messages.wire(messages.End()), role="learner")
   side.stop(dcfg.transfer_timeout_s)
+  compiles.__exit__()
   time_s = job.clock.time_s(end)
   for hook in all_hooks:
     hook.on_end(job, time_s)

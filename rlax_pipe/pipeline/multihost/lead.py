@@ -9,6 +9,11 @@ Two threads, as in the single-process threaded driver:
   other learner processes, trains in lockstep with them, pushes the new version (every learner
   process re-lays it out; replicas get it by request), and runs the step hooks (metrics,
   evaluation on this process's devices, checkpoints of the learner processes together).
+
+Timed operations (the job's `CostRecorder`, when it has one): the learner loop records each
+train step, push and the learner's host work as the single-process threaded driver does
+(`record_learner_step`); the replicas' engine steps and compile intervals arrive at the end in
+`messages.Costs`. The run directory's cost_records.jsonl / cost_fit.json hold both roles.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Sequence
 from absl import logging
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
 from rlax_pipe.pipeline import driver as driver_lib
@@ -83,6 +89,10 @@ class LeadSamplerSide:
     elif isinstance(msg, messages.Rows):
       for row in msg.rows:
         self.rows.put(row)
+    elif isinstance(msg, messages.Costs):
+      if job.cost_recorder is not None:
+        job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
+                                 msg.compiles)
     else:  # messages.Done
       if p < self.job.cfg.distributed.num_learner_processes:
         self.learners_done.add(p)
@@ -191,6 +201,23 @@ class MultiprocessRecords:
     self._drain(job, job.learner.step)
 
 
+def record_learner_step(recorder: costs_lib.CostRecorder, result: StepResult, seq_len: int,
+                        t1: float, t2: float, t3: float) -> None:
+  """One learner step's timed operations, as `driver.run_threaded` records them: the train step
+  (processed tokens, micro-batches), the push (bytes) and the host work (batch build + hooks).
+
+  Args:
+    recorder: the job's recorder (its clock is the timeline's, perf_counter in threaded runs).
+    result: the step's `StepResult` (build_s, train_s, push_s measured by the trainer).
+    seq_len: the learner's row length (tokens per processed row).
+    t1, t2, t3: the clock when the batch was taken, when `train_on` returned, after the hooks.
+  """
+  recorder.record("train_step", result.train_s, start_s=t1 + result.build_s,
+                  tokens=result.processed_rows * seq_len, micro_batches=result.micro_batches)
+  recorder.record("push", result.push_s, start_s=t2 - result.push_s, bytes=result.push_bytes)
+  recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
+
+
 def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
           todo: int) -> float:
   """The lead's learner loop: `todo` steps; returns the clock at the end.
@@ -217,6 +244,8 @@ def drive(job: Job, hub: Hub, monitor: FaultMonitor, hooks: Sequence[StepHook],
     job.timeline.record("learner", "train_step", t1, t2)
     for hook in hooks:
       hook.on_step(job, result, job.clock.time_s(t2))
+    if job.cost_recorder is not None:
+      record_learner_step(job.cost_recorder, result, pcfg.seq_len, t1, t2, clock())
     monitor.check()
   return clock()
 
