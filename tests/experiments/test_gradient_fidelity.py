@@ -48,6 +48,33 @@ def test_claims_verdicts_and_report(tmp_path):
   assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_reference_free_claims():
+  """[rf] verdicts from per-batch energies and jackknife pseudo-values (no g*)."""
+  def free(obj, lag, energy, mse, bias2):
+    r = _row("lag", lag, obj, (0.5, 0.4, 0.6))
+    r["per_batch"] = dict(energy=list(energy), mse=list(mse), bias2=list(bias2))
+    return r
+  e_nc = [1.0, 2.0, 0.0, 4.0]  # batch 3: every group had equal rewards (no gradient)
+  rows = [free("no_correction", 1, e_nc, [1.0] * 4, [0.1, 0.0, -0.1, 0.05]),
+          free("untruncated_is", 1, [1.1, 2.1, 0.0, 4.5], [1.0] * 4, [0.0] * 4),
+          free("no_correction", 16, e_nc, [5.0, 6.0, 5.5, 6.5], [1.0, 1.2, 0.9, 1.1]),
+          free("untruncated_is", 16, [8.0, 30.0, 0.0, 20.0], [9.0, 12.0, 8.0, 10.0], [0.0] * 4),
+          free("tis", 16, [2.0, 3.0, 0.0, 5.0], [3.0, 3.5, 2.5, 3.2], [0.2, 0.3, 0.25, 0.3])]
+  got = {c["claim"]: c for c in fidelity_report.claims(dict(rows=rows))}
+  assert got["(a) [rf] TIS lower MSE than no correction"]["verdict"] == "shown"
+  assert got["(a) [rf] no correction is biased against IS"]["verdict"] == "shown"
+  inflate = got["(b1) [rf] untruncated IS inflates the per-batch energy over no correction"]
+  assert inflate["verdict"] == "shown" and inflate["wins"][0] == 1.0  # 3 batches, zero skipped
+  np.testing.assert_allclose(inflate["difference"][0], np.mean(np.log([8.0, 15.0, 5.0])))
+  grows = got["(b1) [rf] that inflation grows with lag (largest lag vs lag 1)"]
+  assert grows["verdict"] == "shown" and grows["second"]["lag"] == 1
+  assert got["(b2) [rf] TIS lower MSE than untruncated IS"]["verdict"] == "shown"
+  assert got["(b3) [rf] TIS is biased against untruncated IS (the price)"]["verdict"] == "shown"
+  assert not any("CISPO" in k or "bf16" in k for k in got)  # not measured: not invented
+  assert "| (b2) [rf] TIS lower MSE" in fidelity_report.markdown(
+      dict(rows=rows), list(got.values()))
+
+
 def test_instrument_config_validation():
   with pytest.raises(ValueError, match="batches"):
     fidelity_run.InstrumentConfig(batches=1)
