@@ -9,7 +9,8 @@ Trains its own short synchronous run of the regime for checkpoints (or reads --c
 batches sampled k versions behind with the on-policy gradient (experiments/lib/fidelity_run.py).
 Writes fidelity.json (rows, claims, timings), fidelity.md and fidelity.png to --out_dir and
 prints the claims as one JSON line; with --pareto_sweep also pareto.json / pareto.png (item 4,
-experiments/lib/fidelity_pareto.py). --from_json re-reports an earlier fidelity.json.
+experiments/lib/fidelity_pareto.py), with --pareto_pinned=<pinned.json> pareto_pinned.{json,png}
+from the pinned systems run's validated cost model. --from_json re-reports an earlier fidelity.json.
 """
 
 import dataclasses
@@ -41,6 +42,9 @@ _SAVE = flags.DEFINE_string("save_checkpoints", None, "Write the trained checkpo
 _FROM = flags.DEFINE_string("from_json", None, "Re-report a fidelity.json (no new measurement).")
 _PARETO = flags.DEFINE_string("pareto_sweep", None, "A sweep_staleness.py table.json: also "
                               "write pareto.json / pareto.png (throughput vs fidelity).")
+_PINNED = flags.DEFINE_string("pareto_pinned", None, "A pinned_systems_run.py pinned.json: "
+                              "pareto.json / pareto.png with the throughput side predicted per "
+                              "max lag by its validated cost model (item 4).")
 
 PRESETS = {
     "stress": fidelity_run.InstrumentConfig(),
@@ -80,6 +84,10 @@ def main(argv):
   fidelity_report.plot(table, str(out / "fidelity.png"))
   if _PARETO.value:
     fidelity_pareto.write(table, _PARETO.value, str(out / "pareto"))
+  if _PINNED.value:
+    lags = sorted({r["lag"] for r in table["rows"] if r["case"] == "lag"})
+    sweep = fidelity_pareto.sweep_from_pinned(_PINNED.value, lags, ("no_correction", "tis"))
+    fidelity_pareto.write(table, _PINNED.value, str(out / "pareto_pinned"), sweep=sweep)
   print(json.dumps({v["claim"]: v["verdict"] for v in verdicts}))
 
 
