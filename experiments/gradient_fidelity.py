@@ -39,7 +39,8 @@ _BF16 = flags.DEFINE_bool("bf16_case", None, "Measure the bf16-sampler case at l
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the run, prompts and sampling.")
 _CKPTS = flags.DEFINE_string("checkpoints", None, "Checkpoints .npz to read instead of training.")
 _SAVE = flags.DEFINE_string("save_checkpoints", None, "Write the trained checkpoints here.")
-_FROM = flags.DEFINE_string("from_json", None, "Re-report a fidelity.json (no new measurement).")
+_FROM = flags.DEFINE_list("from_json", None, "Re-report fidelity.json files (no new "
+                          "measurement); several: their rows merged (fidelity_report.merge).")
 _PARETO = flags.DEFINE_string("pareto_sweep", None, "A sweep_staleness.py table.json: also "
                               "write pareto.json / pareto.png (throughput vs fidelity).")
 _PINNED = flags.DEFINE_string("pareto_pinned", None, "A pinned_systems_run.py pinned.json: "
@@ -72,7 +73,7 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   if _FROM.value:
-    table = json.loads(pathlib.Path(_FROM.value).read_text())
+    table = fidelity_report.merge([json.loads(pathlib.Path(p).read_text()) for p in _FROM.value])
   else:
     partial = lambda t: (out / "fidelity_partial.json").write_text(json.dumps(t, default=float))
     table = fidelity_run.run_instrument(_run_config(_PRESET.value), cfg, _CKPTS.value,

@@ -182,6 +182,29 @@ def _free_claim(rows, name, metric, mode, a, b, sign) -> dict | None:
   return item
 
 
+def merge(tables: Sequence[dict]) -> dict:
+  """One table from several instrument runs (e.g. lags measured in parallel processes): the
+  first table's fields, every table's rows and truths; `sources` keeps each one's config.
+
+  Raises:
+    ValueError: when two tables hold the same (case, lag, objective) row.
+  """
+  if len(tables) == 1:
+    return tables[0]
+  out = dict(tables[0])
+  out["rows"], out["truth"], seen = [], [], set()
+  for t in tables:
+    for r in t["rows"]:
+      key = (r["case"], r["lag"], r["objective"])
+      if key in seen:
+        raise ValueError(f"merge: the row {key} is in two tables; measure each case once.")
+      seen.add(key)
+      out["rows"].append(r)
+    out["truth"] += t.get("truth", [])
+  out["sources"] = [dict(config=t.get("config"), truth=t.get("truth")) for t in tables]
+  return out
+
+
 def claims(table: dict) -> list[dict]:
   """One dict per claim: name, metric, mode, the intervals, the difference, the verdict."""
   rows = table["rows"]

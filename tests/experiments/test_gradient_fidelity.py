@@ -144,3 +144,12 @@ def test_sign_test_is_exact_binomial():
   wins = fr._sign_test(a, b, "sq_error", -1)  # a lower on 7 of 8
   assert wins.value == 7 / 8
   assert wins.low == pytest.approx(0.4734903, abs=1e-6)  # Clopper-Pearson 95%, 7/8
+
+
+def test_merge_tables_refuses_a_row_measured_twice():
+  a = dict(rows=[_row("lag", 0, "tis", (0.5, 0.4, 0.6))], truth=[{"version": 72}], config={})
+  b = dict(rows=[_row("lag", 8, "tis", (0.5, 0.4, 0.6))], truth=[{"version": 72}], config={})
+  m = fidelity_report.merge([a, b])
+  assert [r["lag"] for r in m["rows"]] == [0, 8] and len(m["sources"]) == 2
+  with pytest.raises(ValueError, match="in two tables"):
+    fidelity_report.merge([a, a])
