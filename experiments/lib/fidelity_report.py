@@ -72,8 +72,13 @@ def _sign_test(first: dict, second: dict, metric: str, sign: int) -> Interval:
 # first's metric exceeds second's (direction +1) or falls below it (-1). "paired": per-batch
 # differences on the same batches (objectives compared on identical samples); "unpaired": the
 # two rows' intervals (different batches: lags, sampler precision).
-def _specs(top: int, mixed: Sequence[int]) -> list[tuple]:
-  s = [("(a) TIS closer to g* than no correction (cosine)", "cosine", "paired",
+def _specs(top: int, mixed: Sequence[int], low: int | None = None) -> list[tuple]:
+  s = [] if low is None or low == top else [
+      ("(b1) importance-weight ESS falls with lag (largest lag vs lag 1)", "ess", "unpaired",
+       ("lag", top, "untruncated_is"), ("lag", low, "untruncated_is"), -1),
+      ("(b1) importance-ratio variance grows with lag (largest lag vs lag 1)", "ratio_var",
+       "unpaired", ("lag", top, "untruncated_is"), ("lag", low, "untruncated_is"), 1)]
+  s += [("(a) TIS closer to g* than no correction (cosine)", "cosine", "paired",
         ("lag", top, "tis"), ("lag", top, "no_correction"), 1),
        ("(a) TIS lower error than no correction (|g-g*|^2)", "sq_error", "paired",
         ("lag", top, "tis"), ("lag", top, "no_correction"), -1),
@@ -107,6 +112,8 @@ def _free_specs(top: int, low: int, mixed: Sequence[int]) -> list[tuple]:
   """Reference-free claims (module docstring); same tuple layout as `_specs`."""
   nc, tis, isw = ("lag", top, "no_correction"), ("lag", top, "tis"), ("lag", top, "untruncated_is")
   s = [("(a) [rf] TIS lower MSE than no correction", "mse", "jackknife", tis, nc, -1),
+       ("(a) [rf] TIS lower per-batch energy than no correction", "energy", "logratio", tis,
+        nc, -1),
        ("(a) [rf] no correction is biased against IS", "bias2", "positive", nc, None, 1),
        ("(b1) [rf] untruncated IS inflates the per-batch energy over no correction", "energy",
         "logratio", isw, nc, 1),
@@ -216,7 +223,7 @@ def claims(table: dict) -> list[dict]:
     item = _free_claim(rows, *spec)
     if item is not None:
       out.append(item)
-  for name, metric, mode, a, b, sign in _specs(lags[-1], mixed):
+  for name, metric, mode, a, b, sign in _specs(lags[-1], mixed, low):
     ra, rb = _find(rows, *a), _find(rows, *b)
     if ra is None or rb is None:
       continue
@@ -233,6 +240,8 @@ def claims(table: dict) -> list[dict]:
       wins = _sign_test(ra, rb, metric, sign)
       item.update(wins=list(wins), sign_verdict=_verdict(wins, Interval(0.5, 0.5, 0.5)))
     else:
+      if metric not in ra or metric not in rb:
+        continue
       ia, ib = Interval(*ra[metric]), Interval(*rb[metric])
       item.update(first_interval=list(ia), second_interval=list(ib),
                   difference=ia.value - ib.value,

@@ -60,7 +60,11 @@ def test_reference_free_claims():
           free("no_correction", 16, e_nc, [5.0, 6.0, 5.5, 6.5], [1.0, 1.2, 0.9, 1.1]),
           free("untruncated_is", 16, [8.0, 30.0, 0.0, 20.0], [9.0, 12.0, 8.0, 10.0], [0.0] * 4),
           free("tis", 16, [2.0, 3.0, 0.0, 5.0], [3.0, 3.5, 2.5, 3.2], [0.2, 0.3, 0.25, 0.3])]
+  rows[3]["ess"] = [0.6, 0.5, 0.7]  # untruncated IS at lag 16 (lag 1: [0.4, 0.6]: overlaps)
   got = {c["claim"]: c for c in fidelity_report.claims(dict(rows=rows))}
+  assert got["(b1) importance-weight ESS falls with lag (largest lag vs lag 1)"][
+      "verdict"] == "not shown"
+  assert "(b1) importance-ratio variance grows with lag (largest lag vs lag 1)" not in got
   assert got["(a) [rf] TIS lower MSE than no correction"]["verdict"] == "shown"
   assert got["(a) [rf] no correction is biased against IS"]["verdict"] == "shown"
   inflate = got["(b1) [rf] untruncated IS inflates the per-batch energy over no correction"]
