@@ -273,7 +273,7 @@ def plot(table: dict, path: str) -> None:
         x = np.array([max(p[0], 0.5) for p in pts])  # lag 0 drawn at 0.5 on the log axis
         y = np.array([p[1] for p in pts], np.float64)
         if log:  # an interval reaching <= 0 is drawn down to value / 10 on a log axis
-          y[:, 1] = np.where(y[:, 1] > 0, y[:, 1], np.abs(y[:, 0]) / 10)
+          y[:, 1] = np.where(y[:, 1] > 0, y[:, 1], np.where(y[:, 0] > 0, y[:, 0] / 10, y[:, 0]))
         ax.errorbar(x * (1 + 0.03 * o), y[:, 0], yerr=[y[:, 0] - y[:, 1], y[:, 2] - y[:, 0]],
                     fmt=style, color=f"C{o}", capsize=2, ms=3,
                     label=name if case == "lag" else f"{name} (in-flight mix)")
