@@ -157,3 +157,14 @@ def test_merge_tables_refuses_a_row_measured_twice():
   assert [r["lag"] for r in m["rows"]] == [0, 8] and len(m["sources"]) == 2
   with pytest.raises(ValueError, match="in two tables"):
     fidelity_report.merge([a, a])
+
+
+def test_plot_draws_non_positive_intervals_on_log_axes(tmp_path):
+  """A reference-free MSE can be estimated <= 0 (a near-zero gradient); the log panels draw it."""
+  rows = []
+  for lag, mse in ((0, [1.0, 0.5, 1.5]), (8, [-0.01, -0.03, 0.02]), (16, [0.5, -0.1, 1.1])):
+    r = _row("lag", lag, "tis", (0.5, 0.4, 0.6))
+    r.update(energy=[1.0, 0.5, 1.5], mse=mse)
+    rows.append(r)
+  fidelity_report.plot(dict(rows=rows), str(tmp_path / "f.png"))
+  assert (tmp_path / "f.png").stat().st_size > 0
