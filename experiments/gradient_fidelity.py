@@ -9,7 +9,8 @@ Trains its own short synchronous run of the regime for checkpoints (or reads --c
 batches sampled k versions behind with the on-policy gradient (experiments/lib/fidelity_run.py).
 Writes fidelity.json (rows, claims, timings), fidelity.md and fidelity.png to --out_dir and
 prints the claims as one JSON line; with --pareto_sweep also pareto.json / pareto.png (item 4,
-experiments/lib/fidelity_pareto.py). --from_json re-reports an earlier fidelity.json.
+experiments/lib/fidelity_pareto.py), with --pareto_pinned=<pinned.json> pareto_pinned.{json,png}
+from the pinned systems run's validated cost model. --from_json re-reports an earlier fidelity.json.
 """
 
 import dataclasses
@@ -38,9 +39,13 @@ _BF16 = flags.DEFINE_bool("bf16_case", None, "Measure the bf16-sampler case at l
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the run, prompts and sampling.")
 _CKPTS = flags.DEFINE_string("checkpoints", None, "Checkpoints .npz to read instead of training.")
 _SAVE = flags.DEFINE_string("save_checkpoints", None, "Write the trained checkpoints here.")
-_FROM = flags.DEFINE_string("from_json", None, "Re-report a fidelity.json (no new measurement).")
+_FROM = flags.DEFINE_list("from_json", None, "Re-report fidelity.json files (no new "
+                          "measurement); several: their rows merged (fidelity_report.merge).")
 _PARETO = flags.DEFINE_string("pareto_sweep", None, "A sweep_staleness.py table.json: also "
                               "write pareto.json / pareto.png (throughput vs fidelity).")
+_PINNED = flags.DEFINE_string("pareto_pinned", None, "A pinned_systems_run.py pinned.json: "
+                              "pareto.json / pareto.png with the throughput side predicted per "
+                              "max lag by its validated cost model (item 4).")
 
 PRESETS = {
     "stress": fidelity_run.InstrumentConfig(),
@@ -68,7 +73,7 @@ def main(argv):
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   if _FROM.value:
-    table = json.loads(pathlib.Path(_FROM.value).read_text())
+    table = fidelity_report.merge([json.loads(pathlib.Path(p).read_text()) for p in _FROM.value])
   else:
     partial = lambda t: (out / "fidelity_partial.json").write_text(json.dumps(t, default=float))
     table = fidelity_run.run_instrument(_run_config(_PRESET.value), cfg, _CKPTS.value,
@@ -80,6 +85,10 @@ def main(argv):
   fidelity_report.plot(table, str(out / "fidelity.png"))
   if _PARETO.value:
     fidelity_pareto.write(table, _PARETO.value, str(out / "pareto"))
+  if _PINNED.value:
+    lags = sorted({r["lag"] for r in table["rows"] if r["case"] == "lag"})
+    sweep = fidelity_pareto.sweep_from_pinned(_PINNED.value, lags, ("no_correction", "tis"))
+    fidelity_pareto.write(table, _PINNED.value, str(out / "pareto_pinned"), sweep=sweep)
   print(json.dumps({v["claim"]: v["verdict"] for v in verdicts}))
 
 

@@ -115,3 +115,43 @@ def test_per_batch_reference():
     assert pb["cosine"][i] == pytest.approx(g[i] @ gs / np.linalg.norm(g[i]) / np.linalg.norm(gs))
     assert pb["parallel"][i] == pytest.approx(g[i] @ gs / np.linalg.norm(gs) / truth.norm)
     assert pb["sq_error"][i] == pytest.approx(np.sum((g[i] - gs) ** 2) / truth.norm**2)
+
+
+def test_reference_free_paired_stats_against_explicit_vectors():
+  """U-statistic, tr Cov, jackknife pseudo-values and paired_stats vs float64 numpy written
+  from the definitions on the vectors themselves (not through the Gram matrix)."""
+  rng = np.random.default_rng(3)
+  o, n, p = 3, 6, 40
+  g = rng.normal(size=(o, n, p)) + rng.normal(size=(o, 1, p))  # a common mean per objective
+  g_gram = fidelity.gram(g.reshape(o * n, p), chunk=7)
+  np.testing.assert_allclose(g_gram, g.reshape(o * n, p) @ g.reshape(o * n, p).T, rtol=1e-12)
+
+  def u_direct(y):  # mean over i != j of <y_i, y_j>
+    m = len(y)
+    return sum(y[i] @ y[j] for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+
+  def trcov_direct(y):
+    return float(np.sum(np.var(y, axis=0, ddof=1)))
+
+  def pseudo_direct(stat, y):
+    m = len(y)
+    return np.array([m * stat(y) - (m - 1) * stat(np.delete(y, i, axis=0)) for i in range(m)])
+
+  anchor, scale2 = 1, 2.5
+  stats = fidelity.paired_stats(g_gram, o, anchor, scale2)
+  for j in range(o):
+    d = g[j] - g[anchor]
+    np.testing.assert_allclose(stats[j]["bias2"], pseudo_direct(u_direct, d) / scale2,
+                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(stats[j]["var"], pseudo_direct(trcov_direct, g[j]) / scale2,
+                               rtol=1e-9)
+    np.testing.assert_allclose(stats[j]["energy"], np.sum(g[j] ** 2, axis=1) / scale2)
+  # the anchor has no bias against itself; U is unbiased for |E y|^2: with mean 0 it is ~0
+  np.testing.assert_allclose(stats[anchor]["bias2"], 0.0, atol=1e-12)
+  np.testing.assert_allclose(fidelity.u_sq_mean(g_gram[:n, :n]), u_direct(g[0]), rtol=1e-10)
+  np.testing.assert_allclose(fidelity.log_energy_ratio([1.0, 0.0, 4.0], [2.0, 3.0, 1.0]),
+                             [np.log(0.5), np.log(4.0)])
+  with pytest.raises(ValueError, match="scale2"):
+    fidelity.paired_stats(g_gram, o, anchor, 0.0)
+  with pytest.raises(ValueError, match="N >= 3"):
+    fidelity.jackknife_pseudo(fidelity.trace_cov, g_gram[:2, :2])

@@ -326,9 +326,10 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
     g_true = np.stack([np.asarray(true_grad(params, sample_batch(
         s, ckpts, [v], rng, 1), v)[0][0]) for _ in range(cfg.true_batches)])
     truth = fidelity.true_gradient(g_true)
+    scale2 = float(np.mean(np.sum(np.asarray(g_true, np.float64) ** 2, axis=1)))
     del g_true
     truths.append(dict(version=v, norm=truth.norm, rel_se=truth.rel_se,
-                       batches=truth.num_batches))
+                       batches=truth.num_batches, energy=scale2))
     log(f"target v={v}: |g*|={truth.norm:.4g}, relative s.e. {truth.rel_se:.3f} "
         f"({time.perf_counter() - t0:.1f} s)")
     for case, k in _cases(cfg):
@@ -341,15 +342,32 @@ def measure(s: Setup, ckpts: Sequence[Any], cfg: InstrumentConfig,
         gs.append(np.asarray(g))
         diags.append({f: np.asarray(x) for f, x in d._asdict().items()})
       g_ONP = np.stack(gs, axis=1)
+      del gs
+      free = _reference_free(g_ONP, labels, scale2)
       for o, name in enumerate(labels):
         fid = fidelity.fidelity(g_ONP[o], truth)
         d = {f: np.array([x[f][o] for x in diags]) for f in diags[0]}
         d.update(fidelity.per_batch(g_ONP[o], truth))
+        d.update(free[o])
         per_target.setdefault((case, k, name), []).append((fid, d))
       log(f"  {case} {k}: {time.perf_counter() - t0:.1f} s")
       if partial is not None:  # what is measured so far survives an interrupted run
         partial(_table(per_target, truths, objectives, cfg))
   return _table(per_target, truths, objectives, cfg)
+
+
+ANCHOR = "untruncated_is"  # the objective the reference-free biases are measured against
+FREE_METRICS = ("energy", "bias2", "var", "mse")  # per batch: energy; jackknife pseudo-values
+
+
+def _reference_free(g_ONP: np.ndarray, labels: Sequence[str], scale2: float) -> list[dict]:
+  """`fidelity.paired_stats` of one (target, case): every objective on the same batches, biases
+  against untruncated IS (when measured and N >= 3; else nothing)."""
+  o, n, p = g_ONP.shape
+  if ANCHOR not in labels or n < 3 or not scale2 > 0:
+    return [{} for _ in labels]
+  g = fidelity.gram(g_ONP.reshape(o * n, p))
+  return fidelity.paired_stats(g, o, list(labels).index(ANCHOR), scale2)
 
 
 def _table(per_target: dict, truths: list, objectives: dict, cfg: InstrumentConfig) -> dict:
@@ -370,7 +388,8 @@ def _table(per_target: dict, truths: list, objectives: dict, cfg: InstrumentConf
     # Per-batch values in batch order (same order for every objective of a case): paired
     # comparisons of objectives on the same batches (fidelity_report.claims).
     row["per_batch"] = {m: np.concatenate([d[m] for _, d in items]).tolist()
-                        for m in ("cosine", "parallel", "sq_error", "ess", "frac_truncated")}
+                        for m in ("cosine", "parallel", "sq_error", "ess", "frac_truncated")
+                        + FREE_METRICS if m in items[0][1]}
     rows.append(row)
   return dict(rows=rows, truth=truths, objectives={n: dataclasses.asdict(c) for n, c in
                                                    objectives.items()},

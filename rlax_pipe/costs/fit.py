@@ -116,6 +116,21 @@ class CostRecorder:
     with self._lock:
       self._compiles.append((float(start_s), float(end_s)))
 
+  def unflagged(self) -> tuple[list[CostRecord], list[tuple[float, float]]]:
+    """(the records as recorded, the compile intervals): what another process's recorder needs
+    to flag them against every compile of a job (`extend`)."""
+    with self._lock:
+      return list(self._records), list(self._compiles)
+
+  def extend(self, records: Iterable[CostRecord],
+             compiles: Iterable[tuple[float, float]] = ()) -> None:
+    """Adds records and compile intervals timed elsewhere (on this recorder's clock)."""
+    records = list(records)
+    compiles = [(float(a), float(b)) for a, b in compiles]
+    with self._lock:
+      self._records += records
+      self._compiles += compiles
+
   def records(self) -> list[CostRecord]:
     """The records so far; "compiles" counts the compile intervals each one overlaps."""
     with self._lock:

@@ -48,6 +48,37 @@ def test_claims_verdicts_and_report(tmp_path):
   assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_reference_free_claims():
+  """[rf] verdicts from per-batch energies and jackknife pseudo-values (no g*)."""
+  def free(obj, lag, energy, mse, bias2):
+    r = _row("lag", lag, obj, (0.5, 0.4, 0.6))
+    r["per_batch"] = dict(energy=list(energy), mse=list(mse), bias2=list(bias2))
+    return r
+  e_nc = [1.0, 2.0, 0.0, 4.0]  # batch 3: every group had equal rewards (no gradient)
+  rows = [free("no_correction", 1, e_nc, [1.0] * 4, [0.1, 0.0, -0.1, 0.05]),
+          free("untruncated_is", 1, [1.1, 2.1, 0.0, 4.5], [1.0] * 4, [0.0] * 4),
+          free("no_correction", 16, e_nc, [5.0, 6.0, 5.5, 6.5], [1.0, 1.2, 0.9, 1.1]),
+          free("untruncated_is", 16, [8.0, 30.0, 0.0, 20.0], [9.0, 12.0, 8.0, 10.0], [0.0] * 4),
+          free("tis", 16, [2.0, 3.0, 0.0, 5.0], [3.0, 3.5, 2.5, 3.2], [0.2, 0.3, 0.25, 0.3])]
+  rows[3]["ess"] = [0.6, 0.5, 0.7]  # untruncated IS at lag 16 (lag 1: [0.4, 0.6]: overlaps)
+  got = {c["claim"]: c for c in fidelity_report.claims(dict(rows=rows))}
+  assert got["(b1) importance-weight ESS falls with lag (largest lag vs lag 1)"][
+      "verdict"] == "not shown"
+  assert "(b1) importance-ratio variance grows with lag (largest lag vs lag 1)" not in got
+  assert got["(a) [rf] TIS lower MSE than no correction"]["verdict"] == "shown"
+  assert got["(a) [rf] no correction is biased against IS"]["verdict"] == "shown"
+  inflate = got["(b1) [rf] untruncated IS inflates the per-batch energy over no correction"]
+  assert inflate["verdict"] == "shown" and inflate["wins"][0] == 1.0  # 3 batches, zero skipped
+  np.testing.assert_allclose(inflate["difference"][0], np.mean(np.log([8.0, 15.0, 5.0])))
+  grows = got["(b1) [rf] that inflation grows with lag (largest lag vs lag 1)"]
+  assert grows["verdict"] == "shown" and grows["second"]["lag"] == 1
+  assert got["(b2) [rf] TIS lower MSE than untruncated IS"]["verdict"] == "shown"
+  assert got["(b3) [rf] TIS is biased against untruncated IS (the price)"]["verdict"] == "shown"
+  assert not any("CISPO" in k or "bf16" in k for k in got)  # not measured: not invented
+  assert "| (b2) [rf] TIS lower MSE" in fidelity_report.markdown(
+      dict(rows=rows), list(got.values()))
+
+
 def test_instrument_config_validation():
   with pytest.raises(ValueError, match="batches"):
     fidelity_run.InstrumentConfig(batches=1)
@@ -117,3 +148,23 @@ def test_sign_test_is_exact_binomial():
   wins = fr._sign_test(a, b, "sq_error", -1)  # a lower on 7 of 8
   assert wins.value == 7 / 8
   assert wins.low == pytest.approx(0.4734903, abs=1e-6)  # Clopper-Pearson 95%, 7/8
+
+
+def test_merge_tables_refuses_a_row_measured_twice():
+  a = dict(rows=[_row("lag", 0, "tis", (0.5, 0.4, 0.6))], truth=[{"version": 72}], config={})
+  b = dict(rows=[_row("lag", 8, "tis", (0.5, 0.4, 0.6))], truth=[{"version": 72}], config={})
+  m = fidelity_report.merge([a, b])
+  assert [r["lag"] for r in m["rows"]] == [0, 8] and len(m["sources"]) == 2
+  with pytest.raises(ValueError, match="in two tables"):
+    fidelity_report.merge([a, a])
+
+
+def test_plot_draws_non_positive_intervals_on_log_axes(tmp_path):
+  """A reference-free MSE can be estimated <= 0 (a near-zero gradient); the log panels draw it."""
+  rows = []
+  for lag, mse in ((0, [1.0, 0.5, 1.5]), (8, [-0.01, -0.03, 0.02]), (16, [0.5, -0.1, 1.1])):
+    r = _row("lag", lag, "tis", (0.5, 0.4, 0.6))
+    r.update(energy=[1.0, 0.5, 1.5], mse=mse)
+    rows.append(r)
+  fidelity_report.plot(dict(rows=rows), str(tmp_path / "f.png"))
+  assert (tmp_path / "f.png").stat().st_size > 0

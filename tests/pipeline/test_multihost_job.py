@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from rlax_pipe.tokenizer import default_tokenizer
+from rlax_pipe import costs as costs_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("local_multiprocess",
@@ -160,10 +161,14 @@ def test_four_processes_train_with_in_flight_updates(tmp_path, tiny_init, jax_ca
   [follower] = _rows(run_dir, "learner_process")
   assert follower["process"] == 1 and follower["steps"] == 6 and follower["version"] == 6
   assert sorted(r["replica"] for r in _rows(run_dir, "replica")) == [0, 1]
-  # The lead times its learner operations as a threaded single-process job does (issue #25).
-  ops = collections.Counter(json.loads(l)["op"] for l in
-                            (run_dir / "cost_records.jsonl").read_text().splitlines())
+  # Both roles' timed operations (issue 26 item 3): the lead's train steps and pushes, the
+  # replicas' engine steps, and the cost model fitted to them.
+  records = costs_lib.read_records(run_dir / "cost_records.jsonl")
+  ops = collections.Counter(r.op for r in records)
   assert ops["train_step"] == ops["push"] == ops["learner_host"] == 6
+  engine = [r for r in records if r.op == "engine_step"]
+  assert engine and sum(r.features.get("slot_steps", 0) for r in engine) > 0
+  assert "engine_step" in json.loads((run_dir / "cost_fit.json").read_text())["ops"]
 
 
 def _wait_for_step(run_dir, step, procs, timeout_s):

@@ -33,7 +33,9 @@ def test_tags_are_unique_and_distinct_from_link_control():
     (m.Train(([],)), m.TO_LEARNER), (m.End(), m.TO_LEARNER),
     (m.Rollouts((_rollout(),), {"version": 2}), m.TO_LEAD),
     (m.Spans((("lane", "decode", 0.0, 1.0, None, None),)), m.TO_LEAD),
-    (m.Rows(({"kind": "replica"},)), m.TO_LEAD), (m.Done(), m.TO_LEAD)])
+    (m.Rows(({"kind": "replica"},)), m.TO_LEAD), (m.Done(), m.TO_LEAD),
+    (m.Costs(({"op": "engine_step", "duration_s": 0.1, "start_s": 2.0, "decode_steps": 1},),
+             ((1.0, 1.5),)), m.TO_LEAD)])
 def test_round_trip_through_pickle(msg, expected):
   kind, payload = pickle.loads(pickle.dumps(m.wire(msg)))  # what the link does
   back = m.received(kind, payload, expected)
@@ -45,6 +47,10 @@ def test_bad_messages_are_refused_with_a_named_error():
     m.wire({"rollouts": []})
   with pytest.raises(m.ProtocolError, match="sample_ids must be a tuple of int"):
     m.wire(m.Abort([3]))
+  with pytest.raises(m.ProtocolError, match="CostRecord.to_dict"):
+    m.wire(m.Costs(({"duration_s": 0.1},), ()))
+  with pytest.raises(m.ProtocolError, match="start_s, end_s"):
+    m.wire(m.Costs((), ((1.0,),)))
   with pytest.raises(m.ProtocolError, match="received kind 'train' with a dict payload"):
     m.received("train", {"groups": []}, m.TO_LEARNER)
   with pytest.raises(m.ProtocolError, match="received kind 'stop' with a End payload"):

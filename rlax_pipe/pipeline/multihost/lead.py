@@ -10,6 +10,11 @@ Two threads, as in the single-process threaded driver:
   new version (every learner process re-lays it out; replicas get it by request), and runs the
   step hooks (metrics, evaluation on this process's devices, checkpoints of the learner
   processes together).
+
+Timed operations (the job's `CostRecorder`, when it has one): the learner loop records each
+train step, push and the learner's host work as the single-process threaded driver does
+(`driver.RealClock`); the replicas' engine steps and compile intervals arrive at the end in
+`messages.Costs`. The run directory's cost_records.jsonl / cost_fit.json hold both roles.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from absl import logging
 import numpy as np
 
+from rlax_pipe import costs as costs_lib
 from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.job import Job
@@ -78,6 +84,10 @@ class LeadSamplerSide:
     elif isinstance(msg, messages.Rows):
       for row in msg.rows:
         self.rows.put(row)
+    elif isinstance(msg, messages.Costs):
+      if job.cost_recorder is not None:
+        job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
+                                 msg.compiles)
     else:  # messages.Done
       if p < self.job.cfg.distributed.num_learner_processes:
         self.learners_done.add(p)

@@ -8,7 +8,7 @@ payload's type, the type must be one the receiver expects, and the fields must h
 
 Lead -> sampler replica: `Init`, `Submit`, `Abort`, `Stop`.
 Lead -> learner follower: `Train`, `End`.
-Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Done`.
+Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Costs` (replicas), `Done`.
 """
 
 from __future__ import annotations
@@ -135,6 +135,30 @@ class Rows:
 
 
 @dataclasses.dataclass(frozen=True)
+class Costs:
+  """Replica -> lead, before `Done`: the replica's timed operations for the run's cost model.
+
+  `records` are `costs.CostRecord.to_dict()` dicts (op, duration_s, start_s, features) and
+  `compiles` the (start, end) intervals in which XLA compiled on the replica, both on the lead's
+  clock (the replica's perf_counter + the link's offset), so the lead's `CostRecorder` flags
+  every record that overlapped a compile in any process (`CostRecorder.records`).
+  """
+  KIND: ClassVar[str] = "costs"
+  records: tuple[dict, ...]
+  compiles: tuple[tuple[float, float], ...]
+
+  def validate(self) -> None:
+    """Raises ProtocolError unless records are dicts with "op" and "duration_s" and compiles
+    (start, end) pairs of numbers."""
+    _check(isinstance(self.records, tuple) and all(
+        isinstance(r, dict) and "op" in r and "duration_s" in r for r in self.records), self,
+        "records must be a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)")
+    _check(isinstance(self.compiles, tuple) and all(
+        isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, (int, float)) for x in c)
+        for c in self.compiles), self, "compiles must be a tuple of (start_s, end_s) pairs")
+
+
+@dataclasses.dataclass(frozen=True)
 class Done:
   """Any process -> lead: this process has sent its last message."""
   KIND: ClassVar[str] = "done"
@@ -143,11 +167,12 @@ class Done:
     """No fields."""
 
 
-Message = Union[Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Done]
-MESSAGES: tuple[type, ...] = (Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Done)
+Message = Union[Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Costs, Done]
+MESSAGES: tuple[type, ...] = (Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Costs,
+                              Done)
 TO_REPLICA: tuple[type, ...] = (Init, Submit, Abort, Stop)
 TO_LEARNER: tuple[type, ...] = (Train, End)
-TO_LEAD: tuple[type, ...] = (Rollouts, Spans, Rows, Done)
+TO_LEAD: tuple[type, ...] = (Rollouts, Spans, Rows, Costs, Done)
 
 
 def wire(msg: Message) -> tuple[str, Message]:

@@ -14,6 +14,11 @@ thread while the engine decodes; the lead receives finished episodes (every turn
 with their versions, environment tokens with loss mask 0) and grades their last turn as it does
 in one process. Tool time is a span of lane "env/<replica>"; the episode and tool-call counts
 go into the replica's final row.
+
+Every loop iteration that ran the engine is timed as a cost record
+(`costs.CostRecord` "engine_step" with the engine's counters, as the single-process threaded
+driver's sampler loop records it) and sent with the replica's compile intervals at the end
+(`messages.Costs`), so the lead fits the run's cost model to both roles' timed operations.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import jax
 import numpy as np
 
 from rlax_pipe import envs
+from rlax_pipe import costs as costs_lib
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
 from rlax_pipe.pipeline import rules
+from rlax_pipe.pipeline.driver import CompileCounter, engine_features
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver, weights_kv
@@ -106,6 +113,8 @@ class ReplicaProcess:
     self._rows: list[dict] = []
     self._pending_update = None
     self.engine: SamplerEngine | envs.EpisodeEngine | None = None
+    self.costs = costs_lib.CostRecorder()  # replica perf_counter; shifted when sent
+    self._compiles = CompileCounter(self.costs.add_compile)
 
   def _record(self, component: str, kind: str, start: float, end: float,
               active: int | None = None, total: int | None = None) -> None:
@@ -130,6 +139,7 @@ class ReplicaProcess:
 
   def start(self) -> None:
     """Receives the first weights and the sampling keys, builds the engine."""
+    self._compiles.__enter__()  # every compile of this process, from the engine's first
     init = self._init_message()
     self.receiver.request(-1)
     first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
@@ -170,6 +180,8 @@ class ReplicaProcess:
     finished, last_flush, stopping = [], time.monotonic(), False
     checked = e.weight_checks
     while not stopping:
+      t0 = time.perf_counter()
+      installs = 0
       self.monitor.check()
       while True:
         try:
@@ -192,8 +204,12 @@ class ReplicaProcess:
         update, self._pending_update = self._pending_update, None
         e.update_weights(update)
         self._installed(update.version)
+        installs = 1
       if e.has_work:
+        before = e.stats()
         finished += e.step()
+        self.costs.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                          **dataclasses.asdict(engine_features(before, e.stats(), installs)))
       else:
         t0 = time.perf_counter()
         time.sleep(_IDLE_S)
@@ -224,6 +240,19 @@ class ReplicaProcess:
             "tool_restarts": e.tools.restarts, "tool_s": e.tool_s,
             "continued_tokens": int(e.engine.stats().continued_tokens)}
 
+  def cost_message(self, offset_s: float) -> messages.Costs:
+    """The replica's timed operations and compile intervals, moved to the lead's clock by
+    `offset_s` (seconds added to this process's perf_counter)."""
+    records, compiles = self.costs.unflagged()  # the lead flags them against every compile
+    recs = []
+    for r in records:
+      d = r.to_dict()
+      if d["start_s"] is not None:
+        d["start_s"] += offset_s
+      recs.append(d)
+    return messages.Costs(records=tuple(recs), compiles=tuple(
+        (float(a + offset_s), float(b + offset_s)) for a, b in compiles))
+
   def finish(self) -> None:
     """Final statistics to the lead, drain the transfer log, close the link."""
     e = self.engine
@@ -242,6 +271,8 @@ class ReplicaProcess:
     if isinstance(e, envs.EpisodeEngine):
       e.close()  # the tool worker processes
     self._flush_records()
+    self._compiles.__exit__()
+    self.link.send(*messages.wire(self.cost_message(self.link.offset_s)))
     self.link.send(*messages.wire(messages.Done()))
     self.receiver.drain(self.cfg.distributed.transfer_timeout_s)
     self.link.close()
