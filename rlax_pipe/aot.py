@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from rlax_pipe import hlo_collectives
 from rlax_pipe import hlo_costs

@@ -30,7 +30,7 @@ import dataclasses
 import pathlib
 import shutil
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 from absl import logging
 import jax
