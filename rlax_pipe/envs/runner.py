@@ -109,8 +109,10 @@ class EpisodeEngine:
     return self.engine.abort(sample_id)
 
   def unfinished(self) -> dict[int, int | None]:
-    """The engine's unfinished requests (`SamplerEngine.unfinished`; an episode waiting on its
-    tools between two turns is not among them)."""
+    """The engine's unfinished requests (`SamplerEngine.unfinished`). An episode waiting on its
+    tools between two turns is among them: the engine parks a multi-turn sequence at the end of
+    its turn (pages kept) until `update`/`end_sequence`, so the rollout worker's lost-sample
+    check never takes it for lost."""
     return self.engine.unfinished()
 
   def update_weights(self, update: WeightUpdate) -> None:
