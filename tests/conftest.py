@@ -80,6 +80,10 @@ from rlax_pipe.sampler import SamplerConfig
 from rlax_pipe.tokenizer import default_tokenizer
 
 MAX_SEQ = 48
+# The tiny runs' learner programs (init, train step) compile at LLVM -O0: these runs are
+# compile-bound, and -O0 compiles the same programs several times cheaper. A test whose rows
+# must equal a golden recorded at the default level (test_drivers) passes fast_compile=False.
+FAST_COMPILE = (("xla_backend_optimization_level", 0),)
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +98,7 @@ def tiny_init(tmp_path_factory):
 
 
 def tiny_config(tmp_path, init, *, driver="pipeline", mode="reproducible", steps=3, max_lag=1,
-            policy="block", seed=0, resume=False, run_name="run"):
+            policy="block", seed=0, resume=False, run_name="run", fast_compile=True):
   tok = default_tokenizer()
   groups, size = 2, 2
   pipe = pconfig.PipelineConfig(
@@ -107,7 +111,8 @@ def tiny_config(tmp_path, init, *, driver="pipeline", mode="reproducible", steps
                           sampling=SamplingConfig(temperature=1.0), seed=seed)
   learner = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)), seed=seed,
                           optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0),
-                          checkpoint=CheckpointConfig(async_save=False))
+                          checkpoint=CheckpointConfig(async_save=False),
+                          compiler_options=FAST_COMPILE if fast_compile else ())
   return run_lib.RunConfig(
       run_dir=str(tmp_path / run_name), init=init, sampler_mesh_axes=(("tp", 2),),
       learner=learner,
