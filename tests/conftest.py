@@ -15,16 +15,56 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # Property tests keep no example database: none is written into the repository (.hypothesis/),
 # and parallel workers (pytest-xdist) share no file. Failures still print their example.
+import json  # noqa: E402
+
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile("rlax_pipe", database=None)
 hypothesis.settings.load_profile("rlax_pipe")
 
+# ---- opt-in per-test CPU report (suite-time work, load-independent) -------------------------
+#
+# RLAX_PIPE_TEST_CPU_REPORT=/path/report.jsonl appends one JSON line per test: the CPU seconds of
+# this process (time.process_time(): every thread, XLA's compile and run threads included) and of
+# its finished child processes (resource.getrusage(RUSAGE_CHILDREN), user + system) spent in the
+# test's setup, call and teardown (so a module fixture's cost lands on the first test that uses
+# it), and its wall seconds. Each process (pytest-xdist worker) also writes one "session" line
+# with its whole CPU (imports and collection included). Summarise with tests/cpu_report.py.
+
+import resource  # noqa: E402
+import time  # noqa: E402
+
+_CPU_REPORT = os.environ.get("RLAX_PIPE_TEST_CPU_REPORT")
+
+
+def _children_cpu_s():
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _write_cpu_record(record):
+  with open(_CPU_REPORT, "a", encoding="utf-8") as f:
+    f.write(json.dumps(record) + "\n")  # one short write per line: O_APPEND keeps lines whole
+
+
+if _CPU_REPORT:
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+    cpu0, child0, wall0 = time.process_time(), _children_cpu_s(), time.perf_counter()
+    yield
+    _write_cpu_record({
+        "kind": "test", "nodeid": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "cpu_s": time.process_time() - cpu0, "children_cpu_s": _children_cpu_s() - child0,
+        "wall_s": time.perf_counter() - wall0})
+
+  def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+    _write_cpu_record({
+        "kind": "session", "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "pid": os.getpid(), "cpu_s": time.process_time(), "children_cpu_s": _children_cpu_s()})
+
 # ---- shared fixtures of the pipeline and experiments tests ---------------------------------
-
-import json  # noqa: E402
-
-import pytest  # noqa: E402
 
 # pylint: disable=wrong-import-position
 from rlax_pipe import objectives  # noqa: E402
@@ -40,6 +80,10 @@ from rlax_pipe.sampler import SamplerConfig
 from rlax_pipe.tokenizer import default_tokenizer
 
 MAX_SEQ = 48
+# The tiny runs' learner programs (init, train step) compile at LLVM -O0: these runs are
+# compile-bound, and -O0 compiles the same programs several times cheaper. A test whose rows
+# must equal a golden recorded at the default level (test_drivers) passes fast_compile=False.
+FAST_COMPILE = (("xla_backend_optimization_level", 0),)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +98,7 @@ def tiny_init(tmp_path_factory):
 
 
 def tiny_config(tmp_path, init, *, driver="pipeline", mode="reproducible", steps=3, max_lag=1,
-            policy="block", seed=0, resume=False, run_name="run"):
+            policy="block", seed=0, resume=False, run_name="run", fast_compile=True):
   tok = default_tokenizer()
   groups, size = 2, 2
   pipe = pconfig.PipelineConfig(
@@ -67,7 +111,8 @@ def tiny_config(tmp_path, init, *, driver="pipeline", mode="reproducible", steps
                           sampling=SamplingConfig(temperature=1.0), seed=seed)
   learner = LearnerConfig(mesh_axes=(("fsdp", 2), ("tp", 2)), seed=seed,
                           optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0),
-                          checkpoint=CheckpointConfig(async_save=False))
+                          checkpoint=CheckpointConfig(async_save=False),
+                          compiler_options=FAST_COMPILE if fast_compile else ())
   return run_lib.RunConfig(
       run_dir=str(tmp_path / run_name), init=init, sampler_mesh_axes=(("tp", 2),),
       learner=learner,

@@ -24,6 +24,8 @@ from rlax_pipe.sampler import SamplerConfig
 from rlax_pipe.tokenizer import default_tokenizer
 from rlax_pipe.types import Rollout
 
+FAST_COMPILE = (("xla_backend_optimization_level", 0),)  # LLVM -O0: a compile-bound tiny step
+
 
 def _run(**changes):
   """RunConfig() with nested changes given as {"pipeline": {...}, "sampler": {...}, ...}."""
@@ -190,7 +192,8 @@ def test_issue_input_micro_batches_3_trains():
   model = ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                       head_dim=8, d_ff=32, max_seq_len=32)
   learner = Learner(model, LearnerConfig(micro_batch_rows=3, checkpoint=CheckpointConfig(),
-                                         optimizer=OptimizerConfig(warmup_steps=0)),
+                                         optimizer=OptimizerConfig(warmup_steps=0),
+                                         compiler_options=FAST_COMPILE),
                     ObjectiveConfig(), SamplingConfig(), devices=jax.devices()[:1])
   learner.train_step(batch)
   metrics = learner.flush()

@@ -3,16 +3,13 @@ clamped-SwiGLU experts): paged decode log-probs equal the full-sequence forward,
 boundaries, with a window shorter than a page and one loop step per page (so windowed layers
 skip whole chunks)."""
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.logprobs import SamplingConfig, token_logprobs
+from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
+
+from engine_reference import random_params, reference_logprobs  # this directory
 
 # GPT-OSS in miniature: sinks, windows, q/k/v/o biases, top-k-softmax router with bias, clamped
 # SwiGLU experts with biases (limit 1 so the clamp is active at these scales).
@@ -29,18 +26,9 @@ CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=40, max_seq_len=32, max_
                     attention_chunk_tokens=4)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _full_logprobs(params, tokens_NL, cfg):
-  n, l = tokens_NL.shape
-  positions = jnp.broadcast_to(jnp.arange(l)[None], (n, l))
-  logits, _ = model.forward(params, tokens_NL, positions, cfg)
-  return token_logprobs(logits[:, :-1], tokens_NL[:, 1:], SAMPLING)
-
-
 def test_paged_decode_matches_full_forward_with_sinks_windows_and_experts():
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.4, a.shape).astype(np.float32)),
-                        model.abstract_params(MODEL))
+  params = random_params(MODEL, rng, 0.4)
   engine = SamplerEngine(MODEL, CFG, params)
   assert engine.impl == "reference"
   prompts = [rng.integers(0, 64, n) for n in (1, 5, 9, 13)]
@@ -48,15 +36,9 @@ def test_paged_decode_matches_full_forward_with_sinks_windows_and_experts():
     engine.submit(Request(prompt_tokens=p, sample_id=i, group_id=i, prompt_index=i,
                           max_new_tokens=14))
   rollouts = engine.run_to_completion()
-  tokens = np.zeros((4, MODEL.max_seq_len), np.int32)
-  for r in rollouts:
-    seq = np.concatenate([r.prompt_tokens, r.completion_tokens])
-    tokens[r.sample_id, :len(seq)] = seq
-  ref = np.asarray(_full_logprobs(params, tokens, MODEL))
   err = 0.0
-  for r in rollouts:
-    p = len(r.prompt_tokens)
-    assert r.num_completion_tokens == min(14, MODEL.max_seq_len - p)
-    err = max(err, float(np.abs(r.behavior_logprobs
-                                - ref[r.sample_id, p - 1:p - 1 + r.num_completion_tokens]).max()))
+  for r, ref in zip(rollouts, reference_logprobs(params, rollouts, MODEL, SAMPLING, rows=4)):
+    assert r.num_completion_tokens == min(14, MODEL.max_seq_len - len(r.prompt_tokens))
+    assert ref.shape == (r.num_completion_tokens,)
+    err = max(err, float(np.abs(r.behavior_logprobs - ref).max()))
   assert err < 1e-5, err

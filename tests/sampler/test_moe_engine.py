@@ -2,16 +2,13 @@
 router, and the engine's behaviour log-probs equal the full-sequence forward of the same MoE
 model (mixed dense / MoE layers, page boundaries, preemptions)."""
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.logprobs import SamplingConfig, token_logprobs
+from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
+
+from engine_reference import random_params, reference_logprobs  # this directory
 
 MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   d_ff=48, max_seq_len=32, n_experts=4, n_experts_per_tok=2, moe_d_ff=16,
@@ -21,18 +18,9 @@ CFG = SamplerConfig(num_slots=4, page_size=4, num_pages=10, max_seq_len=32, max_
                     min_prefill_bucket=16, prefill_rows=2, sampling=SAMPLING)
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _full_logprobs(params, tokens_NL, sampling):
-  n, l = tokens_NL.shape
-  positions = jnp.broadcast_to(jnp.arange(l)[None], (n, l))
-  logits, _ = model.forward(params, tokens_NL, positions, MOE)
-  return token_logprobs(logits[:, :-1], tokens_NL[:, 1:], sampling)
-
-
 def test_moe_engine_matches_full_forward():
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda a: jnp.asarray(rng.normal(0.0, 0.4, a.shape).astype(np.float32)),
-                        model.abstract_params(MOE))
+  params = random_params(MOE, rng, 0.4)
   engine = SamplerEngine(MOE, CFG, params)
   requests = [Request(prompt_tokens=rng.integers(0, MOE.vocab_size, n), sample_id=i,
                       group_id=i, prompt_index=i, max_new_tokens=12)
@@ -41,12 +29,7 @@ def test_moe_engine_matches_full_forward():
     engine.submit(r)
   rollouts = engine.run_to_completion()
   assert sorted(r.sample_id for r in rollouts) == list(range(6))
-  tokens = np.zeros((8, MOE.max_seq_len), np.int32)
-  for row, r in enumerate(rollouts):
-    seq = np.concatenate([r.prompt_tokens, r.completion_tokens])
-    tokens[row, :len(seq)] = seq
-  ref = np.asarray(_full_logprobs(params, tokens, SAMPLING))
-  err = max(float(np.abs(r.behavior_logprobs - ref[row, len(r.prompt_tokens) - 1:]
-                         [:r.num_completion_tokens]).max()) for row, r in enumerate(rollouts))
+  refs = reference_logprobs(params, rollouts, MOE, SAMPLING, rows=8)
+  err = max(float(np.abs(r.behavior_logprobs - ref).max()) for r, ref in zip(rollouts, refs))
   assert err < 1e-5, err
   assert sum(r.num_completion_tokens for r in rollouts) >= 50

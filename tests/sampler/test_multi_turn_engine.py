@@ -4,18 +4,16 @@ against the full-sequence forward: exact tokens, masks, versions (weight swaps m
 between turns), prefill counts, page eviction of parked episodes, abort and snapshot/restore."""
 
 import dataclasses
-import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlax_pipe import model
 from rlax_pipe.config import ModelConfig
-from rlax_pipe.logprobs import SamplingConfig, token_logprobs
+from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine
 from rlax_pipe.types import WeightUpdate
+
+from engine_reference import random_params, reference_logprobs  # this directory
 
 MODEL = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=48, max_seq_len=64)
@@ -28,30 +26,12 @@ CFG = SamplerConfig(num_slots=2, page_size=4, num_pages=28, max_seq_len=64, max_
 
 @pytest.fixture(scope="module")
 def params():
-  out = []
-  for seed in range(3):
-    rng = np.random.default_rng(seed)
-    out.append(jax.tree.map(
-        lambda a: jnp.asarray(rng.normal(0.0, 0.5, a.shape).astype(np.float32)),
-        model.abstract_params(MODEL)))
-  return out
-
-
-@functools.partial(jax.jit)
-def _full_logprobs(params, tokens_NL):
-  n, l = tokens_NL.shape
-  positions = jnp.broadcast_to(jnp.arange(l)[None], (n, l))
-  logits, _ = model.forward(params, tokens_NL, positions, MODEL)
-  return token_logprobs(logits[:, :-1], tokens_NL[:, 1:], SAMPLING)
+  return [random_params(MODEL, np.random.default_rng(seed), 0.5) for seed in range(3)]
 
 
 def _reference(params, r):
   """[T] teacher-forced log-prob of each completion token under `params`."""
-  seq = np.concatenate([r.prompt_tokens, r.completion_tokens])
-  tokens = np.zeros((1, MODEL.max_seq_len), np.int32)
-  tokens[0, :len(seq)] = seq
-  lp = np.asarray(_full_logprobs(params, tokens))[0]
-  return lp[len(r.prompt_tokens) - 1:][:r.num_completion_tokens]
+  return reference_logprobs(params, [r], MODEL, SAMPLING, rows=1)[0]
 
 
 def _env_tokens(sample_id, turn):

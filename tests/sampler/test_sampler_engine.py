@@ -2,7 +2,6 @@
 in-flight weight swaps (keep / recompute), no recompilation after warm-up, bad inputs, API."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,8 @@ from rlax_pipe.model.kv_cache import DenseKVCache
 from rlax_pipe.sampler import Request, SamplerConfig, SamplerEngine, page_pool
 from rlax_pipe.types import WeightUpdate
 
+from engine_reference import random_params, reference_logprobs  # this directory
+
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=48, max_seq_len=40)
 SAMPLING = SamplingConfig(temperature=0.8, top_k=24, top_p=0.95)
@@ -28,37 +29,12 @@ REF_ROWS = 16
 @pytest.fixture(scope="module")
 def params():
   """Three independent weight sets (versions 0, 1, 2), drawn with numpy (nothing to compile)."""
-  out = []
-  for seed in range(3):
-    rng = np.random.default_rng(seed)
-    out.append(jax.tree.map(
-        lambda a: jnp.asarray(rng.normal(0.0, 0.4, a.shape).astype(np.float32)),
-        model.abstract_params(MODEL)))
-  return out
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _full_logprobs(params, tokens_NL, sampling):
-  """[N, L-1]: log-prob of token t+1 after the full-sequence forward over tokens 0..t."""
-  n, l = tokens_NL.shape
-  positions = jnp.broadcast_to(jnp.arange(l)[None], (n, l))
-  logits, _ = model.forward(params, tokens_NL, positions, MODEL)
-  return token_logprobs(logits[:, :-1], tokens_NL[:, 1:], sampling)
+  return [random_params(MODEL, np.random.default_rng(seed), 0.4) for seed in range(3)]
 
 
 def _reference(params, rollouts, sampling=SAMPLING):
   """Teacher-forced log-probs of each rollout's completion (one padded batch, one compile)."""
-  out = []
-  for i in range(0, len(rollouts), REF_ROWS):
-    chunk = rollouts[i:i + REF_ROWS]
-    tokens = np.zeros((REF_ROWS, MODEL.max_seq_len), np.int32)
-    for row, r in enumerate(chunk):
-      seq = np.concatenate([r.prompt_tokens, r.completion_tokens])
-      tokens[row, :len(seq)] = seq
-    lp = np.asarray(_full_logprobs(params, tokens, sampling))
-    out += [lp[row, len(r.prompt_tokens) - 1:][:r.num_completion_tokens]
-            for row, r in enumerate(chunk)]
-  return out
+  return reference_logprobs(params, rollouts, MODEL, sampling, REF_ROWS)
 
 
 def _requests(n, seed=0, prompt_lens=(1, 3, 4, 5, 9, 15, 17, 20), budgets=(8, 20)):
