@@ -271,9 +271,8 @@ def test_slurm_batch_script_starts_the_job_through_jax_detection(tmp_path, jax_c
   assert topo["learner_mesh"] == {"fsdp": 2}  # the script's default: fsdp over K x devices
   assert [r["step"] for r in _rows(run_dir, "train")] == [1, 2]
   [replica] = _rows(run_dir, "replica")  # episodes ran on the replica, tools in its workers
-  episodes, calls = replica["episodes"], replica["tool_calls"]
-  assert episodes["episodes"] > 0 and episodes["turns"] > episodes["episodes"], replica
-  assert calls["ok"] > 0 and replica["tool_restarts"] == 0, replica
+  assert replica["env_episodes"] > 0 and replica["env_turns"] > replica["env_episodes"], replica
+  assert replica["tool_ok"] > 0 and replica["tool_restarts"] == 0, replica
   assert replica["continued_tokens"] > 0, replica  # results appended onto the kept pages
   spans = [json.loads(l) for l in (run_dir / "timeline.jsonl").read_text().splitlines()]
   assert any(s["component"] == "env/0" and s["kind"] == "tool" for s in spans)

@@ -231,14 +231,13 @@ class ReplicaProcess:
       rows, self._rows = self._rows, []
       self.link.send(*messages.wire(messages.Rows(tuple(rows))))
 
-  def _episode_counts(self) -> dict:
-    """Episode and tool-call counts of an environment task ({} without one)."""
-    e = self.engine
-    if not isinstance(e, envs.EpisodeEngine):
+  def _episode_counts(self, stats: dict) -> dict:
+    """An environment task's episode and tool counters, as a single-process run's train rows
+    carry them (`EpisodeEngine.episode_metrics`), and the tokens appended onto kept pages
+    (`stats`: the engine's statistics as a dict); {} without an environment task."""
+    if not isinstance(self.engine, envs.EpisodeEngine):
       return {}
-    return {"episodes": dict(e.counts), "tool_calls": dict(e.tools.counts),
-            "tool_restarts": e.tools.restarts, "tool_s": e.tool_s,
-            "continued_tokens": int(e.engine.stats().continued_tokens)}
+    return {**self.engine.episode_metrics(), "continued_tokens": stats["continued_tokens"]}
 
   def cost_message(self, offset_s: float) -> messages.Costs:
     """The replica's timed operations and compile intervals, moved to the lead's clock by
@@ -266,7 +265,7 @@ class ReplicaProcess:
                        "transfers": len(self.receiver.received),
                        "transfer_s_mean": float(np.mean([r["seconds"] for r in
                                                          self.receiver.received])),
-                       **self._episode_counts()})
+                       **self._episode_counts(stats)})
     self.link.send(*messages.wire(messages.Rollouts(tuple(e.abort_all()), self._status(True))))
     if isinstance(e, envs.EpisodeEngine):
       e.close()  # the tool worker processes
