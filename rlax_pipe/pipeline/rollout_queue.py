@@ -29,8 +29,6 @@ import threading
 import time
 from typing import Any, Iterable
 
-import numpy as np
-
 from rlax_pipe.pipeline import group_filter as group_filter_lib
 from rlax_pipe.pipeline import staleness
 from rlax_pipe.types import Rollout, rollout_from_dict, rollout_to_dict

@@ -41,7 +41,6 @@ import dataclasses
 import heapq
 from typing import Any, Iterable
 
-import numpy as np
 
 POLICIES: tuple[str, ...] = ("block", "learner-wait", "drop", "queue-drop")
 WASTE_REASONS: tuple[str, ...] = ("stale", "overflow", "aborted", "unscored", "lost",
