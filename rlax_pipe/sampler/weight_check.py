@@ -33,6 +33,9 @@ class WeightCheck:
     count: versions whose dispatched weights matched the learner's checksums (each counted once,
       on its first matching replica; every other replica's dispatch is checked too).
     last: (version, uint32[num_leaves] checksums) of the last dispatch checked, or None.
+    log: (version, uint32[num_leaves] checksums) of every counted version, oldest first (one
+      entry per increment of `count`): several checks can complete within one engine step, so
+      a reader that polls only `last` between steps can miss a version.
   """
 
   def __init__(self):
@@ -42,6 +45,7 @@ class WeightCheck:
     self._counted = None  # the last version counted
     self.count = 0
     self.last: tuple[int, np.ndarray] | None = None
+    self.log: list[tuple[int, np.ndarray]] = []
 
   def expect(self, running: Any) -> None:
     """From now on, dispatches tagged with `running.version` (the engine's running
@@ -86,10 +90,11 @@ class WeightCheck:
             f"{where} decoded with weights tagged version {version} while the engine runs "
             f"version {expected_version}: its tokens' version tags are wrong.")
       param_checksum.compare(expected, computed, version, names=names, got_from=where)
+      self.last = (version, param_checksum.host(computed))
       if self._counted != version:
         self._counted = version
         self.count += 1
-      self.last = (version, param_checksum.host(computed))
+        self.log.append(self.last)
 
 
 class CheckedWeights:
@@ -107,6 +112,12 @@ class CheckedWeights:
   def last_weight_check(self) -> tuple[int, np.ndarray] | None:
     """(version, uint32[num_leaves] checksums) of the last dispatch checked, or None."""
     return self._weight_check.last
+
+  def weight_checks_since(self, n: int) -> list[tuple[int, np.ndarray]]:
+    """(version, uint32[num_leaves] checksums) of the checked versions after the first `n`
+    (`n` = the `weight_checks` count a reader saw last), oldest first: every version, even
+    when several checks complete within one step."""
+    return list(self._weight_check.log[n:])
 
   def check_weights(self) -> None:
     """Swaps in a pending update now and completes the check of the running weights (a step

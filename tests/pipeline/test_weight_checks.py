@@ -181,6 +181,28 @@ def test_a_version_swapped_out_before_any_dispatch_is_checked():
   assert engine.weight_checks == 3 and engine.last_weight_check[0] == 2
 
 
+def test_a_reader_that_polls_late_gets_every_checked_version():
+  """Several checks can complete between two reads (a replica process reports once per loop
+  iteration; CI once saw version 4's check overwritten by version 5's before it was sent):
+  `weight_checks_since` hands out each version with its checksums, not only the last."""
+  lsh, smesh, target = _meshes()
+  channel = wc.WeightChannel(target)
+  engine = _engine_with(channel, lsh, smesh, _params(0))
+  engine.run_to_completion()
+  seen = engine.weight_checks
+  assert [v for v, _ in engine.weight_checks_since(0)] == [0]
+  for v in (1, 2, 3):
+    channel.push(WeightUpdate(v, jax.device_put(_params(v), lsh)))
+    engine.update_weights(channel.take(timeout=30))
+    engine.step()
+  engine.check_weights()
+  got = engine.weight_checks_since(seen)
+  assert [v for v, _ in got] == [1, 2, 3] and engine.last_weight_check[0] == 3
+  for v, sums in got:
+    np.testing.assert_array_equal(sums, param_checksum.host(param_checksum.checksum(_params(v))))
+  assert engine.weight_checks_since(engine.weight_checks) == []
+
+
 def test_a_correct_in_flight_update_passes_the_check():
   lsh, smesh, target = _meshes()
   channel = wc.WeightChannel(target)

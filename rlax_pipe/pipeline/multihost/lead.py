@@ -55,7 +55,6 @@ class LeadSamplerSide:
     self.learners_done: set[int] = set()             # learner processes that did the same
     self._stopping = threading.Event()
     self._exit = threading.Event()
-    self._checked: dict[int, int] = {}
     self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
     self._thread = threading.Thread(target=self._loop, name="rlax_pipe-lead-sampler",
                                     daemon=True)
@@ -73,11 +72,9 @@ class LeadSamplerSide:
       r = self._replica(p)
       rollouts = list(msg.rollouts)
       proxy.returned(r, rollouts, msg.status)  # handed out by the proxy's next step
-      checked = msg.status.get("checked")
-      if checked is not None and self._checked.get(r) != checked[0]:
-        self._checked[r] = checked[0]
-        self.rows.put({"kind": "weights_check", "replica": r, "version": checked[0],
-                       "checksum": checked[1]})
+      for version, checksum in msg.status.get("checked", ()):  # each checked version once
+        self.rows.put({"kind": "weights_check", "replica": r, "version": version,
+                       "checksum": checksum})
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
         job.timeline.record(*span)

@@ -112,6 +112,7 @@ class ReplicaProcess:
     self._spans: list[tuple] = []
     self._rows: list[dict] = []
     self._pending_update = None
+    self._checks_reported = 0  # weight checks sent to the lead (`_status`)
     self.engine: SamplerEngine | envs.EpisodeEngine | None = None
     self.costs = costs_lib.CostRecorder()  # replica perf_counter; shifted when sent
     self._compiles = CompileCounter(self.costs.add_compile)
@@ -167,9 +168,10 @@ class ReplicaProcess:
   def _status(self, with_rng: bool) -> dict:
     e = self.engine
     out = {"version": e.latest_version, "weight_checks": e.weight_checks}
-    if e.last_weight_check is not None:
-      out["checked"] = [int(e.last_weight_check[0]),
-                        [int(c) for c in e.last_weight_check[1]]]
+    checked = e.weight_checks_since(self._checks_reported)
+    if checked:  # every version checked since the last report, not only the last one
+      out["checked"] = [[int(v), [int(c) for c in sums]] for v, sums in checked]
+      self._checks_reported += len(checked)
     if with_rng:
       out["rng"] = [k.tolist() for k in e.rng_state()]
     return out
