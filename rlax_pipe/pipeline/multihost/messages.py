@@ -14,7 +14,7 @@ Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Costs` (replicas),
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Union
+from typing import Any, Callable, ClassVar, Union
 
 from rlax_pipe.types import Rollout
 
@@ -23,119 +23,103 @@ class ProtocolError(RuntimeError):
   """A message that is not what the receiver expects (wrong tag, type or field)."""
 
 
-def _check(ok: bool, msg: "Message", what: str) -> None:
-  if not ok:
-    raise ProtocolError(f"{type(msg).__name__} message: {what}.")
+def _tuple_of(ok: Callable[[Any], bool] = lambda _: True) -> Callable[[Any], bool]:
+  """A field check: the value is a tuple whose every item passes `ok`."""
+  return lambda v: isinstance(v, tuple) and all(ok(x) for x in v)
+
+
+def _is_pair_of_numbers(c) -> bool:
+  return isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, (int, float)) for x in c)
 
 
 @dataclasses.dataclass(frozen=True)
-class Init:
-  """Lead -> replica, once: the replica's sampling keys (`replica.replica_keys`'s input)."""
+class _Message:
+  """A message's shared check: `CHECKS` lists (field, predicate, what the field must be)."""
+  KIND: ClassVar[str]
+  CHECKS: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = ()
+
+  def validate(self) -> None:
+    """Raises ProtocolError naming the first field that fails its check in `CHECKS`."""
+    for name, ok, what in self.CHECKS:
+      value = getattr(self, name)
+      if not ok(value):
+        raise ProtocolError(f"{type(self).__name__} message: {name} must be {what}, got "
+                            f"{value!r:.200}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Init(_Message):
+  """Lead -> replica, once: the replica's sampling keys (`replica.replica_keys`'s input; None or
+  the proxy's key data, not checked)."""
   KIND: ClassVar[str] = "init"
   rng: Any
 
-  def validate(self) -> None:
-    """No field constraint: `rng` is None or the proxy's key data."""
-
 
 @dataclasses.dataclass(frozen=True)
-class Submit:
+class Submit(_Message):
   """Lead -> replica: sample requests to start (`types.SampleRequest` or env episodes)."""
   KIND: ClassVar[str] = "submit"
+  CHECKS = (("requests", lambda v: _tuple_of()(v) and len(v) > 0, "a non-empty tuple"),)
   requests: tuple
 
-  def validate(self) -> None:
-    """Raises ProtocolError unless `requests` is a non-empty tuple."""
-    _check(isinstance(self.requests, tuple) and len(self.requests) > 0, self,
-           f"requests must be a non-empty tuple, got {type(self.requests).__name__}")
-
 
 @dataclasses.dataclass(frozen=True)
-class Abort:
+class Abort(_Message):
   """Lead -> replica: sample ids to abort (their aborted Rollouts come back in `Rollouts`)."""
   KIND: ClassVar[str] = "abort_samples"
+  CHECKS = (("sample_ids", _tuple_of(lambda s: isinstance(s, int)), "a tuple of int"),)
   sample_ids: tuple[int, ...]
-
-  def validate(self) -> None:
-    """Raises ProtocolError unless `sample_ids` is a tuple of ints."""
-    _check(isinstance(self.sample_ids, tuple)
-           and all(isinstance(s, int) for s in self.sample_ids), self,
-           f"sample_ids must be a tuple of int, got {self.sample_ids!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class Stop:
+class Stop(_Message):
   """Lead -> replica: finish (send the last rollouts, records and `Done`)."""
   KIND: ClassVar[str] = "stop"
 
-  def validate(self) -> None:
-    """No fields."""
-
 
 @dataclasses.dataclass(frozen=True)
-class Train:
+class Train(_Message):
   """Lead -> learner follower: the groups of one learner step (the lead trains the same)."""
   KIND: ClassVar[str] = "train"
+  CHECKS = (("groups", _tuple_of(), "a tuple"),)
   groups: tuple
-
-  def validate(self) -> None:
-    """Raises ProtocolError unless `groups` is a tuple."""
-    _check(isinstance(self.groups, tuple), self,
-           f"groups must be a tuple, got {type(self.groups).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
-class End:
+class End(_Message):
   """Lead -> learner follower: no more steps (send the last records and `Done`)."""
   KIND: ClassVar[str] = "end"
 
-  def validate(self) -> None:
-    """No fields."""
-
 
 @dataclasses.dataclass(frozen=True)
-class Rollouts:
+class Rollouts(_Message):
   """Replica -> lead: finished (or aborted) samples and the replica's status dict."""
   KIND: ClassVar[str] = "rollouts"
+  CHECKS = (("rollouts", _tuple_of(lambda r: isinstance(r, Rollout)), "a tuple of types.Rollout"),
+            ("status", lambda v: isinstance(v, dict), "a dict"))
   rollouts: tuple[Rollout, ...]
   status: dict
 
-  def validate(self) -> None:
-    """Raises ProtocolError unless rollouts is a tuple of Rollout and status a dict."""
-    _check(isinstance(self.rollouts, tuple)
-           and all(isinstance(r, Rollout) for r in self.rollouts), self,
-           "rollouts must be a tuple of types.Rollout")
-    _check(isinstance(self.status, dict), self,
-           f"status must be a dict, got {type(self.status).__name__}")
-
 
 @dataclasses.dataclass(frozen=True)
-class Spans:
+class Spans(_Message):
   """Any process -> lead: timeline spans, each the 6 arguments of `Timeline.record`."""
   KIND: ClassVar[str] = "spans"
+  CHECKS = (("spans", _tuple_of(lambda s: isinstance(s, tuple) and len(s) == 6),
+             "a tuple of 6-tuples (lane, name, t0, t1, sample id, detail)"),)
   spans: tuple[tuple, ...]
 
-  def validate(self) -> None:
-    """Raises ProtocolError unless every span is a 6-tuple."""
-    _check(isinstance(self.spans, tuple)
-           and all(isinstance(s, tuple) and len(s) == 6 for s in self.spans), self,
-           "spans must be a tuple of 6-tuples (lane, name, t0, t1, sample id, detail)")
-
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class Rows(_Message):
   """Any process -> lead: record rows (dicts with a "kind") for the run directory."""
   KIND: ClassVar[str] = "rows"
+  CHECKS = (("rows", _tuple_of(lambda r: isinstance(r, dict)), "a tuple of dict"),)
   rows: tuple[dict, ...]
-
-  def validate(self) -> None:
-    """Raises ProtocolError unless rows is a tuple of dicts."""
-    _check(isinstance(self.rows, tuple) and all(isinstance(r, dict) for r in self.rows), self,
-           "rows must be a tuple of dict")
 
 
 @dataclasses.dataclass(frozen=True)
-class Costs:
+class Costs(_Message):
   """Replica -> lead, before `Done`: the replica's timed operations for the run's cost model.
 
   `records` are `costs.CostRecord.to_dict()` dicts (op, duration_s, start_s, features) and
@@ -144,27 +128,17 @@ class Costs:
   every record that overlapped a compile in any process (`CostRecorder.records`).
   """
   KIND: ClassVar[str] = "costs"
+  CHECKS = (("records", _tuple_of(lambda r: isinstance(r, dict) and {"op", "duration_s"} <= set(r)),
+             "a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)"),
+            ("compiles", _tuple_of(_is_pair_of_numbers), "a tuple of (start_s, end_s) pairs"))
   records: tuple[dict, ...]
   compiles: tuple[tuple[float, float], ...]
 
-  def validate(self) -> None:
-    """Raises ProtocolError unless records are dicts with "op" and "duration_s" and compiles
-    (start, end) pairs of numbers."""
-    _check(isinstance(self.records, tuple) and all(
-        isinstance(r, dict) and "op" in r and "duration_s" in r for r in self.records), self,
-        "records must be a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)")
-    _check(isinstance(self.compiles, tuple) and all(
-        isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, (int, float)) for x in c)
-        for c in self.compiles), self, "compiles must be a tuple of (start_s, end_s) pairs")
-
 
 @dataclasses.dataclass(frozen=True)
-class Done:
+class Done(_Message):
   """Any process -> lead: this process has sent its last message."""
   KIND: ClassVar[str] = "done"
-
-  def validate(self) -> None:
-    """No fields."""
 
 
 Message = Union[Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Costs, Done]
