@@ -45,6 +45,7 @@ from absl import logging
 import jax
 
 from rlax_pipe import costs as costs_lib
+from rlax_pipe import envs
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline.config import PipelineConfig
@@ -158,13 +159,13 @@ def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
 
 
 def tool_counts(engine) -> tuple[int, int]:
-  """(tool waves, tool calls) an episode engine (`envs.EpisodeEngine.counts`) has run so far;
+  """(tool waves, tool calls) an episode engine has run so far (`EpisodeEngine.episode_metrics`);
   (0, 0) for a single-turn engine. The reproducible driver charges their difference over an
   engine step to the sampler's virtual clock (`CostModel.tools`)."""
-  counts = getattr(engine, "counts", None)
-  if not isinstance(counts, dict):
+  if not isinstance(engine, envs.EpisodeEngine):
     return 0, 0
-  return int(counts.get("tool_waves", 0)), int(counts.get("tool_calls", 0))
+  m = engine.episode_metrics()
+  return m["env_tool_waves"], m["env_tool_calls"]
 
 
 def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: float) -> None:

@@ -210,10 +210,9 @@ class TrainLog:
     self._check_signal(step, row["signal_group_frac"])
     row.update(result.sample_metrics)    # length-cut share, unrewarded samples (grading)
     row.update(job.worker.pop_metrics())  # filtered_overlong, reward outcomes of this step
-    episode_metrics = getattr(job.engine, "episode_metrics", None)
-    if episode_metrics is not None:  # episodes: turns, tool calls and outcomes (run totals)
+    if isinstance(job.engine, envs.EpisodeEngine):  # turns, tool calls, outcomes (run totals)
       row["env_tokens"] = result.env_tokens  # environment tokens (tool results) of this step
-      row.update(episode_metrics())
+      row.update(job.engine.episode_metrics())
     row["lag_hist"] = np.asarray(m["lag_hist"]).tolist()
     row["completion_lengths"] = [r.num_completion_tokens for r in result.rollouts]
     row["prompt_lengths"] = [int(r.prompt_tokens.shape[0]) for r in result.rollouts]
