@@ -246,6 +246,9 @@ class Learner(persistence.LearnerPersistence):
       raise ValueError(f"mesh shape {dict(mesh.shape)} != LearnerConfig.mesh_axes "
                        f"{cfg.mesh_shape}.")
     self.mesh = mesh
+    # (micro-batches, rows processed with padding) of the last dispatched step's plan
+    # (`plan_micro_batches`); (0, 0) before the first step.
+    self.last_plan: tuple[int, int] = (0, 0)
     self._step_cfg = cfg.step_slice()
     self._tx = optimizer.make_optimizer(self._step_cfg.optimizer)
     # LoRA: the optimizer trains the adapters; the frozen base is held here, outside the state.
@@ -396,6 +399,8 @@ class Learner(persistence.LearnerPersistence):
       self._compiled, self._accum = fns, fns.init()
     cfg = self._step_cfg
     plan = plan_micro_batches(num_rows, cfg.micro_batch_rows, cfg.num_minibatches)
+    n = sum(len(mb) for mb in plan)
+    self.last_plan = (n, n * cfg.micro_batch_rows)
     micro = [[jax.device_put(_take_rows(arrays, rows), fns.micro_sharding) for rows in mb]
              for mb in plan]
     no_prox = fns.micro_sharding["tokens"]

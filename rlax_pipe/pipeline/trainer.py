@@ -38,7 +38,7 @@ class StepResult:
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
     rows: rows of the packed batch (power of two).
-    micro_batches: micro-batches of the step (`batching.micro_batch_plan`).
+    micro_batches: micro-batches of the step (`Learner.last_plan`).
     processed_rows: rows the step computes, padding of the last micro-batches included
       (processed tokens = processed_rows x seq_len: the learner's cost feature).
     push_bytes: bytes of the pushed weights.
@@ -112,11 +112,6 @@ class Trainer:
     # channel: the in-process WeightChannel or a multi-process job's LearnerSender.
     self.push_bytes = int(sum(x.nbytes for x in jax.tree.leaves(learner.params)))
 
-  def micro_batch_plan(self, rows: int) -> tuple[int, int]:
-    """(micro-batches, processed rows) of a learner step on `rows` rows."""
-    lcfg = self.learner.cfg
-    return batching.micro_batch_plan(rows, lcfg.micro_batch_rows, lcfg.num_minibatches)
-
   def train_on(self, groups: Sequence[Group]) -> StepResult:
     """One optimizer step on `groups`, then pushes the new version to the sampler."""
     t0 = time.perf_counter()
@@ -137,7 +132,7 @@ class Trainer:
     self.channel.push(WeightUpdate(version, self.learner.params))
     t3 = time.perf_counter()
     rows = int(batch.tokens.shape[0])
-    micro, processed = self.micro_batch_plan(rows)
+    micro, processed = self.learner.last_plan  # the plan the step ran
     sample_metrics = grading.batch_metrics(rollouts)
     sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
