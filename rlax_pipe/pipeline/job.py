@@ -292,14 +292,23 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
         "directory).")
 
 
-def _resolve(cfg: RunConfig, plan: devices_lib.DevicePlan, stops: Any) -> RunConfig:
-  """`cfg` with the chosen mesh shapes and stop set filled in."""
+def with_stops(cfg: RunConfig, stops: Any) -> RunConfig:
+  """`cfg` with the sampler's stop set (`stop_ids_for`) filled in, single- or multi-process.
+
+  Raises:
+    ConfigError: when `SamplerConfig` refuses the stop set (naming it and the reason).
+  """
   try:
-    sampler = dataclasses.replace(cfg.sampler, eos_id=stops)
+    return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops))
   except (TypeError, ValueError) as e:
     raise ConfigError(
         f"the tokenizer's stop set {stops} does not fit RunConfig.sampler.eos_id ({e}); set "
         "RunConfig.sampler.eos_id to the id that ends a completion.") from None
+
+
+def _resolve(cfg: RunConfig, plan: devices_lib.DevicePlan, stops: Any) -> RunConfig:
+  """`cfg` with the chosen mesh shapes and stop set filled in."""
+  cfg = with_stops(cfg, stops)
   try:
     learner = dataclasses.replace(cfg.learner, mesh_axes=plan.learner_mesh_axes)
   except ValueError as e:  # a rule between the learner's fields and the mesh chosen here
@@ -307,8 +316,7 @@ def _resolve(cfg: RunConfig, plan: devices_lib.DevicePlan, stops: Any) -> RunCon
         f"{str(e).replace('LearnerConfig.', 'RunConfig.learner.')} (the learner mesh was chosen "
         f"for the devices present: {plan.describe()}; or set RunConfig.learner.mesh_axes)"
     ) from None
-  return dataclasses.replace(cfg, sampler=sampler, learner=learner,
-                             sampler_mesh_axes=plan.sampler_mesh_axes)
+  return dataclasses.replace(cfg, learner=learner, sampler_mesh_axes=plan.sampler_mesh_axes)
 
 
 def _load_sampler_state(rd: RunDir, step: int) -> dict | None:

@@ -120,7 +120,7 @@ def with_stop_set(cfg: RunConfig, model: Model) -> tuple[RunConfig, Any]:
   tok = job_lib.tokenizer_for(cfg)
   stops = job_lib.stop_ids_for(cfg, tok, model)
   job_lib.check_vocab(cfg, model, tok, stops)
-  return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops)), tok
+  return job_lib.with_stops(cfg, stops), tok
 
 
 def _checkpoint_dir(cfg: RunConfig) -> str:
@@ -218,7 +218,7 @@ class LeadPlacement:
     self.layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
     check_replica_manifests(topo, self._hellos, self.layout.manifest())
     self.eval_mesh = self.layout.process_mesh(0)
-    cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, eos_id=stops))
+    cfg = job_lib.with_stops(cfg, stops)
     self._mesh = learner_mesh(cfg, topo)
     return cfg, self._mesh
 
