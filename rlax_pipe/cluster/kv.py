@@ -56,16 +56,6 @@ class KVStore:
       raise
     return json.loads(raw)
 
-  def try_get(self, key: str) -> Any | None:
-    """The value of `key`, or None if it is not set."""
-    try:
-      raw = self._client.key_value_try_get(self.prefix + key)
-    except Exception as e:  # pylint: disable=broad-except
-      if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
-        return None
-      raise
-    return json.loads(raw)
-
   def delete(self, key: str) -> None:
     """Removes `key` (no error if absent)."""
     self._client.key_value_delete(self.prefix + key)

@@ -28,7 +28,7 @@ from rlax_pipe.cluster.faults import FaultMonitor
 from rlax_pipe.cluster.kv import KVStore
 from rlax_pipe.cluster.topology import Topology, role_of
 
-_BYE, _HB, _ABORT, _ERROR, _HELLO, _WELCOME = "bye", "hb", "abort", "error", "hello", "welcome"
+_BYE, _HB, _ABORT, _HELLO, _WELCOME = "bye", "hb", "abort", "hello", "welcome"
 
 
 class _Peer:
@@ -47,8 +47,8 @@ class _Peer:
 class Hub:
   """The lead's end of every link.
 
-  Messages from other processes land in `inbox` as (process id, kind, payload); heartbeats,
-  "error" and closed links are handled here (faults).
+  Messages from other processes land in `inbox` as (process id, kind, payload); heartbeats and
+  closed links are handled here (faults).
 
   Args:
     topology: the job.
@@ -156,9 +156,6 @@ class Hub:
           continue
         if kind == _BYE:
           peer.done = True
-        if kind == _ERROR:
-          self.monitor.report(f"{self.topology.name(p)} failed: {payload}")
-          continue
         self.inbox.put((p, kind, payload))
 
   def _heartbeat_loop(self) -> None:
@@ -237,13 +234,6 @@ class Link:
       if not self._stop.is_set():
         self.monitor.report(f"learner lead (process 0) is unreachable: the link failed "
                             f"({type(e).__name__}: {e}).")
-
-  def report_error(self, message: str) -> None:
-    """Tells the lead that this process failed (the lead ends the job)."""
-    try:
-      self._peer.send(_ERROR, message)
-    except (OSError, EOFError):
-      pass
 
   def _read_loop(self) -> None:
     while not self._stop.is_set():
