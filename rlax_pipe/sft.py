@@ -35,6 +35,7 @@ from rlax_pipe.learner import CheckpointConfig, Learner, LearnerConfig, Optimize
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.model import ModelLike, Transformer, as_model
 from rlax_pipe.pipeline import batching
+from rlax_pipe.pipeline import rules
 from rlax_pipe.sampler import SamplerConfig, SamplerEngine
 from rlax_pipe.tasks import base as task_base
 from rlax_pipe.types import Rollout
@@ -230,7 +231,7 @@ def next_batch(task: task_base.Task, tok: tokenizer_lib.Tokenizer, start: int, r
       if index - start > 100 * rows and not items:
         raise ValueError(f"no problem from index {start} on fits in seq_len={seq_len} tokens.")
       continue
-    if len(batching.packing_plan(lengths + [n], seq_len)) > rows:
+    if len(rules.packing_plan(lengths + [n], seq_len)) > rows:
       break
     items.append(candidate)
     lengths.append(n)

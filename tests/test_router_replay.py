@@ -58,13 +58,10 @@ def test_packing_places_routes_at_completion_tokens_only():
   for s in batching.unpack_batch(batch):
     idx = np.nonzero((batch.segment_ids[s.row] == s.segment) & fed[s.row])[0]
     np.testing.assert_array_equal(batch.routes[s.row, idx], by_id[idx.size].routes)
-  padded = batching.pad_rows_to_multiple(batch, 4)
+  padded = batching.pack_rollouts(rollouts, np.zeros(3), seq_len=12, num_rows=4)
   assert padded.routes.shape[0] == 4 and np.all(padded.routes[batch.tokens.shape[0]:] == -1)
-  parts = batching.split_rows(padded, 2)
-  np.testing.assert_array_equal(np.concatenate([p.routes for p in parts]), padded.routes)
-  dense = batching.pack_rollouts([_rollout(0, 3, 4, routes=False)], np.zeros(1), 12)
+  dense = batching.pack_rollouts([_rollout(0, 3, 4, routes=False)], np.zeros(1), 12, num_rows=4)
   assert dense.routes is None
-  assert batching.pad_rows_to_multiple(dense, 4).routes is None
   with pytest.raises(ValueError, match="no routes"):
     batching.pack_rollouts([_rollout(0, 3, 4), _rollout(1, 3, 4, routes=False)], np.zeros(2),
                            12)

@@ -44,6 +44,7 @@ from rlax_pipe.learner import optimizer as optimizer_lib
 from rlax_pipe.model import Transformer
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.pipeline import batching
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import config_checks
 from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline.config import RunConfig
@@ -211,7 +212,7 @@ def sample_batch(s: Setup, ckpts: Sequence[Any], versions: Sequence[int], rng: n
   group_ids = np.array([r.group_id for r in reqs])
   adv = adv_lib.grpo(np.asarray(rewards, np.float32), group_ids)
   # Packed as the learner packs them (rows bucketed to a power of two: few compiles).
-  rows = batching.batch_rows([len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts],
+  rows = rules.batch_rows([len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts],
                              s.seq_len)
   batch = batching.pack_rollouts(rollouts, adv, s.seq_len, num_rows=rows)
   out = {f.name: np.asarray(getattr(batch, f.name)) for f in dataclasses.fields(batch)}

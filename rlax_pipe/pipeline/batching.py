@@ -17,8 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from rlax_pipe import router_replay
-from rlax_pipe.pipeline.rules import batch_rows, bucket_rows, micro_batch_plan  # pylint: disable=unused-import
-from rlax_pipe.pipeline.rules import packed_order, packing_plan  # pylint: disable=unused-import
+from rlax_pipe.pipeline.rules import packing_plan
 from rlax_pipe.types import Rollout, TrainBatch
 
 
@@ -65,8 +64,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
     rollouts: graded samples (prompt non-empty).
     advantages: float[N], one advantage per rollout (same order).
     seq_len: L, tokens per row.
-    num_rows: B; if given the batch is padded to exactly B rows, else it has as many rows as
-      packing needs (see `pad_rows_to_multiple` to round that up).
+    num_rows: B; if given the batch is padded to exactly B rows (padding rows: segment id 0,
+      zero mask, no route), else it has as many rows as packing needs.
 
   Returns:
     A numpy `TrainBatch` of shape [rows, L]. Row r, segment s holds the rollout at position
@@ -119,43 +118,6 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
   out["routes"] = router_replay.batch_routes([rollouts[i].routes for i in placed], placements,
                                              out["tokens"].shape[0], seq_len)
   return TrainBatch(**out)
-
-
-def pad_rows_to_multiple(batch: TrainBatch, multiple: int) -> TrainBatch:
-  """Appends all-padding rows (segment id 0, zero mask) until rows % multiple == 0.
-
-  Raises:
-    ValueError: if multiple < 1.
-  """
-  if multiple < 1:
-    raise ValueError(f"pad_rows_to_multiple: multiple={multiple} must be >= 1.")
-  rows = batch.tokens.shape[0]
-  extra = -rows % multiple
-  if not extra:
-    return batch
-  def pad(name, x):
-    if x is None:
-      return None
-    fill = router_replay.NO_ROUTE if name == "routes" else 0
-    return np.concatenate([x, np.full((extra,) + x.shape[1:], fill, x.dtype)])
-  return TrainBatch(**{f.name: pad(f.name, getattr(batch, f.name))
-                       for f in dataclasses.fields(TrainBatch)})
-
-
-def split_rows(batch: TrainBatch, rows_per_micro_batch: int) -> list[TrainBatch]:
-  """Splits a batch into micro-batches of `rows_per_micro_batch` rows (gradient accumulation).
-
-  Raises:
-    ValueError: if the row count is not a multiple (pad with `pad_rows_to_multiple` first).
-  """
-  rows = batch.tokens.shape[0]
-  if rows_per_micro_batch < 1 or rows % rows_per_micro_batch:
-    raise ValueError(f"split_rows: {rows} rows are not a multiple of rows_per_micro_batch="
-                     f"{rows_per_micro_batch}; pad with pad_rows_to_multiple first.")
-  cut = lambda x, s: None if x is None else x[s:s + rows_per_micro_batch]
-  return [TrainBatch(**{f.name: cut(getattr(batch, f.name), s)
-                        for f in dataclasses.fields(TrainBatch)})
-          for s in range(0, rows, rows_per_micro_batch)]
 
 
 def unpack_batch(batch: TrainBatch) -> list[UnpackedSample]:

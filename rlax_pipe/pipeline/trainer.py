@@ -13,6 +13,7 @@ import numpy as np
 from rlax_pipe import advantages as advantages_lib
 from rlax_pipe.learner import Learner
 from rlax_pipe.pipeline import batching
+from rlax_pipe.pipeline import rules
 from rlax_pipe import grading
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import Group, RolloutQueue
@@ -83,9 +84,9 @@ def build_batch(groups: Sequence[Group], cfg: PipelineConfig):
   keep = [i for i, r in enumerate(rollouts) if not np.isnan(r.reward)]
   rollouts, adv = [rollouts[i] for i in keep], np.asarray(adv, np.float32)[keep]
   lengths = [r.prompt_tokens.shape[0] + r.num_completion_tokens for r in rollouts]
-  rows = batching.batch_rows(lengths, cfg.seq_len)
+  rows = rules.batch_rows(lengths, cfg.seq_len)
   batch = batching.pack_rollouts(rollouts, adv, cfg.seq_len, num_rows=rows)
-  return batch, [rollouts[i] for i in batching.packed_order(lengths, cfg.seq_len)]
+  return batch, [rollouts[i] for i in rules.packed_order(lengths, cfg.seq_len)]
 
 
 class Trainer:

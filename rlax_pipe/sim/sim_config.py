@@ -38,7 +38,7 @@ class SimConfig:
     prompt_lengths: prompt-length distribution (tokens, one draw per group).
     prefill_rows: rows of one prefill call (`SamplerConfig.prefill_rows`).
     seq_len: learner row length (tokens); with it a step's cost is charged on the packed rows
-      (`batching.batch_rows`), without it on the batch's tokens.
+      (`rules.batch_rows`), without it on the batch's tokens.
     micro_batch_rows, num_minibatches: the learner's batch split (`LearnerConfig`).
     push_bytes: bytes of one weight push.
     max_seq_len: sequence capacity; completions are capped at max_seq_len - prompt length.

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rlax_pipe.pipeline import batching
+from rlax_pipe.pipeline import batching, rules
 from rlax_pipe.types import Rollout
 
 
@@ -23,9 +23,9 @@ def _rollouts(lengths, seed=0):
 
 
 def test_packing_plan_first_fit_decreasing():
-  assert batching.packing_plan([3, 7, 5, 2, 4], 8) == [[1], [2, 0], [4, 3]]
+  assert rules.packing_plan([3, 7, 5, 2, 4], 8) == [[1], [2, 0], [4, 3]]
   with pytest.raises(ValueError, match="9 tokens; it must be between 1 and seq_len=8"):
-    batching.packing_plan([9], 8)
+    rules.packing_plan([9], 8)
 
 
 def test_round_trip_and_masks():
@@ -33,7 +33,7 @@ def test_round_trip_and_masks():
   rollouts = _rollouts(lengths)
   adv = np.linspace(-1, 1, len(rollouts)).astype(np.float32)
   batch = batching.pack_rollouts(rollouts, adv, seq_len=12)
-  rows = batching.packing_plan([p + t for p, t in lengths], 12)
+  rows = rules.packing_plan([p + t for p, t in lengths], 12)
   assert batch.tokens.shape == (len(rows), 12)
   for name, dtype in [("tokens", np.int32), ("positions", np.int32), ("segment_ids", np.int32),
                       ("loss_mask", np.float32), ("behavior_logprobs", np.float32),
@@ -91,12 +91,7 @@ def test_errors_and_padding_helpers():
     batching.pack_rollouts(_rollouts([(0, 2)]), np.zeros(1), seq_len=9)
   fixed = batching.pack_rollouts(rollouts, np.ones(2), seq_len=9, num_rows=4)
   assert fixed.tokens.shape == (4, 9) and not fixed.segment_ids[2:].any()
-  padded = batching.pad_rows_to_multiple(batching.pack_rollouts(rollouts, np.ones(2), 9), 3)
-  assert padded.tokens.shape == (3, 9) and padded.loss_mask.dtype == np.float32
-  micro = batching.split_rows(padded, 1)
-  assert len(micro) == 3 and micro[0].tokens.shape == (1, 9)
-  with pytest.raises(ValueError, match="not a multiple"):
-    batching.split_rows(padded, 2)
+  assert fixed.loss_mask.dtype == np.float32
 
 
 @pytest.mark.parametrize("rows,mbr,m,want", [
@@ -106,7 +101,7 @@ def test_errors_and_padding_helpers():
     (7, None, 3, (3, 7)),  # no row split: one micro-batch per minibatch
 ])
 def test_micro_batch_plan(rows, mbr, m, want):
-  assert batching.micro_batch_plan(rows, mbr, m) == want
+  assert rules.micro_batch_plan(rows, mbr, m) == want
 
 
 def _grpo_reference(rollouts):
@@ -158,5 +153,5 @@ def test_build_batch_returns_rollouts_in_packed_segment_order(seed):
 
 def test_packed_order_is_the_layout_of_pack_rollouts():
   lengths = [3, 7, 5, 2, 4]
-  assert batching.packed_order(lengths, 8) == [1, 2, 0, 4, 3]
-  assert batching.packed_order([], 8) == []
+  assert rules.packed_order(lengths, 8) == [1, 2, 0, 4, 3]
+  assert rules.packed_order([], 8) == []
