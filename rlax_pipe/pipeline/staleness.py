@@ -108,19 +108,6 @@ def queue_overflow(num_ready: int, capacity: int | None) -> int:
 # Admission control (policy "block").
 
 
-def areal_admission_allowed(num_admitted: int, version: int, groups_per_step: int,
-                            max_lag: int | None) -> bool:
-  """AReaL Eq. 3 as published: admit while floor(num_admitted / B) <= version + eta.
-
-  (AReaL writes floor((N_r - 1) / B) <= i + eta with N_r counting the new trajectory.) This
-  bounds the lag only when the learner trains groups strictly in admission order. With
-  out-of-order completion it does not bound per-token lag: B = 1, k = 1, group 0 is long; groups
-  1 and 2 are short and trained at versions 0 and 1; group 0's first tokens (version 0) are then
-  trained at version >= 2. Kept for comparison; `block` uses `can_admit`.
-  """
-  return max_lag is None or num_admitted // groups_per_step <= version + max_lag
-
-
 def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_version: int,
                        config: StalenessConfig, next_train_version: int | None = None
                        ) -> int | None:

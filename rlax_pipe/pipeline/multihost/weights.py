@@ -285,11 +285,6 @@ class LearnerSender:
       while self.latest <= have and not stop.is_set():
         self._cond.wait(_POLL_S)
 
-  def in_flight(self) -> int:
-    """Transfers sent by this process and not yet acknowledged."""
-    with self._cond:
-      return sum(s.refs for s in self._snaps.values())
-
   def close(self, timeout_s: float) -> None:
     """Waits (up to `timeout_s`) for the log's end and every acknowledgement, then frees every
     copy."""
