@@ -28,7 +28,7 @@ from rlax_pipe.cluster.faults import FaultMonitor
 from rlax_pipe.cluster.kv import KVStore
 from rlax_pipe.cluster.topology import Topology, role_of
 
-_BYE, _HB, _ABORT, _HELLO, _WELCOME = "bye", "hb", "abort", "hello", "welcome"
+_BYE, _HB, _ABORT, _ERROR, _HELLO, _WELCOME = "bye", "hb", "abort", "error", "hello", "welcome"
 
 
 class _Peer:
@@ -47,8 +47,8 @@ class _Peer:
 class Hub:
   """The lead's end of every link.
 
-  Messages from other processes land in `inbox` as (process id, kind, payload); heartbeats and
-  closed links are handled here (faults).
+  Messages from other processes land in `inbox` as (process id, kind, payload); heartbeats,
+  "error" (a process's own fault, `Link`) and closed links are handled here (faults).
 
   Args:
     topology: the job.
@@ -156,6 +156,9 @@ class Hub:
           continue
         if kind == _BYE:
           peer.done = True
+        if kind == _ERROR:
+          self.monitor.report(f"{self.topology.name(p)} reported: {payload}")
+          continue
         self.inbox.put((p, kind, payload))
 
   def _heartbeat_loop(self) -> None:
@@ -186,9 +189,11 @@ class Hub:
 class Link:
   """A non-lead process's link to the lead.
 
-  Messages from the lead land in `inbox` as (kind, payload); "abort" becomes a fault here. The
-  clock offset to the lead (`offset_s`, add it to `time.perf_counter()` to get the lead's
-  clock) is measured at the handshake, NTP-style (half the round trip).
+  Messages from the lead land in `inbox` as (kind, payload); "abort" becomes a fault here. This
+  process's first fault (its main thread's exception, `FaultMonitor.report`) is sent to the lead
+  as "error", so the lead's fault names it rather than only the closed link. The clock offset
+  to the lead (`offset_s`, add it to `time.perf_counter()` to get the lead's clock) is
+  measured at the handshake, NTP-style (half the round trip).
 
   Raises (constructor):
     ProcessFault: when the lead's address or the handshake does not come within
@@ -221,6 +226,7 @@ class Link:
       t = threading.Thread(target=target, name=name, daemon=True)
       t.start()
       self._threads.append(t)
+    monitor.on_fault(self._report_fault)
 
   def lead_clock(self) -> float:
     """Now, on the lead's `time.perf_counter()` clock (seconds)."""
@@ -234,6 +240,14 @@ class Link:
       if not self._stop.is_set():
         self.monitor.report(f"learner lead (process 0) is unreachable: the link failed "
                             f"({type(e).__name__}: {e}).")
+
+  def _report_fault(self, message: str) -> None:
+    """Tells the lead this process's fault (the lead ends the job); a broken link is ignored:
+    the lead then sees the link close."""
+    try:
+      self._peer.send(_ERROR, message)
+    except (OSError, EOFError):
+      pass
 
   def _read_loop(self) -> None:
     while not self._stop.is_set():

@@ -10,7 +10,7 @@ from rlax_pipe.types import Rollout
 
 # The link layer's own control kinds (rlax_pipe.cluster.links): a message tag must differ, or
 # the link consumes the message (a sample abort tagged "abort" was read as a fault report).
-LINK_CONTROL_KINDS = {"bye", "hb", "abort", "hello", "welcome"}
+LINK_CONTROL_KINDS = {"bye", "hb", "abort", "error", "hello", "welcome"}
 
 
 def _rollout():
