@@ -206,12 +206,6 @@ class RolloutQueue:
         self._expected[group_id] = ids
       return True
 
-  def admission_headroom(self, sampler_version: int) -> int | None:
-    """How many more groups may be admitted now (None = unlimited)."""
-    with self._cond:
-      return self._admission.headroom(sampler_version, self._config,
-                                      self._next_train_version_locked())
-
   def next_train_version(self) -> int:
     """Smallest version the learner's next batch can be trained at."""
     with self._cond:

@@ -248,12 +248,6 @@ class AdmissionLedger:
     """(group_id, admission_version) of every live group, by version then admission (O(n))."""
     return [(g, v) for v in sorted(self._by_version) for g in self._by_version[v]]
 
-  def headroom(self, sampler_version: int, config: StalenessConfig,
-               next_train_version: int | None = None) -> int | None:
-    """`admission_headroom` of this ledger."""
-    return admission_headroom(self.num_net, self.oldest_version(), sampler_version, config,
-                              next_train_version)
-
   def can_admit(self, sampler_version: int, config: StalenessConfig,
                 next_train_version: int | None = None) -> bool:
     """`can_admit` of this ledger."""

@@ -7,6 +7,12 @@ from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness as st
 
 
+def _headroom(ledger, sampler_version, config, next_train_version=None):
+  """`admission_headroom` of a ledger's live groups."""
+  return st.admission_headroom(ledger.num_net, ledger.oldest_version(), sampler_version, config,
+                               next_train_version)
+
+
 def test_config_validation():
   st.StalenessConfig("queue-drop", max_lag=None, groups_per_step=2, queue_capacity_groups=2)
   with pytest.raises(ValueError, match="choose one of"):
@@ -35,7 +41,7 @@ def test_admission_rule_by_hand():
   cfg = st.StalenessConfig("block", max_lag=1, groups_per_step=2)
   s = st.AdmissionLedger()
   # version 0, k = 1, B = 2: groups 0..3 may start (floor(n / 2) <= 1).
-  assert s.headroom(0, cfg) == 4
+  assert _headroom(s, 0, cfg) == 4
   for g in range(4):
     s.admit(g, 0, cfg)
   assert not s.can_admit(0, cfg) and not s.can_admit(5, cfg)  # groups 0.. still live
@@ -44,7 +50,7 @@ def test_admission_rule_by_hand():
   s.retire([1, 2], trained=True)  # trained at version 0 -> version 1
   assert not s.can_admit(1, cfg)  # groups 0 and 3 (admitted at 0) still bound everything
   s.retire([0, 3], trained=True)  # version 2
-  assert s.headroom(2, cfg) == 2 * (2 + 1 + 1) - 4
+  assert _headroom(s, 2, cfg) == 2 * (2 + 1 + 1) - 4
   # discarded groups do not count towards n.
   s.admit(10, 2, cfg)
   s.retire([10], trained=False)
@@ -56,7 +62,7 @@ def test_admission_rule_by_hand():
   with pytest.raises(ValueError, match="already live"):
     s.admit(7, 2, cfg)
   # other policies and unbounded block never limit admission.
-  assert s.headroom(0, st.StalenessConfig("drop", max_lag=1, groups_per_step=1)) is None
+  assert _headroom(s, 0, st.StalenessConfig("drop", max_lag=1, groups_per_step=1)) is None
   assert s.can_admit(0, st.StalenessConfig("block", max_lag=None, groups_per_step=1))
   # The pure rule on scalars (what the ledger feeds it): n = 4, a_min = 2, v = 3, k = 1, B = 2.
   assert st.admission_headroom(4, 2, 3, cfg) == 2 * (2 + 1 + 1) - 4
@@ -235,7 +241,7 @@ def test_due_groups_and_learner_wait_admission_by_hand():
   cfg = st.StalenessConfig("learner-wait", max_lag=1, groups_per_step=2)
   s = st.AdmissionLedger()
   # AReaL Eq. 3 on the sampler version: 2 * (0 + 1 + 1) = 4 groups at version 0.
-  assert s.headroom(0, cfg, next_train_version=0) == 4
+  assert _headroom(s, 0, cfg, next_train_version=0) == 4
   for g in range(4):
     s.admit(g, 0, cfg, next_train_version=0)
   assert not s.can_admit(0, cfg, 0)
