@@ -538,11 +538,8 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     if state is None:  # the in-flight samples are lost with the sampler: never trained
       for gid in extra["in_flight_groups"]:
         queue.discard_group(int(gid))
-      worker_state["round_open"] = 0  # and their round with them: a new round starts
-      worker_state["truncated"] = []
-      worker_state["outstanding"] = []
-      worker_state["detached"] = []
-      worker_state["in_transit"] = []
+      # and their round with them (a new round starts), and every record of a sample in flight
+      worker_state.update(round_open=0, truncated=[], outstanding=[], detached=[], in_transit=[])
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=placement.plan, run_dir=rd, tok=tok, task=task,
