@@ -11,6 +11,7 @@ from rlax_pipe.config import ModelConfig
 from rlax_pipe.logprobs import SamplingConfig
 from rlax_pipe.objectives import ObjectiveConfig
 from rlax_pipe.pipeline import config as pconfig
+from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
@@ -95,6 +96,9 @@ def test_version_owned_by_the_trainer_and_one_transfer_per_step(trainer, monkeyp
   assert counter.count <= 2, f"{counter.count} device-to-host transfers in 2 steps"
   assert [(r.trained_at, r.produced) for r in results] == [(1, 2), (2, 3)]
   assert trainer.version == 3 and trainer.channel.versions == [1, 2, 3]
+  lcfg = trainer.learner.cfg  # the step's shape is the plan the learner ran
+  assert [(r.micro_batches, r.processed_rows) for r in results] == [rules.micro_batch_plan(
+      r.rows, lcfg.micro_batch_rows, lcfg.num_minibatches) for r in results] == [(1, 16)] * 2
 
 
 def test_skipped_step_produces_the_version_it_trained_at(trainer):
