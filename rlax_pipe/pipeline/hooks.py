@@ -120,8 +120,7 @@ class Eta:
       self.durations.append(wall_s - self.last_wall)
     self.last_wall = wall_s
 
-  def seconds_left(self, wall_s: float, steps_left: int, evals_left: int) -> float | None:
-    del wall_s
+  def seconds_left(self, steps_left: int, evals_left: int) -> float | None:
     if not self.durations:
       return None
     per_step = float(np.median(self.durations))
@@ -179,7 +178,7 @@ class TrainLog:
     summary = job.timeline.summary()  # running totals: O(1) per step, not O(spans)
     wall = job.clock.wall_s()
     self.eta.step(wall)
-    eta = self.eta.seconds_left(wall, pcfg.num_steps - step,
+    eta = self.eta.seconds_left(pcfg.num_steps - step,
                                 _evals_left(step, pcfg.num_steps, pcfg.eval_every))
     stats = job.queue.stats()
     row = {

@@ -12,12 +12,12 @@ def test_eta_ignores_the_compiling_first_step_and_compile_spikes():
   eta = hooks.Eta()
   wall = 82.0  # step 1: compilation
   eta.step(wall)
-  assert eta.seconds_left(wall, steps_left=29, evals_left=3) is None
+  assert eta.seconds_left(steps_left=29, evals_left=3) is None
   for duration in (12.0, 11.0, 60.0, 13.0):  # step 4 compiles a new batch shape
     wall += duration
     eta.step(wall)
   eta.eval_s = 8.0
-  assert eta.seconds_left(wall, steps_left=25, evals_left=3) == pytest.approx(12.5 * 25 + 24)
+  assert eta.seconds_left(steps_left=25, evals_left=3) == pytest.approx(12.5 * 25 + 24)
 
 
 def test_evals_left_counts_periodic_and_final():
