@@ -24,7 +24,7 @@ keeps the exact version of the weights that produced it (merged, not unmerged, a
 decode step runs the plain model on merged weights, at no per-token cost). Sampler memory: the
 base copy plus at most the channel's own bound of merged copies (running, pending, in transit).
 
-It offers the `WeightChannel` interface the drivers and the job use (`push`, `poll`,
+It offers the `WeightChannel` interface the drivers and the job use (`push`,
 `try_take`, `take`, `stats`, `close`, `manifest`).
 """
 
@@ -105,10 +105,6 @@ class LoraWeightChannel:
     (`types.WeightSink`); see `WeightChannel.push` (same rules and errors; the manifest is the
     adapters')."""
     self._adapters.push(update)
-
-  def poll(self) -> int | None:
-    """Version that `try_take` would return now, else None."""
-    return self._adapters.poll()
 
   def try_take(self) -> WeightUpdate | None:
     """The newest version, merged, if its adapters have landed; else None (non-blocking)."""

@@ -295,13 +295,6 @@ class WeightChannel:
     self._takes += 1
     return WeightUpdate(record.version, record.params, donated=True, checksum=record.checksum)
 
-  def poll(self) -> int | None:
-    """Version that `try_take` would return now (its copy is complete), else None."""
-    with self._cond:
-      if self._pending is not None and _all_ready(self._pending.leaves):
-        return self._pending.version
-      return None
-
   def try_take(self) -> WeightUpdate | None:
     """Non-blocking: the newest pushed version if its copy is complete, else None.
 
