@@ -473,7 +473,7 @@ class Report:
            if evals and "eval_samples" in evals[-1] else {}),
         "idle_fraction": summary.idle if summary else {},
         "slot_occupancy": summary.slot_occupancy if summary else None,
-        "reward_outcomes": job.worker.reward_stats.snapshot(),
+        "reward_outcomes": job.worker.verifier.stats.snapshot(),  # per verifier outcome
         "wasted_tokens": job.queue.stats().waste.wasted_tokens,
     }
     self.summary = to_jsonable(out)

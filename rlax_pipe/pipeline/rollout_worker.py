@@ -48,7 +48,7 @@ from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
-from rlax_pipe.tasks.safe_reward import OUTCOMES, RewardStats
+from rlax_pipe.tasks.safe_reward import OUTCOMES
 from rlax_pipe.tasks.verifier_pool import VerifierPool
 from rlax_pipe.types import Rollout, WeightUpdate
 
@@ -104,11 +104,6 @@ class RolloutWorker:
     self._in_transit: collections.OrderedDict[int, tuple[int, int, Any, float]] = (
         collections.OrderedDict())
     self._stale_checked_version = -1
-
-  @property
-  def reward_stats(self) -> RewardStats:
-    """Outcomes of every verifier call of this worker ("ok", "error", "timeout", "invalid")."""
-    return self.verifier.stats
 
   def close(self) -> None:
     """Ends the verifier processes."""
