@@ -99,6 +99,11 @@ def _oldest(rollouts) -> int:
   return min(r.oldest_version() for r in rollouts)
 
 
+def _check_format(state: dict[str, Any]) -> None:
+  if state.get("format") not in (1, 2):
+    raise ValueError(f"RolloutQueue state: unknown format {state.get('format')!r} (expected 2).")
+
+
 class RolloutQueue:
   """Thread-safe queue of finished rollout groups with a staleness policy.
 
@@ -126,6 +131,9 @@ class RolloutQueue:
     self._config, self._group_size = config, group_size
     self._filter = group_filter or group_filter_lib.GroupFilterConfig()
     self._cond = threading.Condition()
+    self._reset()
+
+  def _reset(self) -> None:
     self._partial: dict[int, list[Rollout]] = {}
     self._ready: dict[int, _Ready] = {}          # group id -> ready group
     self._heap: list[tuple[int, int, int]] = []  # (oldest version, seq, group id), lazy
@@ -430,15 +438,25 @@ class RolloutQueue:
     Raises:
       ValueError: on an unknown state format.
     """
-    if state.get("format") not in (1, 2):
-      raise ValueError(f"RolloutQueue state: unknown format {state.get('format')!r} "
-                       "(expected 2).")
+    _check_format(state)
     q = cls(config or staleness.StalenessConfig(**state["config"]), int(state["group_size"]),
             group_filter)
-    q._load(state)  # a new queue: no other thread holds it yet
+    q.load_state_dict(state)
     return q
 
-  def _load(self, state: dict[str, Any]) -> None:
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Replaces this queue's contents and counters by `state_dict()` output (this queue keeps
+    its own staleness config and group size).
+
+    Raises:
+      ValueError: on an unknown state format.
+    """
+    _check_format(state)
+    with self._cond:
+      self._load_locked(state)
+
+  def _load_locked(self, state: dict[str, Any]) -> None:
+    self._reset()
     self._seq = int(state["seq"])
     self._learner_version = int(state["learner_version"])
     self._last_batch_version = int(state.get("last_batch_version", -1))
