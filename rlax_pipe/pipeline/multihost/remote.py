@@ -110,10 +110,6 @@ class RemoteEngines:
     """Newest weights version reported by the replica in scope (all: the oldest of them)."""
     return min(s.version for s in self._scope())
 
-  @property
-  def version(self) -> int:
-    return self.latest_version
-
   def submit(self, request: Request) -> None:
     """Queues `request` for the targeted replica (sent by `flush`); outside a `target` block,
     a sample that was sent before (a re-dispatch of a lost sample) goes to the replica that
