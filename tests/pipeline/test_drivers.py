@@ -42,11 +42,11 @@ def _assert_matches_golden(run_dir, path) -> None:
 def test_driver_runs_and_respects_lag_bound(tmp_path, driver, policy, tiny_config, train_rows):
   """With the shipped SFT warm start (non-zero rewards, so non-zero gradients); under policy
   block the metrics must equal, bit for bit, a golden recorded before the pipeline-floor
-  redesign (issue #25; tests/pipeline/golden/, written by `write_golden`)."""
+  redesign (issue #25; tests/pipeline/golden/, written by `write_golden` on the code of 5eb5ab4
+  with every program at XLA's backend optimization level 0, as the tests compile them: see
+  tests/pipeline/golden/README.md)."""
   max_lag = 1
-  # The learner at the default compiler level: the golden rows were recorded at it (bit for bit).
-  cfg = tiny_config(tmp_path, "builtin", driver=driver, max_lag=max_lag, policy=policy,
-                    fast_compile=False)
+  cfg = tiny_config(tmp_path, "builtin", driver=driver, max_lag=max_lag, policy=policy)
   summary = run_lib.run(cfg)
   if policy == "block":
     _assert_matches_golden(cfg.run_dir, GOLDEN / f"{driver}_block.json")
