@@ -10,13 +10,27 @@ if "xla_force_host_platform_device_count" not in _flags:
 # Every program the tests compile (and their child processes, which inherit XLA_FLAGS) at XLA's
 # backend optimization level 0 (LLVM -O0): the suite is compile-bound (tiny models, few steps;
 # backend compiles are most of its CPU time) and -O0 compiles the same programs cheaper
-# (measured: 25 % less CPU on the learner tests, WORKSPACE_NOTES.md). Numbers stay within every
-# test's tolerance; a test that must equal numbers recorded at the default level bit for bit runs
-# them in a child process with RLAX_PIPE_TEST_DEFAULT_XLA_OPT=1 (test_drivers' golden runs).
+# (measured: 25 % less CPU on four learner and sampler test files, WORKSPACE_NOTES.md). Numbers
+# stay within every test's tolerance; test_drivers' goldens are recorded at this level
+# (tests/pipeline/golden/README.md). RLAX_PIPE_TEST_DEFAULT_XLA_OPT=1 keeps XLA's default level.
 if "xla_backend_optimization_level" not in _flags and not os.environ.get(
     "RLAX_PIPE_TEST_DEFAULT_XLA_OPT"):
   _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
+# One persistent compilation cache for the session, shared with its child processes (they inherit
+# the variables): the suite compiles the same programs again and again (each Learner jits its own
+# step, every tiny end-to-end run builds one; entry points and multi-process jobs start fresh
+# processes), and a program compiled once is then loaded. Measured: 22 % less CPU on seven
+# end-to-end test files (WORKSPACE_NOTES.md). A cache directory set by the caller is kept.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  import atexit
+  import shutil
+  import tempfile
+  _cache_dir = tempfile.mkdtemp(prefix="rlax_pipe_tests_jax_cache_")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache_dir,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import jax  # noqa: E402  (must follow the environment set-up above)
 
