@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -10,7 +11,12 @@ import pytest
 
 from rlax_pipe.pipeline import run as run_lib
 
+# The goldens of the level the tests compile at (tests/conftest.py): XLA's backend optimization
+# level 0 by default (golden/O0/), XLA's default level with RLAX_PIPE_TEST_DEFAULT_XLA_OPT=1
+# (golden/, the first recording); both recorded on the code before the redesign.
 GOLDEN = pathlib.Path(__file__).parent / "golden"
+if not os.environ.get("RLAX_PIPE_TEST_DEFAULT_XLA_OPT"):
+  GOLDEN = GOLDEN / "O0"
 # Wall-clock measurements: the only fields of a reproducible run's rows that may differ.
 WALL_CLOCK_FIELDS = ("wall_s", "eta_s", "eval_wall_s")
 
@@ -42,9 +48,8 @@ def _assert_matches_golden(run_dir, path) -> None:
 def test_driver_runs_and_respects_lag_bound(tmp_path, driver, policy, tiny_config, train_rows):
   """With the shipped SFT warm start (non-zero rewards, so non-zero gradients); under policy
   block the metrics must equal, bit for bit, a golden recorded before the pipeline-floor
-  redesign (issue #25; tests/pipeline/golden/, written by `write_golden` on the code of 5eb5ab4
-  with every program at XLA's backend optimization level 0, as the tests compile them: see
-  tests/pipeline/golden/README.md)."""
+  redesign (issue #25; `GOLDEN`, written by `write_golden` on the code of 5eb5ab4 at the
+  compiler level the tests run at: tests/pipeline/golden/README.md)."""
   max_lag = 1
   cfg = tiny_config(tmp_path, "builtin", driver=driver, max_lag=max_lag, policy=policy)
   summary = run_lib.run(cfg)
@@ -90,7 +95,11 @@ def test_threaded_pipeline_runs(tmp_path, tiny_init, tiny_config, train_rows, po
   # the threaded run timed its operations and stored the fitted cost model with the run
   fit = json.loads((tmp_path / "run" / "cost_fit.json").read_text())
   assert fit["cost_model"]["source"].startswith("measured")
-  assert fit["ops"]["engine_step"]["n"] > 0 and fit["ops"]["train_step"]["n"] == 2
+  assert fit["ops"]["engine_step"]["n"] > 0
+  # each of the 2 train steps is fitted, or left out because XLA compiled meanwhile (on any
+  # thread: timing-dependent, e.g. 1 + 1 at XLA's default level); absent if both were left out
+  train = fit["ops"].get("train_step")
+  assert train is None or train["n"] + train["excluded"] == 2, train
 
 
 def test_resume_continues_from_checkpoint(tmp_path, tiny_init, tiny_config, train_rows):
