@@ -42,10 +42,13 @@ class WeightCheck:
     self._expected: tuple | None = None  # (version, learner checksums, leaf names)
     self._seen: set[int] = set()  # replicas whose dispatch of the expected version is checked
     self._pending: list[tuple] = []  # (version, replica, expected, computed, names)
-    self._counted = None  # the last version counted
-    self.count = 0
     self.last: tuple[int, np.ndarray] | None = None
     self.log: list[tuple[int, np.ndarray]] = []
+
+  @property
+  def count(self) -> int:
+    """Versions whose dispatched weights matched (one `log` entry each)."""
+    return len(self.log)
 
   def expect(self, running: Any) -> None:
     """From now on, dispatches tagged with `running.version` (the engine's running
@@ -91,9 +94,7 @@ class WeightCheck:
             f"version {expected_version}: its tokens' version tags are wrong.")
       param_checksum.compare(expected, computed, version, names=names, got_from=where)
       self.last = (version, param_checksum.host(computed))
-      if self._counted != version:
-        self._counted = version
-        self.count += 1
+      if not self.log or self.log[-1][0] != version:  # counted once, on its first replica
         self.log.append(self.last)
 
 
