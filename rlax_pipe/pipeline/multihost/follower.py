@@ -18,7 +18,7 @@ from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
 from rlax_pipe.learner import CheckpointNotFoundError, Learner
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
-from rlax_pipe.pipeline.multihost.weights import LearnerSender, weights_kv
+from rlax_pipe.pipeline.multihost.weights import LearnerSender
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.types import WeightUpdate
@@ -54,7 +54,7 @@ class FollowerProcess:
                learner: Learner, layout: TransferLayout):
     self.cfg, self.topology, self.monitor, self.learner = cfg, topology, monitor, learner
     self.link = link
-    self.sender = LearnerSender(layout, weights_kv(), monitor, cfg.distributed)
+    self.sender = LearnerSender(layout, monitor, cfg.distributed)
     pcfg = cfg.pipeline
     self.trainer = Trainer(learner, RolloutQueue(pcfg.staleness, pcfg.group_size), self.sender,
                            pcfg)

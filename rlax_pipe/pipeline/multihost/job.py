@@ -35,7 +35,7 @@ from rlax_pipe.pipeline.multihost.lead import (
     LeadClock, LeadSamplerSide, MultiprocessRecords, check_replica_manifests, fault_on_error)
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.replica import episode_task, ReplicaProcess
-from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator, weights_kv
+from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.run_dir import to_jsonable
 from rlax_pipe.types import WeightUpdate
@@ -235,9 +235,8 @@ class LeadPlacement:
               sampler_clock, timeline):
     del model, sampler_model, tok, task, state, sampler_clock, timeline
     topo, dcfg = self.topology, cfg.distributed
-    self.sender = LearnerSender(self.layout, weights_kv(), self.monitor, dcfg)
-    self.coordinator = WeightCoordinator(topo, weights_kv(), self.monitor, self.sender,
-                                         self.layout.digest())
+    self.sender = LearnerSender(self.layout, self.monitor, dcfg)
+    self.coordinator = WeightCoordinator(self.sender, self.monitor)
     self.proxy = RemoteEngines(self.hub, topo, cfg.sampler,
                                {r: self._hellos[topo.replica_process(r)]["slots"]
                                 for r in range(topo.num_replicas)})

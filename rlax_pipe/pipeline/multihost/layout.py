@@ -14,7 +14,7 @@ Every process can name every other process's shardings (`process_sharding`) and 
 (`stand_ins`: global arrays with no local shards): a process that takes no part in a transfer
 still calls `jax.device_put` with stand-ins, because the transfer keys that pair sends with
 receives are per-process counters that every process must advance in the same order
-(`weights.TransferLog`).
+(every process reads the transfer log, `weights`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TransferLayout:
           f"process has {topology.devices_per_process}: in a multi-process job a replica uses "
           "all devices of its process (set --config.sampler_mesh_axes to a product of "
           f"{topology.devices_per_process}).")
-    abstract = model.abstract_params()
+    self.abstract = abstract = model.abstract_params()
     leaves, self.treedef = jax.tree_util.tree_flatten(abstract)
     self.shapes = [tuple(int(d) for d in a.shape) for a in leaves]
     self.dtypes = [np.dtype(a.dtype) for a in leaves]

@@ -40,7 +40,7 @@ from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline.driver import CompileCounter, engine_features
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
-from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver, weights_kv
+from rlax_pipe.pipeline.multihost.weights import ReplicaReceiver
 from rlax_pipe.sampler import SamplerEngine
 from rlax_pipe.pipeline.multihost import messages
 
@@ -107,7 +107,7 @@ class ReplicaProcess:
     self.link = Link(topology, KVStore(), monitor, cfg.distributed, hello={
         "role": "sampler", "replica": self.replica, "slots": cfg.sampler.num_slots * data,
         "manifest": layout.manifest()})
-    self.receiver = ReplicaReceiver(layout, weights_kv(), monitor, cfg.distributed)
+    self.receiver = ReplicaReceiver(layout, monitor, cfg.distributed)
     self.component = f"sampler/{self.replica}"
     self._spans: list[tuple] = []
     self._rows: list[dict] = []

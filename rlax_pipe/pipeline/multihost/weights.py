@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlax_pipe import param_checksum
-from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout, Topology
+from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
 from rlax_pipe.types import WeightUpdate
@@ -53,30 +53,25 @@ KV_PREFIX = "rlax/w/"
 _POLL_S = 0.5
 
 
-def weights_kv() -> KVStore:
-  """The key-value namespace of the weight protocol."""
-  return KVStore(KV_PREFIX)
-
-
-class TransferLog:
-  """Reads the transfer log in order on a thread; `handle(n, entry)` runs for every entry.
-
-  Args:
-    kv: the protocol's key-value store.
-    monitor: fault monitor (an exception in `handle` is a fault of this process).
-    handle: called on the log thread, in log order.
-    whoami: this process's name, for messages.
+class _LogReader:
+  """A process's end of the protocol: its key-value store (prefix `KV_PREFIX`) and a thread that
+  reads the transfer log in order, running `self._handle(n, entry)` for every entry (started by
+  `_start_log`, once the subclass is set up); an exception there is a fault of this process.
   """
 
-  def __init__(self, kv: KVStore, monitor: FaultMonitor, handle: Callable[[int, dict], None],
-               whoami: str):
-    self._kv, self._monitor, self._handle, self._whoami = kv, monitor, handle, whoami
-    self.entries = 0
-    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-transfer-log",
-                                    daemon=True)
-    self._thread.start()
+  def __init__(self, layout: TransferLayout, monitor: FaultMonitor, cfg: DistributedConfig):
+    self.layout, self._monitor, self._cfg = layout, monitor, cfg
+    self._kv = KVStore(KV_PREFIX)
+    self._log_thread = threading.Thread(target=self._read_log, name="rlax_pipe-transfer-log",
+                                        daemon=True)
 
-  def _loop(self) -> None:
+  def _start_log(self) -> None:
+    self._log_thread.start()
+
+  def _handle(self, n: int, entry: dict) -> None:
+    raise NotImplementedError
+
+  def _read_log(self) -> None:
     n = 0
     while self._monitor.error is None:
       try:
@@ -87,34 +82,17 @@ class TransferLog:
         self._handle(n, entry)
       except Exception as e:  # pylint: disable=broad-except
         logging.exception("transfer log entry %d failed", n)
-        self._monitor.report(f"{self._whoami}: weight transfer log entry {n} ({entry}) failed: "
-                             f"{type(e).__name__}: {e}")
+        self._monitor.report(f"{self.layout.topology.name()}: weight transfer log entry {n} "
+                             f"({entry}) failed: {type(e).__name__}: {e}")
         return
-      self.entries = n + 1
       if entry["kind"] == "end":
         return
       n += 1
 
-  def join(self, timeout_s: float) -> bool:
-    """Waits for the "end" entry to be handled; returns whether it was."""
-    self._thread.join(timeout_s)
-    return not self._thread.is_alive()
-
-
-class LogWriter:
-  """The lead's append-only end of the transfer log (thread-safe; `lock` orders appends)."""
-
-  def __init__(self, kv: KVStore):
-    self._kv = kv
-    self.lock = threading.RLock()
-    self.next = 0
-
-  def append(self, entry: dict) -> int:
-    """Appends one entry; returns its index."""
-    with self.lock:
-      n, self.next = self.next, self.next + 1
-      self._kv.set(f"log/{n}", entry)
-      return n
+  def log_ended(self, timeout_s: float) -> bool:
+    """Waits up to `timeout_s` for the "end" entry to be handled; returns whether it was."""
+    self._log_thread.join(timeout_s)
+    return not self._log_thread.is_alive()
 
 
 def transfer(layout: TransferLayout, entry: dict, source: list[jax.Array] | None
@@ -136,29 +114,24 @@ class _Snapshot:
   refs: int = 0
 
 
-class LearnerSender:
+class LearnerSender(_LogReader):
   """A learner process's side: staging copies per version, sending, freeing on acknowledgement.
 
   `push(WeightUpdate(version, params))` is the weight-sink call the `Trainer` makes after every
-  step; every
-  learner process makes it for the same versions in the same order (its re-layout is a
-  collective on the learner mesh). It returns after dispatching the re-layout (an independent
+  step; every learner process makes it for the same versions in the same order (its re-layout is
+  a collective on the learner mesh). It returns after dispatching the re-layout (an independent
   copy: the learner may donate `params` at once) and the checksums.
 
   Args:
     layout: the shared layout.
-    kv: the protocol's key-value store.
     monitor: fault monitor.
     cfg: time limits.
   """
 
-  def __init__(self, layout: TransferLayout, kv: KVStore, monitor: FaultMonitor,
-               cfg: DistributedConfig):
-    self.layout, self._kv, self._monitor, self._cfg = layout, kv, monitor, cfg
+  def __init__(self, layout: TransferLayout, monitor: FaultMonitor, cfg: DistributedConfig):
+    super().__init__(layout, monitor, cfg)
     self._pid = layout.topology.process_id
-    self._abstract = jax.tree_util.tree_unflatten(layout.treedef, [
-        jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
-    self._manifest = params_manifest(self._abstract)
+    self._manifest = params_manifest(layout.abstract)
     self._relayout = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
                              out_shardings=layout.staging_sharding())
     self._cond = threading.Condition()
@@ -167,11 +140,8 @@ class LearnerSender:
     self._retired_below = -1
     self._on_push: list[Callable[[int], None]] = []
     self._acks: queue.Queue = queue.Queue()
-    self.sent = 0
-    self._ack_thread = threading.Thread(target=self._ack_loop, name="rlax_pipe-acks",
-                                        daemon=True)
-    self._ack_thread.start()
-    self.log = TransferLog(kv, monitor, self._handle, layout.topology.name())
+    threading.Thread(target=self._ack_loop, name="rlax_pipe-acks", daemon=True).start()
+    self._start_log()
 
   def on_push(self, callback: Callable[[int], None]) -> None:
     """`callback(version)` after every push (the lead announces and retires versions)."""
@@ -240,15 +210,12 @@ class LearnerSender:
       snap = self._snaps[version]
       snap.refs += 1
     transfer(self.layout, entry, snap.local)
-    self.sent += 1
     self._acks.put((n, version, entry["replica"], time.monotonic()))
 
   def _free_locked(self) -> None:
     for v in [v for v, s in self._snaps.items()
               if s.refs == 0 and v < self._retired_below and v != self.latest]:
-      for x in self._snaps.pop(v).staged:
-        if not x.is_deleted():
-          x.delete()
+      _delete(self._snaps.pop(v).staged)
 
   # ---- ack thread -------------------------------------------------------------------------
   def _ack_loop(self) -> None:
@@ -289,45 +256,52 @@ class LearnerSender:
     """Waits (up to `timeout_s`) for the log's end and every acknowledgement, then frees every
     copy."""
     deadline = time.monotonic() + timeout_s
-    self.log.join(max(0.0, deadline - time.monotonic()))
+    self.log_ended(max(0.0, deadline - time.monotonic()))
     with self._cond:
       while any(s.refs for s in self._snaps.values()) and time.monotonic() < deadline:
         self._cond.wait(_POLL_S)
       for snap in self._snaps.values():
-        for x in snap.staged:
-          if not x.is_deleted():
-            x.delete()
+        _delete(snap.staged)
       self._snaps.clear()
+
+
+def _delete(arrays: list[jax.Array]) -> None:
+  """Frees every array of `arrays` not freed yet."""
+  for x in arrays:
+    if not x.is_deleted():
+      x.delete()
 
 
 class WeightCoordinator:
   """The lead's side of the protocol: answers every replica's requests with the newest version.
 
   Args:
-    topology: the job.
-    kv: the protocol's key-value store.
+    sender: the lead's `LearnerSender` (pushed versions and their checksums; its layout's
+      digest is announced with every transfer).
     monitor: fault monitor.
-    sender: the lead's `LearnerSender` (pushed versions and their checksums).
-    digest: the layout digest announced with every transfer.
   """
 
-  def __init__(self, topology: Topology, kv: KVStore, monitor: FaultMonitor,
-               sender: LearnerSender, digest: str):
-    self.topology, self._kv, self._monitor, self._sender = topology, kv, monitor, sender
-    self._digest = digest
-    self.writer = LogWriter(kv)
-    self.announced: list[tuple[int, int, int]] = []  # (log index, replica, version)
+  def __init__(self, sender: LearnerSender, monitor: FaultMonitor):
+    self.topology, self._sender, self._monitor = sender.layout.topology, sender, monitor
+    self._kv, self._digest = KVStore(KV_PREFIX), sender.layout.digest()
+    self._lock = threading.RLock()  # orders the log's appends
+    self._appended = 0
     self._stop = threading.Event()
     sender.on_push(self._retire)
     self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True,
                                       name=f"rlax_pipe-weights-r{r}")
-                     for r in range(topology.num_replicas)]
+                     for r in range(self.topology.num_replicas)]
     for t in self._threads:
       t.start()
 
+  def _append(self, entry: dict) -> None:
+    with self._lock:
+      self._kv.set(f"log/{self._appended}", entry)
+      self._appended += 1
+
   def _retire(self, version: int) -> None:
     if version > 0:
-      self.writer.append({"kind": "retire", "below": version})
+      self._append({"kind": "retire", "below": version})
 
   def _serve(self, replica: int) -> None:
     m = 0
@@ -340,12 +314,11 @@ class WeightCoordinator:
       self._sender.wait_newer(have, self._stop)
       if self._stop.is_set():
         return
-      with self.writer.lock:  # versions in the log never go down (retire entries rely on it)
+      with self._lock:  # versions in the log never go down (retire entries rely on it)
         version = self._sender.latest
-        n = self.writer.append({
+        self._append({
             "kind": "transfer", "version": version, "replica": replica, "sender": sender_pid,
             "request": m, "checksum": self._sender.checksum(version), "layout": self._digest})
-        self.announced.append((n, replica, version))
       m += 1
 
   def end(self) -> None:
@@ -353,7 +326,7 @@ class WeightCoordinator:
     self._stop.set()
     for t in self._threads:
       t.join(timeout=5.0)
-    self.writer.append({"kind": "end"})
+    self._append({"kind": "end"})
 
 
 @dataclasses.dataclass
@@ -364,28 +337,25 @@ class _Incoming:
   t0: float
 
 
-class ReplicaReceiver:
+class ReplicaReceiver(_LogReader):
   """A sampler replica's side: asks for newer versions, receives them while decoding, hands a
   complete version to the engine, acknowledges.
 
   Args:
     layout: the shared layout.
-    kv: the protocol's key-value store.
     monitor: fault monitor.
     cfg: time limits.
   """
 
-  def __init__(self, layout: TransferLayout, kv: KVStore, monitor: FaultMonitor,
-               cfg: DistributedConfig):
-    self.layout, self._kv, self._monitor, self._cfg = layout, kv, monitor, cfg
-    topo = layout.topology
-    self.replica = topo.replica
+  def __init__(self, layout: TransferLayout, monitor: FaultMonitor, cfg: DistributedConfig):
+    super().__init__(layout, monitor, cfg)
+    self.replica = layout.topology.replica
     self._digest = layout.digest()
     self._lock = threading.Lock()
     self._incoming: _Incoming | None = None
     self._requests = 0
     self.received: list[dict] = []  # per installed version: version, transfer seconds, ...
-    self.log = TransferLog(kv, monitor, self._handle, topo.name())
+    self._start_log()
 
   def request(self, have: int) -> None:
     """Asks the lead for a version newer than `have` (-1: the first one)."""
@@ -453,8 +423,7 @@ class ReplicaReceiver:
     while time.monotonic() < deadline and self._monitor.error is None:
       update = self.poll()
       if update is not None:
-        for x in jax.tree.leaves(update.params):
-          x.delete()
-      if not self.log.join(0.05) or self._incoming is not None:
+        _delete(jax.tree.leaves(update.params))
+      if not self.log_ended(0.05) or self._incoming is not None:
         continue
       return
