@@ -19,7 +19,9 @@ receives are per-process counters that every process must advance in the same or
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 from typing import Any, Mapping
 
@@ -55,9 +57,6 @@ class TransferLayout:
   def __init__(self, topology: Topology, model: Any, sampler_axes: Mapping[str, int]):
     self.topology = topology
     self.sampler_axes = dict(sampler_axes)
-    self._meshes: dict[int, Mesh] = {}
-    self._shardings: dict[int, list[NamedSharding]] = {}
-    self._stand_ins: dict[int, list[jax.Array]] = {}
     size = int(np.prod(list(self.sampler_axes.values())))
     if size != topology.devices_per_process:
       raise ValueError(
@@ -76,27 +75,17 @@ class TransferLayout:
                                                  sharding_lib.SAMPLER_RULES, shapes=abstract)
     self.specs = [s.spec for s in self.treedef.flatten_up_to(shardings)]
 
-  # ---- meshes and shardings -------------------------------------------------------------------
+  # ---- meshes and shardings (each process's computed once) -------------------------------------
+  @functools.cache  # pylint: disable=method-cache-max-size-none  (one layout per job)
   def process_mesh(self, process_id: int) -> Mesh:
     """A replica-shaped mesh over one process's devices (by id, row-major)."""
-    if process_id not in self._meshes:
-      devices = self.topology.process_devices(process_id)
-      self._meshes[process_id] = sharding_lib.make_mesh(devices, self.sampler_axes,
-                                                        keep_device_order=True)
-    return self._meshes[process_id]
+    return sharding_lib.make_mesh(self.topology.process_devices(process_id), self.sampler_axes,
+                                  keep_device_order=True)
 
+  @functools.cache  # pylint: disable=method-cache-max-size-none
   def process_sharding(self, process_id: int) -> list[NamedSharding]:
     """Per leaf: the replica layout on `process_id`'s devices."""
-    if process_id not in self._shardings:
-      mesh = self.process_mesh(process_id)
-      self._shardings[process_id] = [NamedSharding(mesh, spec) for spec in self.specs]
-    return self._shardings[process_id]
-
-  def target(self, process_id: int) -> Any:
-    """The params tree as `jax.ShapeDtypeStruct`s in the replica layout of `process_id`."""
-    return jax.tree_util.tree_unflatten(self.treedef, [
-        jax.ShapeDtypeStruct(s, d, sharding=sh)
-        for s, d, sh in zip(self.shapes, self.dtypes, self.process_sharding(process_id))])
+    return [NamedSharding(self.process_mesh(process_id), spec) for spec in self.specs]
 
   def staging_sharding(self) -> list[NamedSharding]:
     """Per leaf: the staging layout on the learner devices (a replica-layout copy per learner
@@ -118,14 +107,12 @@ class TransferLayout:
           x.shape, sharding, [by_device[d] for d in order]))
     return out
 
+  @functools.cache  # pylint: disable=method-cache-max-size-none
   def stand_ins(self, process_id: int) -> list[jax.Array]:
     """Arrays in `process_id`'s replica layout with no shard on this process (what a process
     that does not own the source passes to a cross-host `jax.device_put`)."""
-    if process_id not in self._stand_ins:
-      self._stand_ins[process_id] = [
-          jax.make_array_from_single_device_arrays(s, sh, [], dtype=d)
-          for s, d, sh in zip(self.shapes, self.dtypes, self.process_sharding(process_id))]
-    return self._stand_ins[process_id]
+    return [jax.make_array_from_single_device_arrays(s, sh, [], dtype=d)
+            for s, d, sh in zip(self.shapes, self.dtypes, self.process_sharding(process_id))]
 
   # ---- manifest ---------------------------------------------------------------------------------
   def manifest(self) -> list[list[Any]]:
@@ -143,9 +130,7 @@ def compare_manifests(sender: list, receiver: list, sender_name: str, receiver_n
   """Raises `LayoutMismatchError` naming the first differing entry on both sides."""
   if sender == receiver:
     return
-  for i in range(max(len(sender), len(receiver))):
-    a = sender[i] if i < len(sender) else None
-    b = receiver[i] if i < len(receiver) else None
+  for i, (a, b) in enumerate(itertools.zip_longest(sender, receiver)):
     if a != b:
       raise LayoutMismatchError(
           f"weight layout mismatch between {sender_name} and {receiver_name}: entry {i} is "
