@@ -9,7 +9,6 @@ copy to the replicas it serves (`weights.LearnerSender`).
 
 from __future__ import annotations
 
-import queue
 import time
 
 from absl import logging
@@ -64,18 +63,14 @@ class FollowerProcess:
     """Pushes the initial version, then one step per "train" message until "end"."""
     pcfg, off = self.cfg.pipeline, self.link.offset_s
     self.sender.push(WeightUpdate(self.learner.version, self.learner.params))
-    idle_since = time.monotonic()
     steps, train_s = 0, 0.0
     while True:
-      self.monitor.check()
-      try:
-        kind, payload = self.link.inbox.get(timeout=0.2)
-      except queue.Empty:
-        if time.monotonic() - idle_since > pcfg.wait_timeout_s + self.cfg.distributed.fault_timeout_s:
-          raise TimeoutError(f"{self.topology.name()}: no batch from the learner lead for "
-                             f"{pcfg.wait_timeout_s:.0f} s.") from None
-        continue
-      msg = messages.received(kind, payload, messages.TO_LEARNER)
+      msg = messages.wait_for(lambda: messages.receive(self.link.inbox, messages.TO_LEARNER, 0.2),
+                              pcfg.wait_timeout_s + self.cfg.distributed.fault_timeout_s,
+                              self.monitor, period_s=0.0)
+      if msg is None:
+        raise TimeoutError(f"{self.topology.name()}: no batch from the learner lead for "
+                           f"{pcfg.wait_timeout_s:.0f} s.")
       if isinstance(msg, messages.End):  # last messages first: the lead waits for them
         self.link.send(*messages.wire(messages.Rows(({
             "kind": "learner_process", "process": self.topology.process_id, "steps": steps,
@@ -91,7 +86,6 @@ class FollowerProcess:
           ((self.lane, "train_step", t0 + off, t1 + off, None, None),))))
       if self.learner.step % pcfg.checkpoint_every == 0:
         self.learner.save({})
-      idle_since = time.monotonic()
     self.learner.save({})  # the lead's final checkpoint (Checkpoint.on_end), in lockstep
     self.learner.close()
     self.sender.close(self.cfg.distributed.transfer_timeout_s)

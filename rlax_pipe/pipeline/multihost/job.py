@@ -274,7 +274,7 @@ def _run_lead(given: RunConfig, topo, monitor, model, params, user_hooks) -> dic
                                  checkpoint_on_error=False, before_end=stop_processes))
   place.coordinator.end()
   sender.close(dcfg.transfer_timeout_s)
-  _wait_for_goodbyes(hub, dcfg.connect_timeout_s)
+  messages.wait_for(lambda: all(p.done for p in hub.peers.values()), dcfg.connect_timeout_s)
   spans = job.timeline.spans()
   occupancy = {f"sampler/{r}": timeline_lib.slot_occupancy(spans, component=f"sampler/{r}")
                for r in range(topo.num_replicas)}
@@ -292,9 +292,3 @@ def record_fault(run_dir: pathlib.Path, message: str) -> None:
   """Appends the job's fault to run_dir/faults.jsonl (one line per failed attempt)."""
   with open(run_dir / "faults.jsonl", "a") as f:
     f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "message": message}) + "\n")
-
-
-def _wait_for_goodbyes(hub: cluster.Hub, timeout_s: float) -> None:
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline and not all(p.done for p in hub.peers.values()):
-    time.sleep(0.02)

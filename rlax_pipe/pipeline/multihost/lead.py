@@ -19,6 +19,7 @@ train step, push and the learner's host work as the single-process threaded driv
 
 from __future__ import annotations
 
+import collections
 import json
 import queue as queue_lib
 import threading
@@ -50,9 +51,8 @@ class LeadSamplerSide:
 
   def __init__(self, job: Job, hub: Hub, proxy: RemoteEngines, monitor: FaultMonitor):
     self.job, self.hub, self.proxy, self.monitor = job, hub, proxy, monitor
-    self.rows: queue_lib.Queue = queue_lib.Queue()   # replica rows for the run directory
-    self.done: set[int] = set()                      # replicas that sent their last message
-    self.learners_done: set[int] = set()             # learner processes that did the same
+    self.rows: collections.deque = collections.deque()  # rows for the run directory
+    self.done: set[int] = set()  # processes that sent their last message
     self._stopping = threading.Event()
     self._exit = threading.Event()
     self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
@@ -73,23 +73,20 @@ class LeadSamplerSide:
       rollouts = list(msg.rollouts)
       proxy.returned(r, rollouts, msg.status)  # handed out by the proxy's next step
       for version, checksum in msg.status.get("checked", ()):  # each checked version once
-        self.rows.put({"kind": "weights_check", "replica": r, "version": version,
+        self.rows.append({"kind": "weights_check", "replica": r, "version": version,
                        "checksum": checksum})
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
         job.timeline.record(*span)
     elif isinstance(msg, messages.Rows):
       for row in msg.rows:
-        self.rows.put(row)
+        self.rows.append(row)
     elif isinstance(msg, messages.Costs):
       if job.cost_recorder is not None:
         job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
                                  msg.compiles)
     else:  # messages.Done
-      if p < self.job.cfg.distributed.num_learner_processes:
-        self.learners_done.add(p)
-      else:
-        self.done.add(self._replica(p))
+      self.done.add(p)
 
   def _top_up(self) -> None:
     for r in sorted(self.proxy.replicas):
@@ -106,10 +103,7 @@ class LeadSamplerSide:
           item = None
         while item is not None:
           self._handle(*item)
-          try:
-            item = self.hub.inbox.get_nowait()
-          except queue_lib.Empty:
-            item = None
+          item = None if self.hub.inbox.empty() else self.hub.inbox.get_nowait()  # one reader
         finished = self.proxy.step()
         if finished:
           self.job.worker.returned(finished)  # no longer outstanding; in transit until queued
@@ -132,17 +126,12 @@ class LeadSamplerSide:
     directory gets all of them."""
     self._stopping.set()
     self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
-    learners = set(range(1, self.job.cfg.distributed.num_learner_processes))
-    deadline = time.monotonic() + timeout_s
-    while ((len(self.done) < len(self.proxy.replicas) or self.learners_done != learners)
-           and time.monotonic() < deadline):
-      self.monitor.check()
-      time.sleep(0.01)
-    if len(self.done) < len(self.proxy.replicas) or self.learners_done != learners:
-      missing = sorted(set(self.proxy.replicas) - self.done)
+    others = set(range(1, self.proxy.topology.num_processes))
+    if not messages.wait_for(lambda: self.done >= others, timeout_s, self.monitor):
+      missing, learners = sorted(others - self.done), self.proxy.topology.num_learner_processes
       logging.warning("replicas %s and learner processes %s did not send their final messages "
-                      "within %.0f s.", missing, sorted(learners - self.learners_done),
-                      timeout_s)
+                      "within %.0f s.", [self._replica(p) for p in missing if p >= learners],
+                      [p for p in missing if p < learners], timeout_s)
     time.sleep(0.05)  # let the thread handle what arrived with "done"
     self._exit.set()
     self._thread.join(timeout=timeout_s)
@@ -159,11 +148,8 @@ class MultiprocessRecords:
     self._record = record_samples
 
   def _drain(self, job: Job, step: int) -> None:
-    while True:
-      try:
-        row = self._side.rows.get_nowait()
-      except queue_lib.Empty:
-        return
+    while self._side.rows:
+      row = self._side.rows.popleft()
       if "clock" in row:  # the lead's perf_counter -> run time
         row["time_s"] = job.clock.time_s(row.pop("clock"))
       job.run_dir.log({"step": step, **row}, step)

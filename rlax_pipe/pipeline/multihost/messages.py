@@ -9,14 +9,22 @@ payload's type, the type must be one the receiver expects, and the fields must h
 Lead -> sampler replica: `Init`, `Submit`, `Abort`, `Stop`.
 Lead -> learner follower: `Train`, `End`.
 Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Costs` (replicas), `Done`.
+
+Every wait for another process goes through `wait_for` (a limit, the job's faults checked);
+a non-lead process takes its messages off its link with `receive`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Union
+import queue
+import time
+from typing import Any, Callable, ClassVar, TypeVar, Union
 
+from rlax_pipe.cluster import FaultMonitor
 from rlax_pipe.types import Rollout
+
+T = TypeVar("T")
 
 
 class ProtocolError(RuntimeError):
@@ -182,3 +190,41 @@ def received(kind: str, payload: Any, expected: tuple[type, ...]) -> Message:
                         f"handles only {[m.__name__ for m in expected]}.")
   payload.validate()
   return payload
+
+
+def receive(inbox: queue.Queue, expected: tuple[type, ...], timeout_s: float = 0.0
+            ) -> Message | None:
+  """The next message in a `Link`'s `inbox`, checked as `received` does; None when none came.
+
+  Args:
+    inbox: the link's queue of `(kind, payload)` pairs.
+    expected: the message types this receiver handles.
+    timeout_s: seconds to wait for a message (0: take one only if it is there).
+
+  Raises:
+    ProtocolError: as `received`.
+  """
+  try:
+    kind, payload = inbox.get(timeout=timeout_s)
+  except queue.Empty:
+    return None
+  return received(kind, payload, expected)
+
+
+def wait_for(ready: Callable[[], T], timeout_s: float, monitor: FaultMonitor | None = None,
+             period_s: float = 0.01) -> T | None:
+  """Calls `ready()` every `period_s` seconds until it returns a true value (returned), for up to
+  `timeout_s` seconds (then None).
+
+  Raises:
+    ProcessFault: from `monitor.check()`, before every call, once the job failed.
+  """
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if monitor is not None:
+      monitor.check()
+    value = ready()
+    if value:
+      return value
+    time.sleep(period_s)
+  return None

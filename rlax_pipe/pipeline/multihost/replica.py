@@ -24,7 +24,6 @@ driver's sampler loop records it) and sent with the replica's compile intervals 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import time
 from typing import Any
 
@@ -123,30 +122,21 @@ class ReplicaProcess:
     off = self.link.offset_s
     self._spans.append((lane, kind, start + off, end + off, active, total))
 
-  def _init_message(self) -> dict:
-    deadline = time.monotonic() + self.cfg.distributed.connect_timeout_s
-    while time.monotonic() < deadline:
-      self.monitor.check()
-      try:
-        kind, payload = self.link.inbox.get(timeout=0.1)
-      except queue.Empty:
-        continue
-      msg = messages.received(kind, payload, messages.TO_REPLICA)
-      if isinstance(msg, messages.Init):
-        return {"rng": msg.rng}
-      raise messages.ProtocolError(
-          f"replica start: expected an Init message from the lead, got {type(msg).__name__}")
-    raise TimeoutError("no 'init' message from the learner lead.")
-
   def start(self) -> None:
     """Receives the first weights and the sampling keys, builds the engine."""
     self._compiles.__enter__()  # every compile of this process, from the engine's first
-    init = self._init_message()
+    init = messages.wait_for(lambda: messages.receive(self.link.inbox, messages.TO_REPLICA, 0.1),
+                             self.cfg.distributed.connect_timeout_s, self.monitor, period_s=0.0)
+    if init is None:
+      raise TimeoutError("no 'init' message from the learner lead.")
+    if not isinstance(init, messages.Init):
+      raise messages.ProtocolError(
+          f"replica start: expected an Init message from the lead, got {type(init).__name__}")
     self.receiver.request(-1)
     first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
     self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
                                 on_span=self._record)
-    keys = replica_keys(init.get("rng"), self.cfg.sampler.seed, self.replica,
+    keys = replica_keys(init.rng, self.cfg.sampler.seed, self.replica,
                         len(self.engine.replicas))
     self.engine.load_rng_state(keys)
     if self.task is not None:  # episodes; tools in this process's worker pool
@@ -185,12 +175,7 @@ class ReplicaProcess:
       t0 = time.perf_counter()
       installs = 0
       self.monitor.check()
-      while True:
-        try:
-          kind, payload = self.link.inbox.get_nowait()
-        except queue.Empty:
-          break
-        msg = messages.received(kind, payload, messages.TO_REPLICA)
+      while (msg := messages.receive(self.link.inbox, messages.TO_REPLICA)) is not None:
         if isinstance(msg, messages.Submit):
           for request in msg.requests:
             e.submit(request)

@@ -45,6 +45,7 @@ import numpy as np
 
 from rlax_pipe import param_checksum
 from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout
+from rlax_pipe.pipeline.multihost import messages
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
 from rlax_pipe.types import WeightUpdate
@@ -408,14 +409,10 @@ class ReplicaReceiver(_LogReader):
     Raises:
       ProcessFault: on a fault of the job; TimeoutError after `timeout_s`.
     """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      self._monitor.check()
-      update = self.poll()
-      if update is not None:
-        return update
-      time.sleep(0.01)
-    raise TimeoutError(f"{self.layout.topology.name()}: no weights within {timeout_s:.0f} s.")
+    update = messages.wait_for(self.poll, timeout_s, self._monitor)
+    if update is None:
+      raise TimeoutError(f"{self.layout.topology.name()}: no weights within {timeout_s:.0f} s.")
+    return update
 
   def drain(self, timeout_s: float) -> None:
     """At the end: acknowledges (and frees) whatever still arrives until the log ends."""
