@@ -363,40 +363,6 @@ def _verifier(model: Model, learner: Learner, tok) -> Callable[[Any, int], None]
   return verify
 
 
-def _build_sampler(cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
-                   sampler_mesh, state: dict | None, sampler_clock, timeline):
-  """(weight channel, sampler engine): the engine holds the learner's weights, or, on an exact
-  resume (`state`), the weights and requests it held at the checkpoint with the learner's newest
-  version pending in the channel, as it was."""
-  pcfg, reproducible = cfg.pipeline, cfg.pipeline.mode == "reproducible"
-  target = _sampler_target(model, sampler_mesh)
-  verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
-  if learner.lora is None:
-    channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
-  else:  # adapters only over the wire; the sampler merges them into its copy of the base
-    channel = LoraWeightChannel(learner.lora, learner.base_params, sampler_mesh, verify=verify,
-                                debug=pcfg.debug_verify_push)
-    logging.info("LoRA: the base (%d bytes) went to the sampler once; each version pushes its "
-                 "adapters only (%d bytes) and the sampler merges them.", channel.base_bytes,
-                 channel.adapter_bytes)
-  engine_kw = dict(mesh=sampler_mesh, clock=sampler_clock or time.perf_counter,
-                   on_span=None if reproducible else timeline.record)
-  if state is None:
-    channel.push(WeightUpdate(learner.version, learner.params))
-    return channel, SamplerEngine(sampler_model, cfg.sampler,
-                                  channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
-  leaves, treedef = jax.tree.flatten(target)
-  initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
-                                         zip(state["engine"]["params"], leaves)])
-  engine = SamplerEngine(sampler_model, cfg.sampler,
-                         WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
-                         **engine_kw)
-  engine.load_state_dict(state["engine"])
-  channel.push(WeightUpdate(learner.version, learner.params))  # pending, as it was
-  timeline.load_state_dict(state["timeline"])
-  return channel, engine
-
-
 def make_learner(cfg: RunConfig, learner_mesh: Any, model: Model, params: Any,
                  checkpoint_dir: str) -> Learner:
   """The run's `Learner` on `learner_mesh` (every learner process of a multi-process job builds
@@ -467,9 +433,33 @@ class LocalPlacement:
 
   def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
               task, state: dict | None, extra: dict | None, sampler_clock, timeline):
-    reproducible = cfg.pipeline.mode == "reproducible"
-    channel, engine = _build_sampler(cfg, model, sampler_model, learner, tok, self._sampler_mesh,
-                                     state, sampler_clock, timeline)
+    pcfg, reproducible, mesh = cfg.pipeline, cfg.pipeline.mode == "reproducible", self._sampler_mesh
+    target = _sampler_target(model, mesh)
+    verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
+    if learner.lora is None:
+      channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
+    else:  # adapters only over the wire; the sampler merges them into its copy of the base
+      channel = LoraWeightChannel(learner.lora, learner.base_params, mesh, verify=verify,
+                                  debug=pcfg.debug_verify_push)
+      logging.info("LoRA: the base (%d bytes) went to the sampler once; each version pushes its "
+                   "adapters only (%d bytes) and the sampler merges them.", channel.base_bytes,
+                   channel.adapter_bytes)
+    engine_kw = dict(mesh=mesh, clock=sampler_clock or time.perf_counter,
+                     on_span=None if reproducible else timeline.record)
+    if state is None:  # the engine holds the learner's weights
+      channel.push(WeightUpdate(learner.version, learner.params))
+      engine = SamplerEngine(sampler_model, cfg.sampler,
+                             channel.take(timeout=pcfg.wait_timeout_s), **engine_kw)
+    else:  # exact resume: the weights and requests it held, the learner's version pending
+      leaves, treedef = jax.tree.flatten(target)
+      initial = jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in
+                                             zip(state["engine"]["params"], leaves)])
+      engine = SamplerEngine(sampler_model, cfg.sampler,
+                             WeightUpdate(int(state["engine"]["version"]), initial, donated=True),
+                             **engine_kw)
+      engine.load_state_dict(state["engine"])
+      channel.push(WeightUpdate(learner.version, learner.params))  # pending, as it was
+      timeline.load_state_dict(state["timeline"])
     if envs.is_environment(task):  # multi-turn episodes with tools (`rlax_pipe.envs`)
       engine = envs.EpisodeEngine(engine, task, tok, None, cfg.env,
                                   chat=cfg.prompt_format.kind == "chat", synchronous=reproducible,
