@@ -38,7 +38,6 @@ class ReplicaState:
     outstanding: sample id -> group id of requests sent and not returned.
     to_send: requests submitted since the last `flush`.
     rng: its sampling keys as last reported (uint32 key data per data replica), for checkpoints.
-    weight_checks: versions whose checksums its engine verified, as last reported.
   """
 
   process_id: int
@@ -47,7 +46,6 @@ class ReplicaState:
   outstanding: dict[int, int] = dataclasses.field(default_factory=dict)
   to_send: list[Request] = dataclasses.field(default_factory=list)
   rng: list | None = None
-  weight_checks: int = 0
 
 
 class RemoteEngines:
@@ -166,22 +164,15 @@ class RemoteEngines:
 
   def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:
     """Books finished (or aborted) rollouts (handed out by the next `step`) and the replica's
-    status message."""
+    status message (its version, and its rng keys when sent)."""
     state = self.replicas[replica]
     for r in rollouts:
       state.outstanding.pop(int(r.sample_id), None)
     self._finished.extend(rollouts)
-    self.update(replica, status)
-
-  def update(self, replica: int, status: dict) -> None:
-    """Books a status message (version, rng keys, weight checks)."""
-    state = self.replicas[replica]
     if "version" in status:
       state.version = max(state.version, int(status["version"]))
     if status.get("rng") is not None:
       state.rng = status["rng"]
-    if "weight_checks" in status:
-      state.weight_checks = int(status["weight_checks"])
 
   def forget(self, sample_ids) -> dict[int, int]:
     """Drops trained samples from `holder`; returns sample id -> replica for them."""

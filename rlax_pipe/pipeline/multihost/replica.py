@@ -94,9 +94,9 @@ class ReplicaProcess:
 
   def __init__(self, cfg: RunConfig, topology: Topology, monitor: FaultMonitor,
                sampler_model: Any, layout: TransferLayout, task: Any = None, tok: Any = None):
-    if task is not None and envs.is_environment(task) and tok is None:
+    if envs.is_environment(task) and tok is None:
       raise ValueError("ReplicaProcess: an environment task needs the run's tokenizer (tok).")
-    self.task = task if task is not None and envs.is_environment(task) else None
+    self.task = task if envs.is_environment(task) else None
     self.tok = tok
     self.cfg, self.topology, self.monitor = cfg, topology, monitor
     self.replica = topology.replica
@@ -157,7 +157,7 @@ class ReplicaProcess:
 
   def _status(self, with_rng: bool) -> dict:
     e = self.engine
-    out = {"version": e.latest_version, "weight_checks": e.weight_checks}
+    out = {"version": e.latest_version}
     checked = e.weight_checks_since(self._checks_reported)
     if checked:  # every version checked since the last report, not only the last one
       out["checked"] = [[int(v), [int(c) for c in sums]] for v, sums in checked]
@@ -230,13 +230,9 @@ class ReplicaProcess:
     """The replica's timed operations and compile intervals, moved to the lead's clock by
     `offset_s` (seconds added to this process's perf_counter)."""
     records, compiles = self.costs.unflagged()  # the lead flags them against every compile
-    recs = []
-    for r in records:
-      d = r.to_dict()
-      if d["start_s"] is not None:
-        d["start_s"] += offset_s
-      recs.append(d)
-    return messages.Costs(records=tuple(recs), compiles=tuple(
+    return messages.Costs(records=tuple(
+        dataclasses.replace(r, start_s=None if r.start_s is None else r.start_s + offset_s
+                            ).to_dict() for r in records), compiles=tuple(
         (float(a + offset_s), float(b + offset_s)) for a, b in compiles))
 
   def finish(self) -> None:
@@ -246,9 +242,8 @@ class ReplicaProcess:
     stats = dataclasses.asdict(e.stats())
     self._rows.append({"kind": "replica", "replica": self.replica,
                        "process": self.topology.process_id, "weight_checks": e.weight_checks,
-                       "weight_updates": stats["weight_updates"],
-                       "generated_tokens": stats["generated_tokens"],
-                       "slot_occupancy": stats["slot_occupancy"],
+                       **{k: stats[k] for k in ("weight_updates", "generated_tokens",
+                                                "slot_occupancy")},
                        "transfers": len(self.receiver.received),
                        "transfer_s_mean": float(np.mean([r["seconds"] for r in
                                                          self.receiver.received])),
