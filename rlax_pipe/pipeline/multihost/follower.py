@@ -13,8 +13,8 @@ import time
 
 from absl import logging
 
-from rlax_pipe.cluster import FaultMonitor, KVStore, Link, Topology
-from rlax_pipe.learner import CheckpointNotFoundError, Learner
+from rlax_pipe.cluster import FaultMonitor, Link, Topology
+from rlax_pipe.learner import Learner
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.weights import LearnerSender
@@ -22,18 +22,6 @@ from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.trainer import Trainer
 from rlax_pipe.types import WeightUpdate
 from rlax_pipe.pipeline.multihost import messages
-
-
-def restore_or_start(learner: Learner, resume: bool, whoami: str) -> dict | None:
-  """`learner.restore()` when resuming (the same checkpoint files give every learner process the
-  same step); None without a checkpoint."""
-  if not resume:
-    return None
-  try:
-    return learner.restore()
-  except CheckpointNotFoundError as e:
-    logging.warning("%s: resume requested but no checkpoint (%s); starting fresh.", whoami, e)
-    return None
 
 
 class FollowerProcess:
@@ -44,7 +32,7 @@ class FollowerProcess:
     cfg: the run.
     topology: the job.
     monitor: fault monitor.
-    link: this process's link to the lead (opened before any collective: `open_link`).
+    link: this process's link to the lead (opened before any collective).
     learner: this process's `Learner` (on the shared learner mesh, already restored).
     layout: the shared transfer layout.
   """
@@ -91,8 +79,3 @@ class FollowerProcess:
     self.sender.close(self.cfg.distributed.transfer_timeout_s)
     self.link.close()
     logging.info("%s: done at learner step %d.", self.topology.name(), self.learner.step)
-
-
-def open_link(cfg: RunConfig, topology: Topology, monitor: FaultMonitor) -> Link:
-  """A learner process's link to the lead."""
-  return Link(topology, KVStore(), monitor, cfg.distributed, hello={"role": "learner"})

@@ -28,8 +28,8 @@ from rlax_pipe.pipeline import hooks as hooks_lib
 from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import RunConfig
-from rlax_pipe.pipeline.multihost.follower import (
-    FollowerProcess, open_link, restore_or_start)
+from rlax_pipe.learner import CheckpointNotFoundError
+from rlax_pipe.pipeline.multihost.follower import FollowerProcess
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.multihost.lead import (
     LeadClock, LeadSamplerSide, MultiprocessRecords, check_replica_manifests, fault_on_error)
@@ -67,8 +67,8 @@ def check_supported(cfg: RunConfig) -> None:
 
 
 def learner_mesh(cfg: RunConfig, topology: cluster.Topology):
-  """The learner mesh over every learner process's devices (`check_meshes` has checked, in
-  `run`, that `learner.mesh_axes` covers exactly those devices)."""
+  """The learner mesh over every learner process's devices (`with_meshes` has checked, in `run`,
+  that `learner.mesh_axes` covers exactly those devices)."""
   return sharding_lib.make_mesh(topology.learner_devices(), dict(cfg.learner.mesh_axes),
                                 sharding_lib.LEARNER_RULES)
 
@@ -76,25 +76,19 @@ def learner_mesh(cfg: RunConfig, topology: cluster.Topology):
 def with_meshes(cfg: RunConfig, topology: cluster.Topology) -> RunConfig:
   """`cfg` with the mesh shapes left empty (`()`, the default) chosen for the job's topology, the
   same way in every process: the learner mesh over all learner processes' devices, each replica's
-  sampler mesh over its own process's devices (`devices.learner_axes_for` / `sampler_axes_for`).
-  """
-  learner_axes = cfg.learner.mesh_axes or devices_lib.learner_axes_for(
-      topology.num_learner_processes * topology.devices_per_process)
-  sampler_axes = cfg.sampler_mesh_axes or devices_lib.sampler_axes_for(
-      topology.devices_per_process)
-  return dataclasses.replace(cfg, sampler_mesh_axes=sampler_axes, learner=dataclasses.replace(
-      cfg.learner, mesh_axes=learner_axes))
-
-
-def check_meshes(cfg: RunConfig, topology: cluster.Topology) -> None:
-  """The mesh shapes fit the topology (every process runs this check on the same inputs, so all
-  of them stop at once with the same message, before any process waits on another).
+  sampler mesh over its own process's devices (`devices.learner_axes_for` / `sampler_axes_for`);
+  then both checked against the topology (every process runs this on the same inputs, so all of
+  them stop at once with the same message, before any process waits on another).
 
   Raises:
     ConfigError: naming the --config field and the device count it must multiply to.
   """
   per_process = topology.devices_per_process
   learners = topology.num_learner_processes * per_process
+  cfg = dataclasses.replace(
+      cfg, sampler_mesh_axes=cfg.sampler_mesh_axes or devices_lib.sampler_axes_for(per_process),
+      learner=dataclasses.replace(cfg.learner, mesh_axes=cfg.learner.mesh_axes
+                                  or devices_lib.learner_axes_for(learners)))
   sampler, learner = cfg.num_sampler_devices, cfg.num_learner_devices
   if sampler != per_process:
     raise ConfigError(
@@ -107,24 +101,7 @@ def check_meshes(cfg: RunConfig, topology: cluster.Topology) -> None:
         f"--config.learner.mesh_axes={cfg.learner.mesh_axes} has {learner} devices, but the "
         f"{topology.num_learner_processes} learner processes hold {learners}: set it to a "
         f"product of {learners} (or leave it () to choose).")
-
-
-def with_stop_set(cfg: RunConfig, model: Model) -> tuple[RunConfig, Any]:
-  """(`cfg` with the sampler's stop set resolved as a single-process job does
-  (`job.stop_ids_for`), the run's tokenizer); the model/tokenizer checks of `job` run here too.
-
-  Raises:
-    ConfigError: as `job.build_job` for a tokenizer or task file that cannot be read or a
-      tokenizer that does not fit the model.
-  """
-  tok = job_lib.tokenizer_for(cfg)
-  stops = job_lib.stop_ids_for(cfg, tok, model)
-  job_lib.check_vocab(cfg, model, tok, stops)
-  return job_lib.with_stops(cfg, stops), tok
-
-
-def _checkpoint_dir(cfg: RunConfig) -> str:
-  return str(pathlib.Path(cfg.run_dir) / "checkpoints")
+  return cfg
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
@@ -145,18 +122,14 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   """
   topo = cluster.current(cfg.distributed.num_learner_processes)
   given, cfg = cfg, with_meshes(cfg, topo)
-  check_meshes(cfg, topo)
   monitor = cluster.FaultMonitor(topo.name(), cfg.distributed.exit_grace_s)
   check_supported(cfg)
   logging.info("multi-process job: %s", json.dumps(topo.describe()))
   try:
     if topo.is_lead:
       out = _run_lead(given, topo, monitor, model, params, hooks)
-    elif topo.role == "learner":
-      _run_follower(cfg, topo, monitor, model, params)
-      out = {"process": topo.process_id, "role": topo.role, "name": topo.name()}
     else:
-      _run_replica(cfg, topo, monitor, model, params)
+      (_run_follower if topo.role == "learner" else _run_replica)(cfg, topo, monitor, model, params)
       out = {"process": topo.process_id, "role": topo.role, "name": topo.name()}
   except BaseException as e:
     fault_on_error(monitor, topo.name(), e)
@@ -168,15 +141,25 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
 def _run_follower(cfg, topo, monitor, model, params) -> None:
   model, _, params0 = job_lib.models_for(cfg, model, params)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
-  link = open_link(cfg, topo, monitor)  # first: the lead waits for every link
-  learner = job_lib.make_learner(cfg, learner_mesh(cfg, topo), model, params0, _checkpoint_dir(cfg))
-  restore_or_start(learner, cfg.resume, topo.name())
+  link = cluster.Link(topo, cluster.KVStore(), monitor, cfg.distributed,
+                      hello={"role": "learner"})  # first: the lead waits for every link
+  learner = job_lib.make_learner(cfg, learner_mesh(cfg, topo), model, params0,
+                                 str(pathlib.Path(cfg.run_dir) / "checkpoints"))
+  if cfg.resume:  # the same checkpoint files give every learner process the same step
+    try:
+      learner.restore()
+    except CheckpointNotFoundError as e:
+      logging.warning("%s: resume requested but no checkpoint (%s); starting fresh.",
+                      topo.name(), e)
   FollowerProcess(cfg, topo, monitor, link, learner, layout).run()
 
 
 def _run_replica(cfg, topo, monitor, model, params) -> None:
   model, sampler_model, _ = job_lib.models_for(cfg, model, params)
-  cfg, tok = with_stop_set(cfg, model)
+  tok = job_lib.tokenizer_for(cfg)  # the stop set and the model/tokenizer checks as `build_job`
+  stops = job_lib.stop_ids_for(cfg, tok, model)
+  job_lib.check_vocab(cfg, model, tok, stops)
+  cfg = job_lib.with_stops(cfg, stops)
   layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
   replica = ReplicaProcess(cfg, topo, monitor, sampler_model, layout, task=episode_task(cfg),
                            tok=tok)
