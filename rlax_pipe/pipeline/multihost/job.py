@@ -30,9 +30,9 @@ from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.learner import CheckpointNotFoundError
 from rlax_pipe.pipeline.multihost.follower import FollowerProcess
-from rlax_pipe.pipeline.multihost.layout import TransferLayout
+from rlax_pipe.pipeline.multihost.layout import TransferLayout, compare_manifests
 from rlax_pipe.pipeline.multihost.lead import (
-    LeadClock, LeadSamplerSide, MultiprocessRecords, check_replica_manifests, fault_on_error)
+    LeadClock, LeadSamplerSide, MultiprocessRecords, fault_on_error)
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
 from rlax_pipe.pipeline.multihost.replica import episode_task, ReplicaProcess
 from rlax_pipe.pipeline.multihost.weights import LearnerSender, WeightCoordinator
@@ -174,8 +174,9 @@ class LeadPlacement:
   `LearnerSender` as the weight sink, held-out evaluation on the lead's own devices.
 
   `place` opens the lead's links (`hub`, waiting for every process) and checks that every
-  replica expects the layout the learner sends; `sampler` starts the weight protocol
-  (`sender`, `coordinator`) and pushes the learner's version.
+  replica expects the layout the learner sends (else `LayoutMismatchError`, naming the first
+  difference with both sides); `sampler` starts the weight protocol (`sender`, `coordinator`)
+  and pushes the learner's version.
 
   Args:
     topology: the job.
@@ -199,7 +200,9 @@ class LeadPlacement:
     self._hellos = self.hub.accept_all()
     cfg = with_meshes(cfg, topo)
     self.layout = TransferLayout(topo, model, dict(cfg.sampler_mesh_axes))
-    check_replica_manifests(topo, self._hellos, self.layout.manifest())
+    for p in topo.replica_processes:  # every replica expects the layout the learner sends
+      compare_manifests(self.layout.manifest(), self._hellos[p]["manifest"],
+                        "the learner (process 0)", topo.name(p))
     self.eval_mesh = self.layout.process_mesh(0)
     cfg = job_lib.with_stops(cfg, stops)
     self._mesh = learner_mesh(cfg, topo)

@@ -30,7 +30,7 @@ from absl import logging
 import numpy as np
 
 from rlax_pipe import costs as costs_lib
-from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault, Topology
+from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
@@ -218,18 +218,6 @@ class LeadClock(driver_lib.RealClock):
   def after_hooks(self, job: Job, result: StepResult, now: float) -> None:
     super().after_hooks(job, result, now)
     self.monitor.check()
-
-
-def check_replica_manifests(topology: Topology, hellos: dict[int, dict], manifest: list) -> None:
-  """Every replica expects the layout the learner sends.
-
-  Raises:
-    LayoutMismatchError: naming the first difference, with both sides.
-  """
-  from rlax_pipe.pipeline.multihost.layout import compare_manifests  # pylint: disable=import-outside-toplevel
-  for p in topology.replica_processes:
-    compare_manifests(manifest, hellos[p]["manifest"], "the learner (process 0)",
-                      topology.name(p))
 
 
 def fault_on_error(monitor: FaultMonitor, whoami: str, error: BaseException) -> None:
