@@ -42,9 +42,14 @@ def _is_pair_of_numbers(c) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Message:
-  """A message's shared check: `CHECKS` lists (field, predicate, what the field must be)."""
+  """A message's tag and shared check: `KIND` is the class name in lower case unless the class
+  sets it; `CHECKS` lists (field, predicate, what the field must be)."""
   KIND: ClassVar[str]
   CHECKS: ClassVar[tuple[tuple[str, Callable[[Any], bool], str], ...]] = ()
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls.KIND = cls.__dict__.get("KIND", cls.__name__.lower())
 
   def validate(self) -> None:
     """Raises ProtocolError naming the first field that fails its check in `CHECKS`."""
@@ -59,14 +64,12 @@ class _Message:
 class Init(_Message):
   """Lead -> replica, once: the replica's sampling keys (`replica.replica_keys`'s input; None or
   the proxy's key data, not checked)."""
-  KIND: ClassVar[str] = "init"
   rng: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Submit(_Message):
   """Lead -> replica: sample requests to start (`types.SampleRequest` or env episodes)."""
-  KIND: ClassVar[str] = "submit"
   CHECKS = (("requests", lambda v: _tuple_of()(v) and len(v) > 0, "a non-empty tuple"),)
   requests: tuple
 
@@ -74,7 +77,7 @@ class Submit(_Message):
 @dataclasses.dataclass(frozen=True)
 class Abort(_Message):
   """Lead -> replica: sample ids to abort (their aborted Rollouts come back in `Rollouts`)."""
-  KIND: ClassVar[str] = "abort_samples"
+  KIND: ClassVar[str] = "abort_samples"  # "abort" is the links' own (a fault)
   CHECKS = (("sample_ids", _tuple_of(lambda s: isinstance(s, int)), "a tuple of int"),)
   sample_ids: tuple[int, ...]
 
@@ -82,13 +85,11 @@ class Abort(_Message):
 @dataclasses.dataclass(frozen=True)
 class Stop(_Message):
   """Lead -> replica: finish (send the last rollouts, records and `Done`)."""
-  KIND: ClassVar[str] = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
 class Train(_Message):
   """Lead -> learner follower: the groups of one learner step (the lead trains the same)."""
-  KIND: ClassVar[str] = "train"
   CHECKS = (("groups", _tuple_of(), "a tuple"),)
   groups: tuple
 
@@ -96,13 +97,11 @@ class Train(_Message):
 @dataclasses.dataclass(frozen=True)
 class End(_Message):
   """Lead -> learner follower: no more steps (send the last records and `Done`)."""
-  KIND: ClassVar[str] = "end"
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollouts(_Message):
   """Replica -> lead: finished (or aborted) samples and the replica's status dict."""
-  KIND: ClassVar[str] = "rollouts"
   CHECKS = (("rollouts", _tuple_of(lambda r: isinstance(r, Rollout)), "a tuple of types.Rollout"),
             ("status", lambda v: isinstance(v, dict), "a dict"))
   rollouts: tuple[Rollout, ...]
@@ -112,7 +111,6 @@ class Rollouts(_Message):
 @dataclasses.dataclass(frozen=True)
 class Spans(_Message):
   """Any process -> lead: timeline spans, each the 6 arguments of `Timeline.record`."""
-  KIND: ClassVar[str] = "spans"
   CHECKS = (("spans", _tuple_of(lambda s: isinstance(s, tuple) and len(s) == 6),
              "a tuple of 6-tuples (lane, name, t0, t1, sample id, detail)"),)
   spans: tuple[tuple, ...]
@@ -121,7 +119,6 @@ class Spans(_Message):
 @dataclasses.dataclass(frozen=True)
 class Rows(_Message):
   """Any process -> lead: record rows (dicts with a "kind") for the run directory."""
-  KIND: ClassVar[str] = "rows"
   CHECKS = (("rows", _tuple_of(lambda r: isinstance(r, dict)), "a tuple of dict"),)
   rows: tuple[dict, ...]
 
@@ -135,7 +132,6 @@ class Costs(_Message):
   clock (the replica's perf_counter + the link's offset), so the lead's `CostRecorder` flags
   every record that overlapped a compile in any process (`CostRecorder.records`).
   """
-  KIND: ClassVar[str] = "costs"
   CHECKS = (("records", _tuple_of(lambda r: isinstance(r, dict) and {"op", "duration_s"} <= set(r)),
              "a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)"),
             ("compiles", _tuple_of(_is_pair_of_numbers), "a tuple of (start_s, end_s) pairs"))
@@ -146,15 +142,13 @@ class Costs(_Message):
 @dataclasses.dataclass(frozen=True)
 class Done(_Message):
   """Any process -> lead: this process has sent its last message."""
-  KIND: ClassVar[str] = "done"
 
 
 Message = Union[Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Costs, Done]
-MESSAGES: tuple[type, ...] = (Init, Submit, Abort, Stop, Train, End, Rollouts, Spans, Rows, Costs,
-                              Done)
 TO_REPLICA: tuple[type, ...] = (Init, Submit, Abort, Stop)
 TO_LEARNER: tuple[type, ...] = (Train, End)
 TO_LEAD: tuple[type, ...] = (Rollouts, Spans, Rows, Costs, Done)
+MESSAGES: tuple[type, ...] = TO_REPLICA + TO_LEARNER + TO_LEAD
 
 
 def wire(msg: Message) -> tuple[str, Message]:
