@@ -258,9 +258,9 @@ class LearnerSender(_LogReader):
     copy."""
     deadline = time.monotonic() + timeout_s
     self.log_ended(max(0.0, deadline - time.monotonic()))
-    with self._cond:
-      while any(s.refs for s in self._snaps.values()) and time.monotonic() < deadline:
-        self._cond.wait(_POLL_S)
+    with self._cond:  # the ack thread notifies on every acknowledgement
+      self._cond.wait_for(lambda: not any(s.refs for s in self._snaps.values()),
+                          max(0.0, deadline - time.monotonic()))
       for snap in self._snaps.values():
         _delete(snap.staged)
       self._snaps.clear()
@@ -416,11 +416,9 @@ class ReplicaReceiver(_LogReader):
 
   def drain(self, timeout_s: float) -> None:
     """At the end: acknowledges (and frees) whatever still arrives until the log ends."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and self._monitor.error is None:
+    def drained() -> bool:
       update = self.poll()
       if update is not None:
         _delete(jax.tree.leaves(update.params))
-      if not self.log_ended(0.05) or self._incoming is not None:
-        continue
-      return
+      return self._monitor.error is not None or (self.log_ended(0.05) and self._incoming is None)
+    messages.wait_for(drained, timeout_s, period_s=0.0)
