@@ -1,11 +1,13 @@
 """The RL job as one `jax.distributed` job with roles: `run(cfg)` in every process.
 
-Process 0 is the learner's lead (`lead`), processes 1..K-1 the other learner processes
-(`follower`), processes K.. the sampler replicas (`replica`). Every non-lead process opens its
-link to the lead before any collective (the lead waits for every link first), so a process that
-never starts is named within `connect_timeout_s`. An exception in any process is a fault of the
-job (`rlax_pipe.cluster.faults`): the lead tells every process, each one logs the message naming
-the failed process and its role and exits within `exit_grace_s`.
+The first K = `cfg.distributed.num_learner_processes` processes form the learner mesh: process 0
+is its lead (`lead`: it also holds the rollout queue, the task iterator and the run directory),
+processes 1..K-1 the other learner processes (`follower`); every other process runs a sampler
+replica on its own devices (`replica`). Every non-lead process opens its link to the lead before
+any collective (the lead waits for every link first), so a process that never starts is named
+within `connect_timeout_s`. An exception in any process is a fault of the job
+(`rlax_pipe.cluster.faults`): the lead tells every process, each one logs the message naming the
+failed process and its role and exits within `exit_grace_s`.
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ layout of a replica. Learner process g then sends its copy (its devices, reshape
 mesh) to the replicas it serves (replica r is served by g = r mod K): a pure per-shard copy.
 
 Every process can name every other process's shardings (`process_sharding`) and build stand-ins
-(`stand_ins`: global arrays with no local shards): a process that takes no part in a transfer
-still calls `jax.device_put` with stand-ins, because the transfer keys that pair sends with
-receives are per-process counters that every process must advance in the same order
-(every process reads the transfer log, `weights`).
+(`stand_ins`: global arrays with no local shards), which a process that takes no part in a
+transfer passes to `jax.device_put` all the same (why: `weights`, step 3).
 """
 
 from __future__ import annotations

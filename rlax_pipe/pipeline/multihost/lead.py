@@ -185,10 +185,9 @@ class MultiprocessRecords:
 
 
 class LeadClock(driver_lib.RealClock):
-  """The lead's clock for `driver.drive`: the real-clock learner side (the same spans and cost
-  records as a threaded single-process job), where each step's batch is first sent to the other
-  learner processes (they train in lockstep) and the step runs under the job's wait limit. The
-  sampler side is the `LeadSamplerSide` thread (started before `drive`).
+  """The lead's clock for `driver.drive` (the learner loop of the module docstring): a
+  `driver.RealClock` whose steps first send their batch to the other learner processes and run
+  under the job's wait limit.
 
   Args:
     hub: links to every other process.
