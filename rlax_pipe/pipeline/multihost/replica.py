@@ -107,10 +107,8 @@ class ReplicaProcess:
         "role": "sampler", "replica": self.replica, "slots": cfg.sampler.num_slots * data,
         "manifest": layout.manifest()})
     self.receiver = ReplicaReceiver(layout, monitor, cfg.distributed)
-    self.component = f"sampler/{self.replica}"
     self._spans: list[tuple] = []
     self._rows: list[dict] = []
-    self._pending_update = None
     self._checks_reported = 0  # weight checks sent to the lead (`_status`)
     self.engine: SamplerEngine | envs.EpisodeEngine | None = None
     self.costs = costs_lib.CostRecorder()  # replica perf_counter; shifted when sent
@@ -118,7 +116,7 @@ class ReplicaProcess:
 
   def _record(self, component: str, kind: str, start: float, end: float,
               active: int | None = None, total: int | None = None) -> None:
-    lane = f"env/{self.replica}" if component == "env" else self.component
+    lane = f"{'env' if component == 'env' else 'sampler'}/{self.replica}"
     off = self.link.offset_s
     self._spans.append((lane, kind, start + off, end + off, active, total))
 
@@ -169,7 +167,7 @@ class ReplicaProcess:
   def run(self) -> None:
     """Decodes until the lead says stop; returns after the goodbye."""
     e, driver = self.engine, self.cfg.pipeline.driver
-    finished, last_flush, stopping = [], time.monotonic(), False
+    finished, last_flush, stopping, pending = [], time.monotonic(), False, None
     checked = e.weight_checks
     while not stopping:
       t0 = time.perf_counter()
@@ -185,12 +183,12 @@ class ReplicaProcess:
           stopping = True
         else:
           raise messages.ProtocolError("a second Init message from the lead.")
-      if self._pending_update is None:
-        self._pending_update = self.receiver.poll()
-      if self._pending_update is not None and rules.may_update_weights(driver, e.has_work):
-        update, self._pending_update = self._pending_update, None
-        e.update_weights(update)
-        self._installed(update.version)
+      if pending is None:  # a complete version, kept until the driver's rule lets it in
+        pending = self.receiver.poll()
+      if pending is not None and rules.may_update_weights(driver, e.has_work):
+        e.update_weights(pending)
+        self._installed(pending.version)
+        pending = None
         installs = 1
       if e.has_work:
         before = e.stats()
@@ -218,14 +216,6 @@ class ReplicaProcess:
       rows, self._rows = self._rows, []
       self.link.send(*messages.wire(messages.Rows(tuple(rows))))
 
-  def _episode_counts(self, stats: dict) -> dict:
-    """An environment task's episode and tool counters, as a single-process run's train rows
-    carry them (`EpisodeEngine.episode_metrics`), and the tokens appended onto kept pages
-    (`stats`: the engine's statistics as a dict); {} without an environment task."""
-    if not isinstance(self.engine, envs.EpisodeEngine):
-      return {}
-    return {**self.engine.episode_metrics(), "continued_tokens": stats["continued_tokens"]}
-
   def cost_message(self, offset_s: float) -> messages.Costs:
     """The replica's timed operations and compile intervals, moved to the lead's clock by
     `offset_s` (seconds added to this process's perf_counter)."""
@@ -240,14 +230,14 @@ class ReplicaProcess:
     e = self.engine
     e.check_weights()  # the last version handed over may not have run a dispatch yet
     stats = dataclasses.asdict(e.stats())
-    self._rows.append({"kind": "replica", "replica": self.replica,
-                       "process": self.topology.process_id, "weight_checks": e.weight_checks,
-                       **{k: stats[k] for k in ("weight_updates", "generated_tokens",
-                                                "slot_occupancy")},
-                       "transfers": len(self.receiver.received),
-                       "transfer_s_mean": float(np.mean([r["seconds"] for r in
-                                                         self.receiver.received])),
-                       **self._episode_counts(stats)})
+    row = {"kind": "replica", "replica": self.replica, "process": self.topology.process_id,
+           "weight_checks": e.weight_checks,
+           **{k: stats[k] for k in ("weight_updates", "generated_tokens", "slot_occupancy")},
+           "transfers": len(self.receiver.received),
+           "transfer_s_mean": float(np.mean([r["seconds"] for r in self.receiver.received]))}
+    if isinstance(e, envs.EpisodeEngine):  # episode and tool counts, as in one process
+      row.update(e.episode_metrics(), continued_tokens=stats["continued_tokens"])
+    self._rows.append(row)
     self.link.send(*messages.wire(messages.Rollouts(tuple(e.abort_all()), self._status(True))))
     if isinstance(e, envs.EpisodeEngine):
       e.close()  # the tool worker processes
