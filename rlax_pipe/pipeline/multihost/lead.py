@@ -66,21 +66,19 @@ class LeadSamplerSide:
     return process_id - self.job.cfg.distributed.num_learner_processes
 
   def _handle(self, p: int, kind: str, payload: Any) -> None:
-    job, proxy = self.job, self.proxy
+    job = self.job
     msg = messages.received(kind, payload, messages.TO_LEAD)
     if isinstance(msg, messages.Rollouts):
       r = self._replica(p)
-      rollouts = list(msg.rollouts)
-      proxy.returned(r, rollouts, msg.status)  # handed out by the proxy's next step
+      self.proxy.returned(r, list(msg.rollouts), msg.status)  # handed out by its next step
       for version, checksum in msg.status.get("checked", ()):  # each checked version once
         self.rows.append({"kind": "weights_check", "replica": r, "version": version,
-                       "checksum": checksum})
+                          "checksum": checksum})
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
         job.timeline.record(*span)
     elif isinstance(msg, messages.Rows):
-      for row in msg.rows:
-        self.rows.append(row)
+      self.rows.extend(msg.rows)
     elif isinstance(msg, messages.Costs):
       if job.cost_recorder is not None:
         job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
@@ -170,8 +168,7 @@ class MultiprocessRecords:
     with open(job.run_dir.path / "rollouts.jsonl", "a") as f:
       for r in result.rollouts:
         v = np.asarray(r.policy_versions)
-        runs = [] if v.size == 0 else [[int(x), int(n)] for x, n in
-                                       zip(*np.unique(v, return_counts=True))]
+        runs = [[int(x), int(n)] for x, n in zip(*np.unique(v, return_counts=True))]
         f.write(json.dumps({
             "step": step, "trained_at": result.trained_at, "sample_id": int(r.sample_id),
             "group_id": int(r.group_id), "replica": holders.get(int(r.sample_id), -1),
