@@ -63,11 +63,10 @@ class TransferLayout:
           "all devices of its process (set --config.sampler_mesh_axes to a product of "
           f"{topology.devices_per_process}).")
     self.abstract = abstract = model.abstract_params()
-    leaves, self.treedef = jax.tree_util.tree_flatten(abstract)
-    self.shapes = [tuple(int(d) for d in a.shape) for a in leaves]
-    self.dtypes = [np.dtype(a.dtype) for a in leaves]
-    self.names = [jax.tree_util.keystr(p)
-                  for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    leaves, self.treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    self.names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    self.shapes = [tuple(int(d) for d in a.shape) for _, a in leaves]
+    self.dtypes = [np.dtype(a.dtype) for _, a in leaves]
     mesh = self.process_mesh(topology.replica_processes[0])
     shardings = sharding_lib.logical_to_sharding(model.param_axes(), mesh,
                                                  sharding_lib.SAMPLER_RULES, shapes=abstract)

@@ -192,8 +192,8 @@ class RemoteEngines:
 
   def initial_rng(self, replica: int) -> list | None:
     """The keys replica `replica` starts from on a resume: its own saved ones when the earlier
-    run had that replica, else None (the replica then derives keys from the saved keys of
-    replica 0 and its index, never the seed's)."""
+    run had that replica, else {"derive_from": the first saved keys} (`replica.replica_keys`
+    derives its keys from them and its index, never from the seed); None without saved keys."""
     state = getattr(self, "_restored_rng", None)
     if not state:
       return None
