@@ -31,6 +31,7 @@ import numpy as np
 
 from rlax_pipe import costs as costs_lib
 from rlax_pipe.cluster import FaultMonitor, Hub, ProcessFault
+from rlax_pipe.cluster.topology import replica_of
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline.job import Job
 from rlax_pipe.pipeline.multihost.remote import RemoteEngines
@@ -62,14 +63,11 @@ class LeadSamplerSide:
   def start(self) -> None:
     self._thread.start()
 
-  def _replica(self, process_id: int) -> int:
-    return process_id - self.job.cfg.distributed.num_learner_processes
-
   def _handle(self, p: int, kind: str, payload: Any) -> None:
     job = self.job
     msg = messages.received(kind, payload, messages.TO_LEAD)
     if isinstance(msg, messages.Rollouts):
-      r = self._replica(p)
+      r = replica_of(p, self.proxy.topology.num_learner_processes)
       self.proxy.returned(r, list(msg.rollouts), msg.status)  # handed out by its next step
       for version, checksum in msg.status.get("checked", ()):  # each checked version once
         self.rows.append({"kind": "weights_check", "replica": r, "version": version,
@@ -128,7 +126,7 @@ class LeadSamplerSide:
     if not messages.wait_for(lambda: self.done >= others, timeout_s, self.monitor):
       missing, learners = sorted(others - self.done), self.proxy.topology.num_learner_processes
       logging.warning("replicas %s and learner processes %s did not send their final messages "
-                      "within %.0f s.", [self._replica(p) for p in missing if p >= learners],
+                      "within %.0f s.", [p - learners for p in missing if p >= learners],
                       [p for p in missing if p < learners], timeout_s)
     time.sleep(0.05)  # let the thread handle what arrived with "done"
     self._exit.set()
@@ -219,6 +217,5 @@ class LeadClock(driver_lib.RealClock):
 def fault_on_error(monitor: FaultMonitor, whoami: str, error: BaseException) -> None:
   """Reports an exception of this process's main thread as the job's fault (the others are
   told; this process is ended if it does not exit in time)."""
-  if isinstance(error, ProcessFault):
-    return
-  monitor.report(f"{whoami} failed: {type(error).__name__}: {error}")
+  if not isinstance(error, ProcessFault):  # a fault of another process is reported already
+    monitor.report(f"{whoami} failed: {type(error).__name__}: {error}")
