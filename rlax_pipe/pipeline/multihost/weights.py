@@ -56,8 +56,8 @@ _POLL_S = 0.5
 
 class _LogReader:
   """A process's end of the protocol: its key-value store (prefix `KV_PREFIX`) and a thread that
-  reads the transfer log in order, running `self._handle(n, entry)` for every entry (started by
-  `_start_log`, once the subclass is set up); an exception there is a fault of this process.
+  reads the transfer log in order, running `self._handle(n, entry)` for every entry (each
+  subclass starts it once set up); an exception there is a fault of this process.
   """
 
   def __init__(self, layout: TransferLayout, monitor: FaultMonitor, cfg: DistributedConfig):
@@ -65,9 +65,6 @@ class _LogReader:
     self._kv = KVStore(KV_PREFIX)
     self._log_thread = threading.Thread(target=self._read_log, name="rlax_pipe-transfer-log",
                                         daemon=True)
-
-  def _start_log(self) -> None:
-    self._log_thread.start()
 
   def _handle(self, n: int, entry: dict) -> None:
     raise NotImplementedError
@@ -142,7 +139,7 @@ class LearnerSender(_LogReader):
     self._on_push: list[Callable[[int], None]] = []
     self._acks: queue.Queue = queue.Queue()
     threading.Thread(target=self._ack_loop, name="rlax_pipe-acks", daemon=True).start()
-    self._start_log()
+    self._log_thread.start()
 
   def on_push(self, callback: Callable[[int], None]) -> None:
     """`callback(version)` after every push (the lead announces and retires versions)."""
@@ -356,7 +353,7 @@ class ReplicaReceiver(_LogReader):
     self._incoming: _Incoming | None = None
     self._requests = 0
     self.received: list[dict] = []  # per installed version: version, transfer seconds, ...
-    self._start_log()
+    self._log_thread.start()
 
   def request(self, have: int) -> None:
     """Asks the lead for a version newer than `have` (-1: the first one)."""
