@@ -99,9 +99,8 @@ class TransferLayout:
     out = []
     for x, sharding in zip(staged, self.process_sharding(process_id)):
       by_device = {s.device: s.data for s in x.addressable_shards}
-      order = list(sharding.mesh.devices.flat)
       out.append(jax.make_array_from_single_device_arrays(
-          x.shape, sharding, [by_device[d] for d in order]))
+          x.shape, sharding, [by_device[d] for d in sharding.mesh.devices.flat]))
     return out
 
   @functools.cache  # pylint: disable=method-cache-max-size-none

@@ -134,9 +134,8 @@ class ReplicaProcess:
     first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
     self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
                                 on_span=self._record)
-    keys = replica_keys(init.rng, self.cfg.sampler.seed, self.replica,
-                        len(self.engine.replicas))
-    self.engine.load_rng_state(keys)
+    self.engine.load_rng_state(replica_keys(init.rng, self.cfg.sampler.seed, self.replica,
+                                            len(self.engine.replicas)))
     if self.task is not None:  # episodes; tools in this process's worker pool
       self.engine = envs.EpisodeEngine(
           self.engine, self.task, self.tok, None, self.cfg.env,
