@@ -12,9 +12,8 @@ Two threads, as in the single-process threaded driver:
   processes together).
 
 Timed operations (the job's `CostRecorder`, when it has one): the learner loop records each
-train step, push and the learner's host work as the single-process threaded driver does
-(`driver.RealClock`); the replicas' engine steps and compile intervals arrive at the end in
-`messages.Costs`. The run directory's cost_records.jsonl / cost_fit.json hold both roles.
+train step, push and the learner's host work as `driver.RealClock` does; the replicas' arrive in
+`messages.Costs`, so the run directory's cost_records.jsonl / cost_fit.json hold both roles.
 """
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ with their versions, environment tokens with loss mask 0) and grades their last 
 in one process. Tool time is a span of lane "env/<replica>"; the episode and tool-call counts
 go into the replica's final row.
 
-Every loop iteration that ran the engine is timed as a cost record
-(`costs.CostRecord` "engine_step" with the engine's counters, as the single-process threaded
-driver's sampler loop records it) and sent with the replica's compile intervals at the end
-(`messages.Costs`), so the lead fits the run's cost model to both roles' timed operations.
+Every loop iteration that ran the engine is timed as a cost record ("engine_step" with the
+engine's counters, as the single-process threaded driver's sampler loop records it), sent to the
+lead at the end (`messages.Costs`).
 """
 
 from __future__ import annotations
