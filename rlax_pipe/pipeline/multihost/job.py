@@ -24,13 +24,13 @@ import numpy as np
 from rlax_pipe import cluster
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import timeline as timeline_lib
+from rlax_pipe.learner import CheckpointNotFoundError
 from rlax_pipe.model import Model, ModelLike
 from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
 from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import RunConfig
-from rlax_pipe.learner import CheckpointNotFoundError
 from rlax_pipe.pipeline.multihost.follower import FollowerProcess
 from rlax_pipe.pipeline.multihost.layout import TransferLayout, compare_manifests
 from rlax_pipe.pipeline.multihost.lead import (
@@ -131,7 +131,8 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
     if topo.is_lead:
       out = _run_lead(given, topo, monitor, model, params, hooks)
     else:
-      (_run_follower if topo.role == "learner" else _run_replica)(cfg, topo, monitor, model, params)
+      run_role = _run_follower if topo.role == "learner" else _run_replica
+      run_role(cfg, topo, monitor, model, params)
       out = {"process": topo.process_id, "role": topo.role, "name": topo.name()}
   except BaseException as e:
     fault_on_error(monitor, topo.name(), e)
