@@ -112,9 +112,7 @@ class RemoteEngines:
     """Queues `request` for the targeted replica (sent by `flush`); outside a `target` block,
     a sample that was sent before (a re-dispatch of a lost sample) goes to the replica that
     had it, where its group's prompt pages are."""
-    replica = self._target
-    if replica is None:
-      replica = self.holder.get(int(request.sample_id))
+    replica = self.holder.get(int(request.sample_id)) if self._target is None else self._target
     if replica is None:
       raise RuntimeError("RemoteEngines.submit outside a target(replica) block.")
     state = self.replicas[replica]
