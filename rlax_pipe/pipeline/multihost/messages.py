@@ -188,12 +188,15 @@ def received(kind: str, payload: Any, expected: tuple[type, ...]) -> Message:
 
 def receive(inbox: queue.Queue, expected: tuple[type, ...], timeout_s: float = 0.0
             ) -> Message | None:
-  """The next message in a `Link`'s `inbox`, checked as `received` does; None when none came.
+  """The next message in a `Link`'s `inbox`, checked as `received` does.
 
   Args:
     inbox: the link's queue of `(kind, payload)` pairs.
     expected: the message types this receiver handles.
     timeout_s: seconds to wait for a message (0: take one only if it is there).
+
+  Returns:
+    The message, or None when none came within `timeout_s`.
 
   Raises:
     ProtocolError: as `received`.
@@ -207,8 +210,16 @@ def receive(inbox: queue.Queue, expected: tuple[type, ...], timeout_s: float = 0
 
 def wait_for(ready: Callable[[], T], timeout_s: float, monitor: FaultMonitor | None = None,
              period_s: float = 0.01) -> T | None:
-  """Calls `ready()` every `period_s` seconds until it returns a true value (returned), for up to
-  `timeout_s` seconds (then None).
+  """Polls `ready()` until it returns a true value or `timeout_s` has passed.
+
+  Args:
+    ready: called once per poll, on the calling thread.
+    timeout_s: the limit, seconds.
+    monitor: when given, checked before every poll (a fault of the job ends the wait).
+    period_s: seconds slept between polls (0 when `ready` itself blocks a while).
+
+  Returns:
+    The first true value `ready()` returned, or None at the limit.
 
   Raises:
     ProcessFault: from `monitor.check()`, before every call, once the job failed.
