@@ -156,9 +156,6 @@ class Job:
   def reproducible(self) -> bool:
     return self.cfg.pipeline.mode == "reproducible"
 
-  def _state_dir(self, step: int) -> pathlib.Path:
-    return self.run_dir.path / PIPELINE_STATE / str(step)
-
   def save(self, time_s: float) -> None:
     """Checkpoints the learner with the pipeline state; reproducible runs also save the sampler
     side (engine, virtual clocks, timeline) so a resume continues exactly."""
@@ -174,13 +171,13 @@ class Job:
     if not self.reproducible:
       self.timeline.flush()  # appended, never rewritten
       return
-    save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
-                                       "clock": self.vstate.state_dict(),
-                                       "timeline": self.timeline.state_dict()})
     root = self.run_dir.path / PIPELINE_STATE
+    save_state(root / str(step), {"engine": self.engine.state_dict(),
+                                  "clock": self.vstate.state_dict(),
+                                  "timeline": self.timeline.state_dict()})
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
     for old in steps[:-self.cfg.learner.checkpoint.keep]:
-      shutil.rmtree(self._state_dir(old), ignore_errors=True)
+      shutil.rmtree(root / str(old), ignore_errors=True)
 
 
 def engine_keys(saved: Any) -> list:
@@ -200,26 +197,28 @@ def _sampler_target(model: Model, mesh) -> Any:
 
 
 def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
-  """Restores the newest checkpoint (resume) and makes the run dir a record of it."""
+  """Restores the newest checkpoint (resume) and makes the run dir a record of it (a fresh run:
+  writes its config.json). A resume that fell back past corrupt checkpoints says so in
+  metrics.jsonl (kind "checkpoint_fallback": the step restored, the steps skipped and why)
+  besides the log.
+
+  Returns:
+    The checkpoint's extra state (`Job.save`), or None for a fresh run.
+  """
   if not cfg.resume:
+    rd.write_config(cfg)
     return None
   extra = learner.restore()
   record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
-  log_restore_fallback(learner, rd)
-  return extra
-
-
-def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
-  """A resume that fell back past corrupt checkpoints says so in metrics.jsonl (kind
-  "checkpoint_fallback": the step restored, the steps skipped and why) besides the log."""
   info = learner.last_restore
   if info is None or not info.skipped:
-    return
+    return extra
   logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
                 info.step, list(info.skipped), "; ".join(info.skip_reasons))
   rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
           "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
+  return extra
 
 
 def tokenizer_for(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
@@ -516,8 +515,6 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   cfg, learner_mesh = placement.place(cfg, model, stops, rd)
   learner = make_learner(cfg, learner_mesh, model, params0, rd.checkpoint_dir)
   extra = restore_learner(cfg=given, learner=learner, rd=rd)
-  if extra is None:
-    rd.write_config(given)
   placement.record(rd, cfg, learner, tok, stops)
   offset = float(extra.get("time_s", 0.0)) if extra else 0.0
   reproducible = pcfg.mode == "reproducible"
