@@ -69,10 +69,8 @@ class PipelineConfig:
       (default) for (1, eval_samples). Only valid with eval_samples > 0.
     checkpoint_every: learner steps between checkpoints (>= 1).
     wait_timeout_s: limit of every blocking wait (seconds, > 0; the error says what was awaited
-      and names samples that have not arrived), or None to scale it to measured step times:
-      `wait_timeout_factor` x the longest interval between two learner batches seen so far, at
-      least `wait_timeout_floor_s` (and `driver.STARTUP_WAIT_S` before the first batch, which
-      includes compiles).
+      and names samples that have not arrived), or None to scale it to measured step times
+      (`driver.wait_timeout`).
     wait_timeout_factor: multiple of the measured batch interval (> 1) when wait_timeout_s is None.
     wait_timeout_floor_s: smallest scaled timeout (seconds, > 0).
     lost_sample_policy: what to do with a lost sample, under every staleness policy: one the
@@ -87,10 +85,8 @@ class PipelineConfig:
       tokens (`logp_mismatch_mean`: tokens sampled with exactly the weights being trained),
       which a sampler decoding with other weights than its tags say drives up (0.37 in the
       case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
-      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
-      in its metrics row; `lag0_tokens` there counts the tokens compared, and a step with none
-      (every token lags, common under the pipeline driver) has `lag0_tokens`=0 and no alarm
-      value: nothing was compared (the engine's weight check covers every step). None = off.
+      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning; its metrics are
+      `trainer.lag0_alarm`'s. None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards
@@ -227,9 +223,8 @@ class RunConfig:
       temperature / top_k / top_p). Its `sampling` defines the behaviour policy mu, the
       distribution the learner scores and corrects for with the same `SamplingConfig`; its
       default is `SamplingConfig()`'s (temperature 1.0: the model's own distribution). Its
-      eos_id None (or ()) = the tokenizer's stop set (EOS, the eos_token_id list of
-      generation_config.json, the chat template's end-of-turn id) with the init model's EOS ids;
-      set ids to override. An RL run always has a stop set.
+      eos_id None (or ()) = the tokenizer's and the model's stop set (`job.stop_ids_for`); set
+      ids to override. An RL run always has a stop set.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass
