@@ -10,7 +10,7 @@ filter with the filter off), rejected so that a typo in the switch is not a run 
 does something else; settings that learn nothing (`_check_learning_signal`).
 
 Rules that need the devices, the model or the tokenizer are checked when the job is built
-(`rlax_pipe.pipeline.devices`, `job.build_job`, `job_checks.check_job_settings`).
+(`rlax_pipe.pipeline.devices`, `job.build_job`, `job.check_job_settings`).
 """
 
 from __future__ import annotations

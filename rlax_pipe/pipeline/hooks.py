@@ -421,7 +421,7 @@ class Export:
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
       adapter_path = job.run_dir.path / "hf_lora"
       # A target PEFT cannot express (e.g. the embedding): merged only (warned at startup too,
-      # by `job_checks.check_job_settings`).
+      # by `job.check_job_settings`).
       problem = lora_hf.peft_export_problem(lora)
       if problem is not None:
         logging.warning("export_hf: no PEFT adapter directory (%s); the merged policy is in %s.",

@@ -43,11 +43,12 @@ from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
-from rlax_pipe.config_dict import ConfigError
+from rlax_pipe.config import LoraConfig
+from rlax_pipe.config_dict import ConfigError, name_fields
 from rlax_pipe.learner import Learner
-from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, moe
+from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, lora_hf, moe
+from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.pipeline import config_checks
-from rlax_pipe.pipeline import job_checks
 from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import record as record_lib
@@ -279,9 +280,9 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
     raise ConfigError(
         f"RunConfig.sampler.sampling.top_p={sampling.top_p:g} <= 1 / {vocab} (the model's "
         f"vocabulary) with RunConfig.pipeline.group_size={group_size} learns nothing: the nucleus "
-        "holds only the most likely token (barring exact ties), so every sample of a group is the same and every "
-        f"group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise top_p above "
-        f"{1.0 / vocab:.3g} (1.0 = off).")
+        "holds only the most likely token (barring exact ties), so every sample of a group is "
+        f"the same and every group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise "
+        f"top_p above {1.0 / vocab:.3g} (1.0 = off).")
   ids = [stops] if isinstance(stops, int) else list(stops)
   if tok.vocab_size > vocab or any(i >= vocab for i in ids):
     raise ConfigError(
@@ -289,6 +290,47 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
         f"model of RunConfig.init={cfg.init!r} ({vocab} embeddings): use the model's own "
         "tokenizer (RunConfig.tokenizer_path, or leave it None to use the one in the init "
         "directory).")
+
+
+def check_job_settings(cfg, model) -> None:
+  """The rules of `cfg` that need the model or the file system, checked when the job is built
+  (before any device work, so that a mistake ends the run at startup with one line naming the
+  `--config.` field and the fix): LoRA's targets and rank against the model's weights, the KL
+  reference directory, and whether LoRA adapters can also be exported in PEFT format
+  (`config_checks` has the rules between fields, `check_vocab` those of the tokenizer).
+
+  Args:
+    cfg: the `RunConfig`.
+    model: the learner's `rlax_pipe.model.Model`.
+
+  Raises:
+    ConfigError: a LoRA target that matches no weight matrix or a rank above a targeted
+      matrix's width (naming `RunConfig.learner.lora.<field>`), or a KL reference that is not
+      an HF model directory (`RunConfig.objective.kl_reference`).
+  """
+  lora = None
+  if cfg.learner.lora.enabled:
+    try:
+      lora = lora_lib.LoraAdapters(model, cfg.learner.lora)
+    except ValueError as e:
+      raise ConfigError(name_fields(str(e), LoraConfig, "RunConfig.learner.lora.")) from None
+  o = cfg.objective
+  if o.kl != "off" and o.kl_reference is not None:
+    path = pathlib.Path(o.kl_reference)
+    if not (path / "config.json").is_file():
+      what = "does not exist" if not path.exists() else "holds no config.json"
+      raise ConfigError(
+          f"RunConfig.objective.kl_reference={o.kl_reference!r}: the directory {what}; pass an "
+          "HF model directory (config.json + *.safetensors) of the same architecture, or leave "
+          "it unset to use the initial params as the KL reference.")
+  if lora is not None and cfg.export_hf:
+    # Decided: a warning, not an error. Training with such a target is fine and hf/ (the merged
+    # policy) is still exported; only hf_lora/ (the PEFT adapter directory) is skipped.
+    problem = lora_hf.peft_export_problem(lora)
+    if problem is not None:
+      logging.warning("RunConfig.learner.lora.target_modules=%s: run_dir/hf_lora/ will not be "
+                      "written at the end (%s); run_dir/hf/ gets the merged policy.",
+                      cfg.learner.lora.target_modules, problem)
 
 
 def with_stops(cfg: RunConfig, stops: Any) -> RunConfig:
@@ -511,7 +553,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   model, sampler_model, params0 = models_for(cfg, model, params)
   stops = stop_ids_for(cfg, tok, model)
   check_vocab(cfg, model, tok, stops)
-  job_checks.check_job_settings(cfg, model)
+  check_job_settings(cfg, model)
   cfg, learner_mesh = placement.place(cfg, model, stops, rd)
   learner = make_learner(cfg, learner_mesh, model, params0, rd.checkpoint_dir)
   extra = restore_learner(cfg=given, learner=learner, rd=rd)
