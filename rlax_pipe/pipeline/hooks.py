@@ -261,7 +261,7 @@ class Evaluation:
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
     version, params = policy_params(job)
-    mesh = job.eval_mesh or job.learner_mesh
+    mesh = job.eval_mesh or job.learner.mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
                                 WeightUpdate(version, params, params_owned(job)), mesh=mesh)
     # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).

@@ -133,8 +133,7 @@ class Job:
   tok: tokenizer_lib.Tokenizer
   task: Any
   model: Model
-  learner_mesh: Any
-  learner: Learner
+  learner: Learner  # on the learner mesh (`learner.mesh`)
   channel: WeightChannel
   engine: SamplerEngine
   queue: RolloutQueue
@@ -582,10 +581,9 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=placement.plan, run_dir=rd, tok=tok, task=task,
-             model=model, learner_mesh=learner_mesh, learner=learner, channel=channel,
-             engine=engine, queue=queue, worker=worker, trainer=trainer, timeline=timeline,
-             sampler_clock=sampler_clock, vstate=vstate,
-             clock=JobClock(reproducible, offset), start_step=learner.step,
+             model=model, learner=learner, channel=channel, engine=engine, queue=queue,
+             worker=worker, trainer=trainer, timeline=timeline, sampler_clock=sampler_clock,
+             vstate=vstate, clock=JobClock(reproducible, offset), start_step=learner.step,
              last_eval=extra.get("last_eval") if extra else None,
              cost_recorder=None if reproducible else costs_lib.CostRecorder(),
              eval_mesh=placement.eval_mesh, eval_params=placement.eval_params)
