@@ -79,9 +79,8 @@ def _check_timeouts(cfg) -> None:
   """A reward call must end well within the learner's wait: the fixed `wait_timeout_s`, or,
   when that is None (scaled to measured intervals), its floor `wait_timeout_floor_s`."""
   p = cfg.pipeline
-  name, wait = "wait_timeout_s", p.wait_timeout_s
-  if wait is None:
-    name, wait = "wait_timeout_floor_s", p.wait_timeout_floor_s
+  name = "wait_timeout_s" if p.wait_timeout_s is not None else "wait_timeout_floor_s"
+  wait = getattr(p, name)
   if p.reward_timeout_s >= wait:
     raise ConfigError(
         f"RunConfig.pipeline.reward_timeout_s={p.reward_timeout_s} >= "
@@ -218,11 +217,7 @@ def check_run_config(cfg) -> None:
   Raises:
     ConfigError: naming the fields of the first broken rule and the fix.
   """
-  _check_lengths(cfg)
-  _check_objective(cfg)
-  _check_timeouts(cfg)
-  _check_learning_signal(cfg)
-  _check_unused_settings(cfg)
-  _check_meshes(cfg)
-  task_config_of(cfg)
+  for check in (_check_lengths, _check_objective, _check_timeouts, _check_learning_signal,
+                _check_unused_settings, _check_meshes, task_config_of):
+    check(cfg)
 
