@@ -210,9 +210,9 @@ class RunConfig:
     prompt_format: how prompts become token ids (`tokenizer.PromptFormat`): kind "raw" (the text,
       with BOS when the tokenizer adds one) or "chat" (the user message of the tokenizer's chat
       template with its generation prompt), optional system prompt and template variables.
-    sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh, axes among "data", "tp";
-      the product is the number of sampler devices. () = chosen from the devices present
-      (`pipeline.devices`: 1 device shared by both roles, 2 -> 1 + 1, 8 -> 4 + 4).
+    sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh (axes among
+      `config_checks.SAMPLER_MESH_AXES`); the product is the number of sampler devices.
+      () = chosen from the devices present (`pipeline.devices`).
     learner: learner config; its mesh_axes give the learner mesh (product = learner devices;
       () = chosen from the devices present, as for the sampler).
       Its checkpoint.directory must stay None: the job checkpoints into run_dir/checkpoints.

@@ -1,10 +1,9 @@
 """The RL job's components, built in one function, and their checkpointed state.
 
-`build_job(cfg, model, params)` assembles tokenizer, task, meshes, learner, weight channel,
-sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`),
-for one process (`LocalPlacement`) or a multi-process job's lead (its `placement`);
-`Job.save(time_s)` checkpoints them. Every stateful component saves and restores through one
-protocol, `state_dict()` / `load_state_dict(state)`:
+`build_job` assembles (or restores) tokenizer, task, meshes, learner, weight channel, sampler
+engine, rollout queue, rollout worker and trainer, where its `placement` says (`build_job`'s
+Args); `Job.save(time_s)` checkpoints them. Every stateful component saves and restores through
+one protocol, `state_dict()` / `load_state_dict(state)`:
 
   learner            TrainState (orbax checkpoint, `Learner.save` / `restore`)
   sampling PRNG      the engine's keys (`rng_state`), in every mode   } JSON beside the learner

@@ -6,10 +6,8 @@ Rules (`prepare_run_dir`, `check_changes`):
   checkpointed, so metrics.jsonl / TensorBoard / timeline never hold two attempts.
 - A resume needs a checkpoint: a directory without one is an error (usually a mistyped run_dir),
   never a silent fresh start.
-- A resume runs with the saved configuration. A field that differs from it is refused unless its
-  path (or a parent's) is listed in `RunConfig.change_on_resume`; each allowed change is recorded
-  in config_changes.jsonl with the learner step from which it applies. run_dir, resume and
-  change_on_resume themselves may always differ.
+- A resume runs with the saved configuration: a field that differs is refused unless
+  `RunConfig.change_on_resume` names it (which says how it is recorded) or it is a `FREE_FIELDS`.
 - The records of steps after the restored checkpoint are dropped (`RunDir.truncate_records`).
 
 `merge_saved` builds the configuration of a resumed command line: the saved one, with the fields
