@@ -50,12 +50,11 @@ def check_changes(saved: Mapping[str, Any], cfg, *, source: str) -> dict[str, tu
              if not any(p == a or p.startswith(a + ".") for a in cfg.change_on_resume)}
   if refused:
     listing = "; ".join(f"RunConfig.{p}: saved {b!r}, now {a!r}" for p, (b, a) in refused.items())
-    names = ",".join(refused)
     raise ConfigError(
         f"resume of {cfg.run_dir} with settings that differ from the run's saved configuration "
         f"({source}): {listing}. A resumed run keeps its configuration: drop these settings, or "
         f"name them to change them from this step on (RunConfig.change_on_resume; on the "
-        f"command line --config.change_on_resume={names}).")
+        f"command line --config.change_on_resume={','.join(refused)}).")
   return changes
 
 
