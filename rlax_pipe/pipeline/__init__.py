@@ -13,48 +13,25 @@ Names are imported on first use (PEP 562), so the host-only modules (`rules`, `s
 import importlib
 from typing import Any
 
-# public name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    "pack_rollouts": "rlax_pipe.pipeline.batching",
-    "unpack_batch": "rlax_pipe.pipeline.batching",
-    "UnpackedSample": "rlax_pipe.pipeline.batching",
-    "CostModel": "rlax_pipe.pipeline.config",
-    "DRIVERS": "rlax_pipe.pipeline.rules",
-    "MODES": "rlax_pipe.pipeline.config",
-    "PipelineConfig": "rlax_pipe.pipeline.config",
-    "RunConfig": "rlax_pipe.pipeline.config",
-    "DeadlockError": "rlax_pipe.pipeline.driver",
-    "drive": "rlax_pipe.pipeline.driver",
-    "ThreadedClock": "rlax_pipe.pipeline.driver",
-    "VirtualClocks": "rlax_pipe.pipeline.driver",
-    "VirtualState": "rlax_pipe.pipeline.driver",
-    "FILTER_MODES": "rlax_pipe.pipeline.group_filter",
-    "GroupFilterConfig": "rlax_pipe.pipeline.group_filter",
-    "Checkpoint": "rlax_pipe.pipeline.hooks",
-    "Evaluation": "rlax_pipe.pipeline.hooks",
-    "Report": "rlax_pipe.pipeline.hooks",
-    "StepHook": "rlax_pipe.pipeline.hooks",
-    "TrainLog": "rlax_pipe.pipeline.hooks",
-    "build_job": "rlax_pipe.pipeline.job",
-    "Job": "rlax_pipe.pipeline.job",
-    "JobClock": "rlax_pipe.pipeline.job",
-    "QueueClosed": "rlax_pipe.pipeline.rollout_queue",
-    "QueueStats": "rlax_pipe.pipeline.rollout_queue",
-    "QueueTimeout": "rlax_pipe.pipeline.rollout_queue",
-    "RolloutQueue": "rlax_pipe.pipeline.rollout_queue",
-    "RolloutWorker": "rlax_pipe.pipeline.rollout_worker",
-    "POLICIES": "rlax_pipe.pipeline.staleness",
-    "StalenessConfig": "rlax_pipe.pipeline.staleness",
-    "token_lag": "rlax_pipe.pipeline.rules",
-    "WasteCounters": "rlax_pipe.pipeline.staleness",
-    "StepResult": "rlax_pipe.pipeline.trainer",
-    "Trainer": "rlax_pipe.pipeline.trainer",
-    "ChannelStats": "rlax_pipe.pipeline.weight_channel",
-    "ManifestError": "rlax_pipe.pipeline.weight_channel",
-    "params_manifest": "rlax_pipe.pipeline.weight_channel",
-    "LoraWeightChannel": "rlax_pipe.pipeline.lora_channel",
-    "WeightChannel": "rlax_pipe.pipeline.weight_channel",
+# module of this package -> the public names it defines
+_MODULES: dict[str, tuple[str, ...]] = {
+    "batching": ("pack_rollouts", "unpack_batch", "UnpackedSample"),
+    "config": ("CostModel", "MODES", "PipelineConfig", "RunConfig"),
+    "driver": ("DeadlockError", "drive", "ThreadedClock", "VirtualClocks", "VirtualState"),
+    "group_filter": ("FILTER_MODES", "GroupFilterConfig"),
+    "hooks": ("Checkpoint", "Evaluation", "Report", "StepHook", "TrainLog"),
+    "job": ("build_job", "Job", "JobClock"),
+    "lora_channel": ("LoraWeightChannel",),
+    "rollout_queue": ("QueueClosed", "QueueStats", "QueueTimeout", "RolloutQueue"),
+    "rollout_worker": ("RolloutWorker",),
+    "rules": ("DRIVERS", "token_lag"),
+    "staleness": ("POLICIES", "StalenessConfig", "WasteCounters"),
+    "trainer": ("StepResult", "Trainer"),
+    "weight_channel": ("ChannelStats", "ManifestError", "params_manifest", "WeightChannel"),
 }
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {name: f"{__name__}.{module}"
+                            for module, names in _MODULES.items() for name in names}
 
 __all__ = tuple(sorted(_EXPORTS))
 

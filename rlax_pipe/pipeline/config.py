@@ -11,6 +11,7 @@ from rlax_pipe import config as model_config
 from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
 from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
+from rlax_pipe.costs import load_cost_model
 from rlax_pipe.envs.base import EnvConfig
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -47,18 +48,14 @@ class PipelineConfig:
       `rlax_pipe.advantages`, need >= 2, which `RunConfig` checks).
     seq_len: tokens per packed learner row (>= the sampler's max_seq_len).
     advantage: advantage estimator name (see `rlax_pipe.advantages`).
-    filter_groups: dynamic sampling (DAPO, arXiv 2503.14476, Sec. 3.2; `pipeline.group_filter`):
-      "off" (train every complete scored group) or "zero_variance" (the queue drops a group whose
-      valid rewards are all equal, which teaches a group-relative advantage nothing, and a
-      replacement prompt is admitted so the batch keeps its size; dropped groups and their
-      tokens are counted as waste reason "filtered": the metrics `filtered_groups`,
-      `filtered_samples`, `filtered_tokens` are cumulative over the whole run, resumes included,
-      not per step; a step's count is the difference of two consecutive rows).
+    filter_groups: dynamic sampling (DAPO, arXiv 2503.14476, Sec. 3.2; the rule and its
+      counters are `pipeline.group_filter`'s): "off" (train every complete scored group) or
+      "zero_variance" (the queue drops a group whose valid rewards are all equal and admits a
+      replacement prompt; metrics `filtered_groups`, `filtered_samples`, `filtered_tokens` are
+      cumulative over the whole run, resumes included, not per step).
     filter_max_dropped_per_step: the bound of "zero_variance": most groups dropped between two
-      learner batches (>= 1); past it, zero-variance groups are trained (zero advantage) and
-      counted (`filter_kept_groups` in the metrics, cumulative over the run like the filtered_*
-      counters), so a run whose groups all agree still steps. Only with filter_groups
-      "zero_variance"; a value other than the default with the filter off is rejected.
+      learner batches (>= 1); past it, zero-variance groups are trained and counted
+      (`filter_kept_groups`). Set with the filter off, it is rejected.
     staleness: enforcement of max_lag (policy, bound, queue capacity) and the learner batch size
       in prompt groups, `staleness.groups_per_step` (the unit of the AReaL admission bound; the
       one place it is set, read as `groups_per_step`).
@@ -72,10 +69,8 @@ class PipelineConfig:
       (default) for (1, eval_samples). Only valid with eval_samples > 0.
     checkpoint_every: learner steps between checkpoints (>= 1).
     wait_timeout_s: limit of every blocking wait (seconds, > 0; the error says what was awaited
-      and names samples that have not arrived), or None to scale it to measured step times:
-      `wait_timeout_factor` x the longest interval between two learner batches seen so far, at
-      least `wait_timeout_floor_s` (and `driver.STARTUP_WAIT_S` before the first batch, which
-      includes compiles).
+      and names samples that have not arrived), or None to scale it to measured step times
+      (`driver.wait_timeout`).
     wait_timeout_factor: multiple of the measured batch interval (> 1) when wait_timeout_s is None.
     wait_timeout_floor_s: smallest scaled timeout (seconds, > 0).
     lost_sample_policy: what to do with a lost sample, under every staleness policy: one the
@@ -90,10 +85,8 @@ class PipelineConfig:
       tokens (`logp_mismatch_mean`: tokens sampled with exactly the weights being trained),
       which a sampler decoding with other weights than its tags say drives up (0.37 in the
       case of issue #14 item 10); measured 0.0018 for stale-KV "keep" and 0.0022 for a bf16
-      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning and `lag0_logp_alarm`=1
-      in its metrics row; `lag0_tokens` there counts the tokens compared, and a step with none
-      (every token lags, common under the pipeline driver) has `lag0_tokens`=0 and no alarm
-      value: nothing was compared (the engine's weight check covers every step). None = off.
+      sampler (WORKSPACE_NOTES A5, A9). Above it a step logs a warning; its metrics are
+      `trainer.lag0_alarm`'s. None = off.
     reward_timeout_s: limit of one reward-function call (seconds, > 0); a call still running then
       is killed with its verifier process and the sample gets no reward.
     grading: over-long prompts, completions cut by the length limit, failed rewards
@@ -103,10 +96,7 @@ class PipelineConfig:
     cost_model_file: a stored cost model (a calibration's cost_fit.json, `costs.CostFit.save`)
       that replaces `cost_model` when set.
 
-  There is no pipeline seed: sampling is seeded by `sampler.seed`, the learner's init and
-  PRNG by `learner.seed`, and the prompt stream by the task config's own seed (arithmetic,
-  jsonl, dataset files, reasoning-gym). A config that still sets `pipeline.seed` (it was read
-  by nothing) is refused with that hint (`REMOVED_FIELDS`).
+  There is no pipeline seed (`REMOVED_FIELDS` says which seeds to set instead).
   """
 
   REMOVED_FIELDS: ClassVar[dict[str, str]] = {
@@ -140,10 +130,10 @@ class PipelineConfig:
   cost_model_file: str | None = None
 
   def __post_init__(self):
-    if self.driver not in DRIVERS:
-      raise ValueError(f"PipelineConfig.driver={self.driver!r}; choose one of {DRIVERS}.")
-    if self.mode not in MODES:
-      raise ValueError(f"PipelineConfig.mode={self.mode!r}; choose one of {MODES}.")
+    for name, allowed in (("driver", DRIVERS), ("mode", MODES),
+                          ("lost_sample_policy", LOST_SAMPLE_POLICIES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"PipelineConfig.{name}={getattr(self, name)!r}; choose one of {allowed}.")
     for name in ("num_steps", "group_size", "seq_len", "eval_every", "eval_problems",
                  "checkpoint_every"):
       if getattr(self, name) < 1:
@@ -155,22 +145,14 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.wait_timeout_factor={self.wait_timeout_factor} must be "
                        f"> 1 and wait_timeout_floor_s={self.wait_timeout_floor_s} > 0.")
     self.group_filter  # pylint: disable=pointless-statement  (validates the filter fields)
-    self._validate_eval_samples()
-    if self.lost_sample_policy not in LOST_SAMPLE_POLICIES:
-      raise ValueError(f"PipelineConfig.lost_sample_policy={self.lost_sample_policy!r}; choose "
-                       f"one of {LOST_SAMPLE_POLICIES}.")
-
-  def _validate_eval_samples(self):
     n, ks = self.eval_samples, self.eval_pass_k
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
       raise ValueError(f"PipelineConfig.eval_samples={n!r} must be an int >= 0 (0 = off).")
-    if ks is None:
-      return
-    if n == 0:
+    if ks is not None and n == 0:
       raise ValueError(f"PipelineConfig.eval_pass_k={ks!r} has no effect with eval_samples=0; "
                        "set --config.pipeline.eval_samples=n (>= max k) or leave it None.")
-    if not isinstance(ks, tuple) or not ks or not all(
-        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks):
+    if ks is not None and (not isinstance(ks, tuple) or not ks or not all(
+        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks)):
       raise ValueError(f"PipelineConfig.eval_pass_k={ks!r} must be a non-empty tuple of ints in "
                        f"[1, eval_samples={n}] (pass@k needs k <= n samples).")
 
@@ -201,10 +183,7 @@ class PipelineConfig:
     Raises:
       FileNotFoundError / ValueError: from `costs.load_cost_model`.
     """
-    if self.cost_model_file:
-      from rlax_pipe.costs import load_cost_model  # pylint: disable=import-outside-toplevel
-      return load_cost_model(self.cost_model_file)
-    return self.cost_model
+    return load_cost_model(self.cost_model_file) if self.cost_model_file else self.cost_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +197,8 @@ class RunConfig:
     run_dir: output directory (created; reused with resume=True).
     init: initial policy: "builtin" (the shipped SFT warm start for the arithmetic task),
       "builtin_moe" (the same, sparsely upcycled to 4 experts, top-2, in every layer: the tiny
-      MoE of `configs/pipeline_rl.py:tiny_moe`), or an HF model directory (config.json + *.safetensors; its tokenizer and generation_config.json
-      are used when present).
+      MoE of `configs/pipeline_rl.py:tiny_moe`), or an HF model directory (config.json +
+      *.safetensors; its tokenizer and generation_config.json are used when present).
     task: task name (see rlax_pipe.tasks.TASKS); jsonl_path for task "jsonl".
     jsonl_path: problems file of the JSONL task (or task_config.path).
     task_config: the task's own config (e.g. `tasks.ArithmeticConfig`, `tasks.DatasetFileConfig`
@@ -231,9 +210,9 @@ class RunConfig:
     prompt_format: how prompts become token ids (`tokenizer.PromptFormat`): kind "raw" (the text,
       with BOS when the tokenizer adds one) or "chat" (the user message of the tokenizer's chat
       template with its generation prompt), optional system prompt and template variables.
-    sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh, axes among "data", "tp";
-      the product is the number of sampler devices. () = chosen from the devices present
-      (`pipeline.devices`: 1 device shared by both roles, 2 -> 1 + 1, 8 -> 4 + 4).
+    sampler_mesh_axes: ordered (axis, size) pairs of the sampler mesh (axes among
+      `config_checks.SAMPLER_MESH_AXES`); the product is the number of sampler devices.
+      () = chosen from the devices present (`pipeline.devices`).
     learner: learner config; its mesh_axes give the learner mesh (product = learner devices;
       () = chosen from the devices present, as for the sampler).
       Its checkpoint.directory must stay None: the job checkpoints into run_dir/checkpoints.
@@ -244,9 +223,8 @@ class RunConfig:
       temperature / top_k / top_p). Its `sampling` defines the behaviour policy mu, the
       distribution the learner scores and corrects for with the same `SamplingConfig`; its
       default is `SamplingConfig()`'s (temperature 1.0: the model's own distribution). Its
-      eos_id None (or ()) = the tokenizer's stop set (EOS, the eos_token_id list of
-      generation_config.json, the chat template's end-of-turn id) with the init model's EOS ids;
-      set ids to override. An RL run always has a stop set.
+      eos_id None (or ()) = the tokenizer's and the model's stop set (`job.stop_ids_for`); set
+      ids to override. An RL run always has a stop set.
     pipeline: driver, batch shape, staleness, evaluation and checkpoint cadence.
     eval_slots: decode slots of the held-out evaluation sampler (>= 1).
     sampler_compute_dtype: activation/matmul dtype of the rollout sampler's forward pass

@@ -1,22 +1,16 @@
-"""Rules between fields of a `RunConfig`, checked when the config is built.
+"""Rules between fields of a `RunConfig`, checked when the config is built (`check_run_config`).
 
 Each field's own range is checked by its dataclass; the rules here relate fields of different
 sub-configs, which no single dataclass can see. Every rule names both fields by their path in
 `RunConfig` ("RunConfig.pipeline.seq_len"; the command line spells it
-`--config.pipeline.seq_len`) and says how to fix it. Two kinds:
+`--config.pipeline.seq_len`) and says how to fix it. Three kinds: settings that cannot work
+together (they would fail later, at the first long sample or the first train step); settings
+that would be silently ignored (a LoRA alpha or target list with LoRA off, a bound of the group
+filter with the filter off), rejected so that a typo in the switch is not a run that quietly
+does something else; settings that learn nothing (`_check_learning_signal`).
 
-- settings that cannot work together (they would fail later, at the first long sample or the
-  first train step);
-- settings that would be silently ignored (a LoRA alpha or target list with LoRA off, a bound
-  of the group filter with the filter off): rejected, so a typo in the switch is not a run
-  that quietly does something else;
-- settings that learn nothing (every advantage, hence every token's weight in the gradient, is
-  zero): a group-relative estimator with one sample per group, or a sampler that draws the same
-  completion for every sample of a group.
-
-`check_run_config(cfg)` raises `ConfigError` on the first broken rule; `RunConfig.__post_init__`
-calls it. Rules that need the devices, the model or the tokenizer are checked when the job is
-built (`rlax_pipe.pipeline.devices`, `job.build_job`, `job_checks.check_job_settings`).
+Rules that need the devices, the model or the tokenizer are checked when the job is built
+(`rlax_pipe.pipeline.devices`, `job.build_job`, `job.check_job_settings`).
 """
 
 from __future__ import annotations
@@ -85,9 +79,8 @@ def _check_timeouts(cfg) -> None:
   """A reward call must end well within the learner's wait: the fixed `wait_timeout_s`, or,
   when that is None (scaled to measured intervals), its floor `wait_timeout_floor_s`."""
   p = cfg.pipeline
-  name, wait = "wait_timeout_s", p.wait_timeout_s
-  if wait is None:
-    name, wait = "wait_timeout_floor_s", p.wait_timeout_floor_s
+  name = "wait_timeout_s" if p.wait_timeout_s is not None else "wait_timeout_floor_s"
+  wait = getattr(p, name)
   if p.reward_timeout_s >= wait:
     raise ConfigError(
         f"RunConfig.pipeline.reward_timeout_s={p.reward_timeout_s} >= "
@@ -121,9 +114,9 @@ def _check_learning_signal(cfg) -> None:
 
 def _check_unused_settings(cfg) -> None:
   """Fields that only mean something when a switch is on, set while it is off."""
-  lora, default = cfg.learner.lora, dataclasses.fields(type(cfg.learner.lora))
+  lora = cfg.learner.lora
   if not lora.enabled:
-    changed = [f.name for f in default
+    changed = [f.name for f in dataclasses.fields(lora)
                if f.name != "rank" and getattr(lora, f.name) != f.default]
     if changed:
       fields = ", ".join(f"RunConfig.learner.lora.{n}={getattr(lora, n)!r}" for n in changed)
@@ -132,14 +125,14 @@ def _check_unused_settings(cfg) -> None:
           "Set learner.lora.rank >= 1 (e.g. 16) to train adapters, or leave "
           f"{' / '.join(changed)} at the default.")
   p = cfg.pipeline
-  bound = next(f for f in dataclasses.fields(type(p)) if f.name == "filter_max_dropped_per_step")
-  if p.filter_groups == "off" and p.filter_max_dropped_per_step != bound.default:
+  default = type(p).filter_max_dropped_per_step  # a dataclass default stays a class attribute
+  if p.filter_groups == "off" and p.filter_max_dropped_per_step != default:
     raise ConfigError(
         f"RunConfig.pipeline.filter_max_dropped_per_step={p.filter_max_dropped_per_step} set "
         "with RunConfig.pipeline.filter_groups='off': the bound of the group filter would be "
         "ignored. Set pipeline.filter_groups='zero_variance' to drop groups without learning "
         "signal, or leave filter_max_dropped_per_step at its default "
-        f"({bound.default}).")
+        f"({default}).")
 
 
 def _check_meshes(cfg) -> None:
@@ -154,13 +147,6 @@ def _check_meshes(cfg) -> None:
     if unknown or len({name for name, _ in axes}) != len(axes):
       raise ConfigError(f"RunConfig.{field}={axes!r}: axes must be distinct names among "
                         f"{known}; () chooses them from the devices present.")
-
-
-def _task_config_class(task: str, owner: str) -> type:
-  from rlax_pipe import tasks  # pylint: disable=import-outside-toplevel
-  if task not in tasks.TASKS:
-    raise ConfigError(f"{owner}.task={task!r}; choose one of {sorted(tasks.TASKS)}.")
-  return tasks.TASKS[task][1]
 
 
 def task_config_of(cfg) -> Any:
@@ -183,7 +169,10 @@ def task_config_for(task: str, task_cfg: Any, jsonl_path: str | None = None, *,
     ConfigError: for an unknown task, a task config of another task, unknown fields, or a file
       task without its file (the message names `<owner>.task_config.<field>`).
   """
-  config_cls = _task_config_class(task, owner)
+  from rlax_pipe import tasks  # pylint: disable=import-outside-toplevel
+  if task not in tasks.TASKS:
+    raise ConfigError(f"{owner}.task={task!r}; choose one of {sorted(tasks.TASKS)}.")
+  config_cls = tasks.TASKS[task][1]
   if jsonl_path is not None:
     if task != "jsonl":
       raise ConfigError(f"{owner}.jsonl_path={jsonl_path!r} is only read by task 'jsonl' "
@@ -228,11 +217,7 @@ def check_run_config(cfg) -> None:
   Raises:
     ConfigError: naming the fields of the first broken rule and the fix.
   """
-  _check_lengths(cfg)
-  _check_objective(cfg)
-  _check_timeouts(cfg)
-  _check_learning_signal(cfg)
-  _check_unused_settings(cfg)
-  _check_meshes(cfg)
-  task_config_of(cfg)
+  for check in (_check_lengths, _check_objective, _check_timeouts, _check_learning_signal,
+                _check_unused_settings, _check_meshes, task_config_of):
+    check(cfg)
 

@@ -1,16 +1,10 @@
 """Which devices the sampler and the learner of a run get, and their mesh shapes.
 
 `RunConfig.sampler_mesh_axes` and `RunConfig.learner.mesh_axes` may each be () ("choose for me",
-the default) or explicit (axis, size) pairs. `plan_devices(cfg, devices)` resolves the () ones
-from the devices present:
-
-  1 device        both roles share it (learner ("fsdp", 1), ("tp", 1); sampler ("tp", 1))
-  n >= 2 devices  learner floor(n / 2), sampler the rest: 2 -> 1 + 1, 3 -> 1 + 2, 8 -> 4 + 4
-  learner mesh    ("fsdp", n_l / t), ("tp", t), t the largest power of two with t * t <= n_l
-                  dividing n_l (4 devices: fsdp 2 x tp 2, the default run's layout)
-  sampler mesh    ("tp", n_s) up to 8 devices (one accelerator host's fast interconnect); above,
-                  ("data", n_s / t), ("tp", t) with t the largest divisor of n_s <= 8
-
+the default) or explicit (axis, size) pairs. `plan_devices` resolves the () ones from the
+devices present: one device is shared by both roles; of n >= 2 devices the learner gets
+floor(n / 2) and the sampler the rest (2 -> 1 + 1, 3 -> 1 + 2, 8 -> 4 + 4), shaped by
+`learner_axes_for` (4 devices: fsdp 2 x tp 2, the default run's layout) and `sampler_axes_for`.
 An explicit side keeps its shape and the other side gets the remaining devices. Every error
 names the config fields (and their command-line spelling) that fix it.
 """
@@ -71,7 +65,8 @@ def learner_axes_for(n: int) -> Axes:
 
 
 def sampler_axes_for(n: int) -> Axes:
-  """Sampler mesh for n devices: ("tp", n) up to MAX_SAMPLER_TP, else data replicas x tp."""
+  """Sampler mesh for n devices: ("tp", n) up to MAX_SAMPLER_TP (one accelerator host's fast
+  interconnect), else ("data", n / t), ("tp", t), t the largest divisor of n <= MAX_SAMPLER_TP."""
   if n <= MAX_SAMPLER_TP:
     return (("tp", n),)
   t = max(d for d in range(1, MAX_SAMPLER_TP + 1) if n % d == 0)
@@ -85,18 +80,6 @@ def _size(axes: Axes) -> int:
 def _found(devices: Sequence[Any]) -> str:
   kinds = collections.Counter(getattr(d, "platform", "?") for d in devices)
   return f"{len(devices)} device(s) found ({', '.join(f'{n} {k}' for k, n in kinds.items())})"
-
-
-def _too_many(sampler: Axes, learner: Axes, devices: Sequence[Any]) -> ConfigError:
-  need = _size(sampler) + _size(learner)
-  cpu = all(getattr(d, "platform", "") == "cpu" for d in devices)
-  hint = (f" On a CPU-only machine, XLA_FLAGS=--xla_force_host_platform_device_count={need} "
-          "gives that many virtual devices." if cpu else "")
-  return ConfigError(
-      f"{LEARNER_FIELD}={learner!r} ({_size(learner)} devices) + {SAMPLER_FIELD}={sampler!r} "
-      f"({_size(sampler)} devices) need {need} devices, but {_found(devices)}. Set both to () "
-      "(--config.learner.mesh_axes=\"()\" --config.sampler_mesh_axes=\"()\") to split the devices "
-      "present automatically, or give smaller shapes." + hint)
 
 
 def plan_devices(sampler_mesh_axes: Axes, learner_mesh_axes: Axes,
@@ -139,8 +122,16 @@ def plan_devices(sampler_mesh_axes: Axes, learner_mesh_axes: Axes,
     else:
       learner = learner_axes_for(rest)
   shared = n == 1 and _size(sampler) == 1 and _size(learner) == 1
-  if not shared and _size(sampler) + _size(learner) > n:
-    raise _too_many(sampler, learner, devices)
+  need = _size(sampler) + _size(learner)
+  if not shared and need > n:
+    cpu = all(getattr(d, "platform", "") == "cpu" for d in devices)
+    hint = (f" On a CPU-only machine, XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+            "gives that many virtual devices." if cpu else "")
+    raise ConfigError(
+        f"{LEARNER_FIELD}={learner!r} ({_size(learner)} devices) + {SAMPLER_FIELD}={sampler!r} "
+        f"({_size(sampler)} devices) need {need} devices, but {_found(devices)}. Set both to () "
+        "(--config.learner.mesh_axes=\"()\" --config.sampler_mesh_axes=\"()\") to split the "
+        "devices present automatically, or give smaller shapes." + hint)
   split = sharding_lib.split_devices(devices, _size(sampler), _size(learner))
   return DevicePlan(sampler_mesh_axes=sampler, learner_mesh_axes=learner, split=split,
                     chosen=chosen)

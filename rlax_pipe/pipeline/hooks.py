@@ -261,7 +261,7 @@ class Evaluation:
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
     version, params = policy_params(job)
-    mesh = job.eval_mesh or job.learner_mesh
+    mesh = job.eval_mesh or job.learner.mesh
     self.engine = SamplerEngine(job.model, eval_cfg,
                                 WeightUpdate(version, params, params_owned(job)), mesh=mesh)
     # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).
@@ -421,7 +421,7 @@ class Export:
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
       adapter_path = job.run_dir.path / "hf_lora"
       # A target PEFT cannot express (e.g. the embedding): merged only (warned at startup too,
-      # by `job_checks.check_job_settings`).
+      # by `job.check_job_settings`).
       problem = lora_hf.peft_export_problem(lora)
       if problem is not None:
         logging.warning("export_hf: no PEFT adapter directory (%s); the merged policy is in %s.",

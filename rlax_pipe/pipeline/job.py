@@ -1,10 +1,9 @@
 """The RL job's components, built in one function, and their checkpointed state.
 
-`build_job(cfg, model, params)` assembles tokenizer, task, meshes, learner, weight channel,
-sampler engine, rollout queue, rollout worker and trainer (restoring them with `cfg.resume`),
-for one process (`LocalPlacement`) or a multi-process job's lead (its `placement`);
-`Job.save(time_s)` checkpoints them. Every stateful component saves and restores through one
-protocol, `state_dict()` / `load_state_dict(state)`:
+`build_job` assembles (or restores) tokenizer, task, meshes, learner, weight channel, sampler
+engine, rollout queue, rollout worker and trainer, where its `placement` says (`build_job`'s
+Args); `Job.save(time_s)` checkpoints them. Every stateful component saves and restores through
+one protocol, `state_dict()` / `load_state_dict(state)`:
 
   learner            TrainState (orbax checkpoint, `Learner.save` / `restore`)
   sampling PRNG      the engine's keys (`rng_state`), in every mode   } JSON beside the learner
@@ -43,11 +42,12 @@ from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
-from rlax_pipe.config_dict import ConfigError
+from rlax_pipe.config import LoraConfig
+from rlax_pipe.config_dict import ConfigError, name_fields
 from rlax_pipe.learner import Learner
-from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, moe
+from rlax_pipe.model import Model, ModelLike, Transformer, as_model, hf_io, lora_hf, moe
+from rlax_pipe.model import lora as lora_lib
 from rlax_pipe.pipeline import config_checks
-from rlax_pipe.pipeline import job_checks
 from rlax_pipe.pipeline import devices as devices_lib
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import record as record_lib
@@ -132,8 +132,7 @@ class Job:
   tok: tokenizer_lib.Tokenizer
   task: Any
   model: Model
-  learner_mesh: Any
-  learner: Learner
+  learner: Learner  # on the learner mesh (`learner.mesh`)
   channel: WeightChannel
   engine: SamplerEngine
   queue: RolloutQueue
@@ -156,9 +155,6 @@ class Job:
   def reproducible(self) -> bool:
     return self.cfg.pipeline.mode == "reproducible"
 
-  def _state_dir(self, step: int) -> pathlib.Path:
-    return self.run_dir.path / PIPELINE_STATE / str(step)
-
   def save(self, time_s: float) -> None:
     """Checkpoints the learner with the pipeline state; reproducible runs also save the sampler
     side (engine, virtual clocks, timeline) so a resume continues exactly."""
@@ -174,13 +170,13 @@ class Job:
     if not self.reproducible:
       self.timeline.flush()  # appended, never rewritten
       return
-    save_state(self._state_dir(step), {"engine": self.engine.state_dict(),
-                                       "clock": self.vstate.state_dict(),
-                                       "timeline": self.timeline.state_dict()})
     root = self.run_dir.path / PIPELINE_STATE
+    save_state(root / str(step), {"engine": self.engine.state_dict(),
+                                  "clock": self.vstate.state_dict(),
+                                  "timeline": self.timeline.state_dict()})
     steps = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit())
     for old in steps[:-self.cfg.learner.checkpoint.keep]:
-      shutil.rmtree(self._state_dir(old), ignore_errors=True)
+      shutil.rmtree(root / str(old), ignore_errors=True)
 
 
 def engine_keys(saved: Any) -> list:
@@ -200,26 +196,28 @@ def _sampler_target(model: Model, mesh) -> Any:
 
 
 def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
-  """Restores the newest checkpoint (resume) and makes the run dir a record of it."""
+  """Restores the newest checkpoint (resume) and makes the run dir a record of it (a fresh run:
+  writes its config.json). A resume that fell back past corrupt checkpoints says so in
+  metrics.jsonl (kind "checkpoint_fallback": the step restored, the steps skipped and why)
+  besides the log.
+
+  Returns:
+    The checkpoint's extra state (`Job.save`), or None for a fresh run.
+  """
   if not cfg.resume:
+    rd.write_config(cfg)
     return None
   extra = learner.restore()
   record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
-  log_restore_fallback(learner, rd)
-  return extra
-
-
-def log_restore_fallback(learner: Learner, rd: RunDir) -> None:
-  """A resume that fell back past corrupt checkpoints says so in metrics.jsonl (kind
-  "checkpoint_fallback": the step restored, the steps skipped and why) besides the log."""
   info = learner.last_restore
   if info is None or not info.skipped:
-    return
+    return extra
   logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
                 info.step, list(info.skipped), "; ".join(info.skip_reasons))
   rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
           "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
+  return extra
 
 
 def tokenizer_for(cfg: RunConfig) -> tokenizer_lib.Tokenizer:
@@ -280,9 +278,9 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
     raise ConfigError(
         f"RunConfig.sampler.sampling.top_p={sampling.top_p:g} <= 1 / {vocab} (the model's "
         f"vocabulary) with RunConfig.pipeline.group_size={group_size} learns nothing: the nucleus "
-        "holds only the most likely token (barring exact ties), so every sample of a group is the same and every "
-        f"group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise top_p above "
-        f"{1.0 / vocab:.3g} (1.0 = off).")
+        "holds only the most likely token (barring exact ties), so every sample of a group is "
+        f"the same and every group-relative advantage ({cfg.pipeline.advantage}) is 0. Raise "
+        f"top_p above {1.0 / vocab:.3g} (1.0 = off).")
   ids = [stops] if isinstance(stops, int) else list(stops)
   if tok.vocab_size > vocab or any(i >= vocab for i in ids):
     raise ConfigError(
@@ -290,6 +288,47 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
         f"model of RunConfig.init={cfg.init!r} ({vocab} embeddings): use the model's own "
         "tokenizer (RunConfig.tokenizer_path, or leave it None to use the one in the init "
         "directory).")
+
+
+def check_job_settings(cfg, model) -> None:
+  """The rules of `cfg` that need the model or the file system, checked when the job is built
+  (before any device work, so that a mistake ends the run at startup with one line naming the
+  `--config.` field and the fix): LoRA's targets and rank against the model's weights, the KL
+  reference directory, and whether LoRA adapters can also be exported in PEFT format
+  (`config_checks` has the rules between fields, `check_vocab` those of the tokenizer).
+
+  Args:
+    cfg: the `RunConfig`.
+    model: the learner's `rlax_pipe.model.Model`.
+
+  Raises:
+    ConfigError: a LoRA target that matches no weight matrix or a rank above a targeted
+      matrix's width (naming `RunConfig.learner.lora.<field>`), or a KL reference that is not
+      an HF model directory (`RunConfig.objective.kl_reference`).
+  """
+  lora = None
+  if cfg.learner.lora.enabled:
+    try:
+      lora = lora_lib.LoraAdapters(model, cfg.learner.lora)
+    except ValueError as e:
+      raise ConfigError(name_fields(str(e), LoraConfig, "RunConfig.learner.lora.")) from None
+  o = cfg.objective
+  if o.kl != "off" and o.kl_reference is not None:
+    path = pathlib.Path(o.kl_reference)
+    if not (path / "config.json").is_file():
+      what = "does not exist" if not path.exists() else "holds no config.json"
+      raise ConfigError(
+          f"RunConfig.objective.kl_reference={o.kl_reference!r}: the directory {what}; pass an "
+          "HF model directory (config.json + *.safetensors) of the same architecture, or leave "
+          "it unset to use the initial params as the KL reference.")
+  if lora is not None and cfg.export_hf:
+    # Decided: a warning, not an error. Training with such a target is fine and hf/ (the merged
+    # policy) is still exported; only hf_lora/ (the PEFT adapter directory) is skipped.
+    problem = lora_hf.peft_export_problem(lora)
+    if problem is not None:
+      logging.warning("RunConfig.learner.lora.target_modules=%s: run_dir/hf_lora/ will not be "
+                      "written at the end (%s); run_dir/hf/ gets the merged policy.",
+                      cfg.learner.lora.target_modules, problem)
 
 
 def with_stops(cfg: RunConfig, stops: Any) -> RunConfig:
@@ -502,12 +541,10 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   model, sampler_model, params0 = models_for(cfg, model, params)
   stops = stop_ids_for(cfg, tok, model)
   check_vocab(cfg, model, tok, stops)
-  job_checks.check_job_settings(cfg, model)
+  check_job_settings(cfg, model)
   cfg, learner_mesh = placement.place(cfg, model, stops, rd)
   learner = make_learner(cfg, learner_mesh, model, params0, rd.checkpoint_dir)
   extra = restore_learner(cfg=given, learner=learner, rd=rd)
-  if extra is None:
-    rd.write_config(given)
   placement.record(rd, cfg, learner, tok, stops)
   offset = float(extra.get("time_s", 0.0)) if extra else 0.0
   reproducible = pcfg.mode == "reproducible"
@@ -533,10 +570,9 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
     worker.load_state_dict(worker_state)
   trainer = Trainer(learner, queue, channel, pcfg)
   return Job(cfg=cfg, given_cfg=given, plan=placement.plan, run_dir=rd, tok=tok, task=task,
-             model=model, learner_mesh=learner_mesh, learner=learner, channel=channel,
-             engine=engine, queue=queue, worker=worker, trainer=trainer, timeline=timeline,
-             sampler_clock=sampler_clock, vstate=vstate,
-             clock=JobClock(reproducible, offset), start_step=learner.step,
+             model=model, learner=learner, channel=channel, engine=engine, queue=queue,
+             worker=worker, trainer=trainer, timeline=timeline, sampler_clock=sampler_clock,
+             vstate=vstate, clock=JobClock(reproducible, offset), start_step=learner.step,
              last_eval=extra.get("last_eval") if extra else None,
              cost_recorder=None if reproducible else costs_lib.CostRecorder(),
              eval_mesh=placement.eval_mesh, eval_params=placement.eval_params)

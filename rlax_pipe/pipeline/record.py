@@ -6,10 +6,8 @@ Rules (`prepare_run_dir`, `check_changes`):
   checkpointed, so metrics.jsonl / TensorBoard / timeline never hold two attempts.
 - A resume needs a checkpoint: a directory without one is an error (usually a mistyped run_dir),
   never a silent fresh start.
-- A resume runs with the saved configuration. A field that differs from it is refused unless its
-  path (or a parent's) is listed in `RunConfig.change_on_resume`; each allowed change is recorded
-  in config_changes.jsonl with the learner step from which it applies. run_dir, resume and
-  change_on_resume themselves may always differ.
+- A resume runs with the saved configuration: a field that differs is refused unless
+  `RunConfig.change_on_resume` names it (which says how it is recorded) or it is a `FREE_FIELDS`.
 - The records of steps after the restored checkpoint are dropped (`RunDir.truncate_records`).
 
 `merge_saved` builds the configuration of a resumed command line: the saved one, with the fields
@@ -19,7 +17,7 @@ the command line names explicitly.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from absl import logging
 
@@ -30,56 +28,33 @@ from rlax_pipe.run_dir import RunDir, flatten, to_jsonable
 FREE_FIELDS: tuple[str, ...] = ("run_dir", "resume", "change_on_resume")
 
 
-def _is_free(path: str) -> bool:
-  return path.split(".")[0] in FREE_FIELDS
-
-
-def _covered(path: str, allowed: Iterable[str]) -> bool:
-  return any(path == a or path.startswith(a + ".") for a in allowed)
-
-
-def config_changes(saved: Mapping[str, Any], given: Mapping[str, Any]
-                   ) -> dict[str, tuple[Any, Any]]:
-  """{dotted field path: (saved value, given value)} for every field that differs.
-
-  Both are JSON-like dicts (`run_dir.to_jsonable` of a RunConfig); tuples and lists compare
-  equal. Fields run_dir, resume and change_on_resume are left out.
-  """
-  a, b = flatten(to_jsonable(dict(saved))), flatten(to_jsonable(dict(given)))
-  out = {}
-  for path in sorted(set(a) | set(b)):
-    if _is_free(path):
-      continue
-    before, after = a.get(path), b.get(path)
-    if before != after:
-      out[path] = (before, after)
-  return out
-
-
 def check_changes(saved: Mapping[str, Any], cfg, *, source: str) -> dict[str, tuple[Any, Any]]:
   """The changes of `cfg` against the `saved` configuration, refused unless named.
 
   Args:
-    saved: the saved configuration (dict).
+    saved: the saved configuration (a JSON-like dict, `run_dir.to_jsonable` of a RunConfig).
     cfg: the RunConfig of this session.
     source: where `saved` was read (for the message).
 
   Returns:
-    The allowed changes {path: (before, after)}.
+    The allowed changes {dotted field path: (saved value, given value)}: every field that
+    differs (tuples and lists compare equal), the `FREE_FIELDS` left out.
 
   Raises:
     ConfigError: listing every change not named in `change_on_resume`, with the fix.
   """
-  changes = config_changes(saved, to_jsonable(cfg))
-  refused = {p: v for p, v in changes.items() if not _covered(p, cfg.change_on_resume)}
+  before, after = flatten(to_jsonable(dict(saved))), flatten(to_jsonable(cfg))
+  changes = {p: (before.get(p), after.get(p)) for p in sorted(set(before) | set(after))
+             if p.split(".")[0] not in FREE_FIELDS and before.get(p) != after.get(p)}
+  refused = {p: v for p, v in changes.items()
+             if not any(p == a or p.startswith(a + ".") for a in cfg.change_on_resume)}
   if refused:
     listing = "; ".join(f"RunConfig.{p}: saved {b!r}, now {a!r}" for p, (b, a) in refused.items())
-    names = ",".join(refused)
     raise ConfigError(
         f"resume of {cfg.run_dir} with settings that differ from the run's saved configuration "
         f"({source}): {listing}. A resumed run keeps its configuration: drop these settings, or "
         f"name them to change them from this step on (RunConfig.change_on_resume; on the "
-        f"command line --config.change_on_resume={names}).")
+        f"command line --config.change_on_resume={','.join(refused)}).")
   return changes
 
 
@@ -135,15 +110,6 @@ def record_resume(rd: RunDir, cfg, step: int, saved: Mapping[str, Any] | None) -
   rd.write_config(cfg)
 
 
-def _set_path(tree: dict, path: Sequence[str], value: Any) -> None:
-  node = tree
-  for key in path[:-1]:
-    if not isinstance(node.get(key), dict):
-      node[key] = {}
-    node = node[key]
-  node[path[-1]] = value
-
-
 def merge_saved(saved: Mapping[str, Any], given: Mapping[str, Any],
                 paths: Iterable[str]) -> dict:
   """The saved configuration with the values of `paths` taken from `given`.
@@ -157,11 +123,16 @@ def merge_saved(saved: Mapping[str, Any], given: Mapping[str, Any],
     A nested dict for `config_dict.from_config_dict(RunConfig, ...)`; resume is True.
   """
   out = copy.deepcopy(dict(saved))
-  for path in list(paths) + ["resume"]:
+  for path in paths:
     keys = path.split(".")
-    node: Any = given
+    value: Any = given
     for key in keys:
-      node = node.get(key) if isinstance(node, Mapping) else None
-    _set_path(out, keys, to_jsonable(node))
+      value = value.get(key) if isinstance(value, Mapping) else None
+    node = out
+    for key in keys[:-1]:
+      if not isinstance(node.get(key), dict):
+        node[key] = {}
+      node = node[key]
+    node[keys[-1]] = to_jsonable(value)
   out["resume"] = True
   return out

@@ -11,7 +11,7 @@ from rlax_pipe import objectives
 from rlax_pipe.config import ModelConfig, LoraConfig
 from rlax_pipe.config_dict import ConfigError
 from rlax_pipe.model import Transformer, lora as lora_lib, lora_hf
-from rlax_pipe.pipeline import job_checks
+from rlax_pipe.pipeline import job as job_lib
 from rlax_pipe.pipeline import run as run_lib
 from rlax_pipe.pipeline.config import PipelineConfig
 from rlax_pipe.pipeline.group_filter import GroupFilterConfig
@@ -32,12 +32,12 @@ def test_lora_targets_and_rank_are_checked_against_the_model_at_startup():
   cfg = _run_cfg()
   with pytest.raises(ConfigError, match=r"^RunConfig\.learner\.lora\.target_modules \['q_proj'\] "
                                         r"match no weight matrix.*layers/wq"):
-    job_checks.check_job_settings(_with_lora(cfg, rank=2, target_modules=("q_proj",)), MODEL)
+    job_lib.check_job_settings(_with_lora(cfg, rank=2, target_modules=("q_proj",)), MODEL)
   with pytest.raises(ConfigError, match=r"^RunConfig\.learner\.lora\.rank=9 exceeds the smallest "
                                         r"width 8 .* use rank <= 8"):
-    job_checks.check_job_settings(_with_lora(cfg, rank=9, target_modules=("wk",)), MODEL)
-  job_checks.check_job_settings(_with_lora(cfg, rank=8, target_modules=("wk",)), MODEL)
-  job_checks.check_job_settings(cfg, MODEL)  # LoRA off: nothing to check
+    job_lib.check_job_settings(_with_lora(cfg, rank=9, target_modules=("wk",)), MODEL)
+  job_lib.check_job_settings(_with_lora(cfg, rank=8, target_modules=("wk",)), MODEL)
+  job_lib.check_job_settings(cfg, MODEL)  # LoRA off: nothing to check
 
 
 def test_a_missing_kl_reference_directory_is_named_at_startup(tmp_path):
@@ -47,7 +47,7 @@ def test_a_missing_kl_reference_directory_is_named_at_startup(tmp_path):
         cfg.objective, kl="loss", kl_coef=0.01, kl_reference=str(path)))
     with pytest.raises(ConfigError, match=rf"^RunConfig\.objective\.kl_reference='{path}': the "
                                           rf"directory {what}; pass an HF model directory"):
-      job_checks.check_job_settings(bad, MODEL)
+      job_lib.check_job_settings(bad, MODEL)
 
 
 def test_lora_the_peft_format_cannot_express_warns_at_startup(caplog):
@@ -58,11 +58,11 @@ def test_lora_the_peft_format_cannot_express_warns_at_startup(caplog):
       lora_lib.LoraAdapters(MODEL, LoraConfig(rank=2, target_modules=("wq", "w_down")))) is None
   cfg = _with_lora(_run_cfg(), rank=2, target_modules=("embed", "wq"))
   with caplog.at_level(logging.WARNING):
-    job_checks.check_job_settings(cfg, MODEL)
+    job_lib.check_job_settings(cfg, MODEL)
   assert "hf_lora/ will not be written" in caplog.text and "embed" in caplog.text
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    job_checks.check_job_settings(dataclasses.replace(cfg, export_hf=False), MODEL)
+    job_lib.check_job_settings(dataclasses.replace(cfg, export_hf=False), MODEL)
   assert "hf_lora" not in caplog.text
 
 
