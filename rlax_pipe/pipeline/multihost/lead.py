@@ -90,6 +90,7 @@ class LeadSamplerSide:
       self.proxy.flush(r)
 
   def _loop(self) -> None:
+    stop_sent = False
     try:
       while not self._exit.is_set() and self.monitor.error is None:
         try:
@@ -109,6 +110,11 @@ class LeadSamplerSide:
           # to the replica that had them or their group given up (issue #27 item 2)
           self.job.worker.check_lost(time.monotonic(), self._delivery_limit_s)
           self._top_up()
+        elif not stop_sent:  # from this thread: no request can follow the stop
+          self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
+          stop_sent = True
+        elif self.done >= set(range(1, self.proxy.topology.num_processes)):
+          return  # every process's last messages handled, their samples stepped and queued
     except BaseException as e:  # pylint: disable=broad-except
       logging.exception("the learner lead's sampler thread failed")
       self.monitor.report(f"learner lead (process 0): its sampler thread failed: "
@@ -116,20 +122,25 @@ class LeadSamplerSide:
       self.job.queue.close()
 
   def stop(self, timeout_s: float) -> None:
-    """Stops topping up, tells the replicas to stop (the other learner processes were told
-    "end"), and waits for every process's last messages (spans and rows), so that the run
-    directory gets all of them."""
+    """Stops topping up, has the thread tell the replicas to stop (the other learner processes
+    were told "end"), and waits up to `timeout_s` seconds for it to handle every process's last
+    messages (spans, rows, the replicas' last samples), so that the run directory gets all of
+    them.
+
+    Raises:
+      ProcessFault: when the job failed meanwhile.
+    """
     self._stopping.set()
-    self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
-    others = set(range(1, self.proxy.topology.num_processes))
-    if not messages.wait_for(lambda: self.done >= others, timeout_s, self.monitor):
+    self._thread.join(timeout=timeout_s)
+    self.monitor.check()
+    if self._thread.is_alive():
+      others = set(range(1, self.proxy.topology.num_processes))
       missing, learners = sorted(others - self.done), self.proxy.topology.num_learner_processes
       logging.warning("replicas %s and learner processes %s did not send their final messages "
                       "within %.0f s.", [p - learners for p in missing if p >= learners],
                       [p for p in missing if p < learners], timeout_s)
-    time.sleep(0.05)  # let the thread handle what arrived with "done"
-    self._exit.set()
-    self._thread.join(timeout=timeout_s)
+      self._exit.set()
+      self._thread.join(timeout=timeout_s)
 
 
 class MultiprocessRecords:
