@@ -41,7 +41,8 @@ ROW_METRICS = ("loss", "ess", "ratio_mean", "ratio_var", "ratio_min", "ratio_max
 
 
 class StepHook(Protocol):
-  """Something the job runs after every learner step and once at the end."""
+  """Something the job runs after every learner step and once at the end; a subclass inherits a
+  no-op for the one it does not need."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     """After learner step `job.learner.step`; `time_s` is the run time (seconds)."""
@@ -149,13 +150,12 @@ def signal_group_fraction(result: StepResult) -> float:
 NO_SIGNAL_WARN_STEPS = 5
 
 
-class TrainLog:
+class TrainLog(StepHook):
   """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line; a
   warning when `NO_SIGNAL_WARN_STEPS` steps in a row had no learning signal (every group's
   rewards equal, so every advantage was 0)."""
 
   def __init__(self, eta: Eta | None = None):
-    self.steps_this_session = 0
     self.eta = eta or Eta()
     self.no_signal_steps = 0
 
@@ -169,7 +169,6 @@ class TrainLog:
           "(sampler.sampling.temperature).", step - NO_SIGNAL_WARN_STEPS + 1, step)
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    self.steps_this_session += 1
     step, m, pcfg = job.learner.step, result.metrics, job.cfg.pipeline
     lag_mean, lag_max = lag_stats(m["lag_hist"])
     sample_lags = sample_lag_stats(result)
@@ -218,9 +217,6 @@ class TrainLog:
     job.run_dir.log(row, step)
     logging.info("%s", progress_line(job, row))
 
-  def on_end(self, job: Job, time_s: float) -> None:
-    del job, time_s
-
 
 def _duration(seconds: float | None) -> str:
   if seconds is None:
@@ -245,7 +241,7 @@ def progress_line(job: Job, row: dict) -> str:
           f"{_duration(row['wall_s'])} elapsed, {eta}")
 
 
-class Evaluation:
+class Evaluation(StepHook):
   """Held-out greedy accuracy with an engine on the learner mesh, every `eval_every` steps
   (not at the last step) and once at the end; its wall time is excluded from the run time.
   With `PipelineConfig.eval_samples` = n > 0 a second engine (the sampler's `SamplingConfig`,
@@ -363,7 +359,7 @@ def params_owned(job: Job) -> bool:
   return job.eval_params is not None
 
 
-class Checkpoint:
+class Checkpoint(StepHook):
   """Checkpoints every `checkpoint_every` steps and at the end (then waits for the writes)."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
@@ -396,13 +392,10 @@ def save_cost_fit(job: Job) -> dict | None:
   return fit.to_dict()
 
 
-class Export:
+class Export(StepHook):
   """At the end: the trained policy as an HF model directory run_dir/hf/ (`RunConfig.export_hf`;
   built-in model family only), with the run's tokenizer and generation config. With LoRA, hf/
   holds the merged weights and run_dir/hf_lora/ the adapters as a PEFT adapter directory."""
-
-  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    del job, result, time_s
 
   def on_end(self, job: Job, time_s: float) -> None:
     del time_s
@@ -433,16 +426,13 @@ class Export:
                    "%s)", adapter_path, path)
 
 
-class Report:
+class Report(StepHook):
   """At the end: timeline.jsonl, Gantt chart and plots, the cost records and the fitted cost
   model of a threaded run, and the run summary (summary.json)."""
 
   def __init__(self, evaluation_hook: Evaluation):
     self._eval = evaluation_hook
     self.summary: dict | None = None
-
-  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    del job, result, time_s
 
   def on_end(self, job: Job, time_s: float) -> None:
     pcfg, rd = job.cfg.pipeline, job.run_dir
