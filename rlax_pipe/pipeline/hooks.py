@@ -256,34 +256,30 @@ class Evaluation(StepHook):
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    version, params = policy_params(job)
-    mesh = job.eval_mesh or job.learner_mesh
-    self.engine = SamplerEngine(job.model, eval_cfg,
-                                WeightUpdate(version, params, params_owned(job)), mesh=mesh)
-    # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).
     self.episodes = envs.is_environment(job.task)
-    if self.episodes:
-      self.engine = envs.evaluation_engine(self.engine, job.task, job.tok, cfg.env,
-                                           chat=cfg.prompt_format.kind == "chat")
-    self.sampled_engine = None
-    if cfg.pipeline.eval_samples:
-      version, params = policy_params(job)
-      self.sampled_engine = SamplerEngine(
-          job.model, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling),
-          WeightUpdate(version, params, params_owned(job)), mesh=mesh)
-      if self.episodes:
-        self.sampled_engine = envs.evaluation_engine(
-            self.sampled_engine, job.task, job.tok, cfg.env,
-            chat=cfg.prompt_format.kind == "chat")
+    self.engine = self._engine(job, eval_cfg)
+    self.sampled_engine = (
+        self._engine(job, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling))
+        if cfg.pipeline.eval_samples else None)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
+
+  def _engine(self, job: Job, sampler_cfg) -> SamplerEngine:
+    """An engine of `sampler_cfg` on the evaluation mesh holding the newest policy; for an
+    environment task one that runs episodes with its tools (`envs.evaluation_engine`)."""
+    engine = SamplerEngine(job.model, sampler_cfg, policy_update(job),
+                           mesh=job.eval_mesh or job.learner_mesh)
+    if not self.episodes:
+      return engine
+    return envs.evaluation_engine(engine, job.task, job.tok, job.cfg.env,
+                                  chat=job.cfg.prompt_format.kind == "chat")
 
   def _sampled_row(self, job: Job) -> dict:
     """mean@n and pass@k of n samples per problem ({} when eval_samples is 0)."""
     if self.sampled_engine is None:
       return {}
     if job.learner.version != self.sampled_engine.version:
-      self.sampled_engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
+      self.sampled_engine.update_weights(policy_update(job))
     pcfg = job.cfg.pipeline
     res = evaluation.evaluate_samples(
         self.sampled_engine, job.task, job.tok, self.problems, pcfg.eval_samples, pcfg.pass_ks,
@@ -298,7 +294,7 @@ class Evaluation(StepHook):
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
+      self.engine.update_weights(policy_update(job))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     sampled = self._sampled_row(job)
@@ -345,18 +341,13 @@ class Evaluation(StepHook):
     self.close()
 
 
-def policy_params(job: Job) -> tuple[int, object]:
-  """(version, params) of the newest policy for evaluation and export: the job's `eval_params`
-  (a multi-process lead's own copy), else the learner's params (LoRA merged into the base)."""
+def policy_update(job: Job) -> WeightUpdate:
+  """The newest policy for evaluation and export: the job's `eval_params` (a multi-process
+  lead's own copy, which the receiving engine owns and frees: `donated`), else the learner's
+  params (LoRA merged into the base; the learner keeps them)."""
   if job.eval_params is not None:
-    return job.eval_params()
-  return job.learner.version, job.learner.merged_params()
-
-
-def params_owned(job: Job) -> bool:
-  """Whether the evaluation engine owns (and frees) the params it gets: copies made for it do,
-  the learner's own params do not."""
-  return job.eval_params is not None
+    return WeightUpdate(*job.eval_params(), donated=True)
+  return WeightUpdate(job.learner.version, job.learner.merged_params(), donated=False)
 
 
 class Checkpoint(StepHook):
@@ -407,7 +398,7 @@ class Export(StepHook):
       return
     path = job.run_dir.path / "hf"
     # The learner's params, or (multi-process job) the lead's own copy of the newest version.
-    _, params = policy_params(job)
+    params = policy_update(job).params
     model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
     lora = getattr(job.learner, "lora", None)
