@@ -19,10 +19,8 @@ from absl import logging
 from rlax_pipe.model import ModelLike
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
-from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig  # pylint: disable=unused-import
+from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.job import Job, build_job
-from rlax_pipe.pipeline.job import builtin_warm_start_path  # pylint: disable=unused-import
-from rlax_pipe.pipeline.job import load_initial_params  # pylint: disable=unused-import
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
