@@ -82,9 +82,8 @@ def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHoo
                if job.reproducible else "measured wall-clock (threaded mode)")
   eta = hooks_lib.Eta()
   evaluation = hooks_lib.Evaluation(job, eta)
-  report = hooks_lib.Report(evaluation)
-  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
-               *hooks, report]
+  checkpoint, report = hooks_lib.Checkpoint(), hooks_lib.Report(evaluation)
+  all_hooks = [hooks_lib.TrainLog(eta), evaluation, checkpoint, hooks_lib.Export(), *hooks, report]
   job.clock.wall0 = time.perf_counter()
   if job.last_eval is None:
     evaluation.evaluate(job, job.start_step, job.clock.offset)
@@ -95,10 +94,8 @@ def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHoo
       raise
     logging.error("run stopped by an error at learner step %d; checkpointing before re-raising.",
                   job.learner.step)
-    try:
-      job.save(job.vstate.t_l if job.reproducible else job.clock.offset)
-      job.learner.close()
-      job.worker.close()
+    try:  # what the checkpoint hook does at the end: save, then close learner and worker
+      checkpoint.on_end(job, job.vstate.t_l if job.reproducible else job.clock.offset)
     except Exception as e:  # pylint: disable=broad-except
       logging.error("checkpoint after the error failed too: %s", e)
     raise
