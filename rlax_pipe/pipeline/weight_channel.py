@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -314,15 +313,11 @@ class WeightChannel:
     Raises:
       TimeoutError: if nothing was pushed within `timeout`, saying which version is held.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      while self._pending is None:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-          raise TimeoutError(
-              f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
-              f"version {self._taken_version}, last pushed {self._last_pushed}).")
-        self._cond.wait(left)
+      if not self._cond.wait_for(lambda: self._pending is not None, timeout):
+        raise TimeoutError(
+            f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
+            f"version {self._taken_version}, last pushed {self._last_pushed}).")
       jax.block_until_ready(self._pending.leaves)
       return self._take_locked()
 
