@@ -23,9 +23,6 @@ The engine swaps the merged tree in at a step boundary exactly like a full updat
 keeps the exact version of the weights that produced it (merged, not unmerged, adapters: the
 decode step runs the plain model on merged weights, at no per-token cost). Sampler memory: the
 base copy plus at most the channel's own bound of merged copies (running, pending, in transit).
-
-It offers the `WeightChannel` interface the drivers and the job use (`push`,
-`try_take`, `take`, `stats`, `close`, `manifest`).
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from jax.sharding import Mesh
 from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.model.lora import LoraAdapters, adapter_bytes
-from rlax_pipe.pipeline.weight_channel import ChannelStats, WeightChannel, delete_all
+from rlax_pipe.pipeline.weight_channel import WeightChannel, delete_all
 from rlax_pipe.types import WeightUpdate
 
 
@@ -50,8 +47,10 @@ def sampler_target(tree_axes: Any, abstract: Any, mesh: Mesh) -> Any:
                       abstract, shardings)
 
 
-class LoraWeightChannel:
-  """Adapters-only weight channel with a sampler-side merge (see the module docstring).
+class LoraWeightChannel(WeightChannel):
+  """Adapters-only weight channel with a sampler-side merge (see the module docstring): a
+  `WeightChannel` of the adapters (`push`, `manifest` and `stats` are the adapters', so
+  `stats().bytes_per_version` is the adapter bytes) whose takes hand out merged params.
 
   Example:
     channel = LoraWeightChannel(learner.lora, learner.base_params, sampler_mesh)
@@ -82,38 +81,26 @@ class LoraWeightChannel:
     self._base = once.take().params
     once.close()
     self.base_bytes = once.stats().bytes_per_version
-    self._adapters = WeightChannel(
-        sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
+    super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
     self._names = [jax.tree_util.keystr(p) for p, _ in
                    jax.tree_util.tree_flatten_with_path(lora.abstract_params())[0]]
     out_sh = jax.tree.map(lambda t: t.sharding, base_target)
     self._merge = jax.jit(lora.merge, out_shardings=out_sh)
-    self._verify, self._debug = verify, debug
-
-  @property
-  def manifest(self):
-    """The adapters' manifest (names, shapes, dtypes) every push is checked against."""
-    return self._adapters.manifest
+    self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
 
   @property
   def adapter_bytes(self) -> int:
     """Bytes moved per pushed version (the adapters)."""
     return adapter_bytes(self.lora.abstract_params())
 
-  def push(self, update: WeightUpdate) -> None:
-    """Starts copying the adapters `update.params` (learner shardings) as `update.version`
-    (`types.WeightSink`); see `WeightChannel.push` (same rules and errors; the manifest is the
-    adapters')."""
-    self._adapters.push(update)
-
   def try_take(self) -> WeightUpdate | None:
     """The newest version, merged, if its adapters have landed; else None (non-blocking)."""
-    update = self._adapters.try_take()
+    update = super().try_take()
     return None if update is None else self._merged(update)
 
   def take(self, timeout: float | None = None) -> WeightUpdate:
     """Blocking `WeightChannel.take` of the adapters, then the merge."""
-    return self._merged(self._adapters.take(timeout))
+    return self._merged(super().take(timeout))
 
   def _merged(self, update: WeightUpdate) -> WeightUpdate:
     """Checks the landed adapters, merges them into the base copy, frees them."""
@@ -124,16 +111,12 @@ class LoraWeightChannel:
     merged = self._merge(self._base, update.params)
     jax.block_until_ready(merged)
     delete_all(jax.tree.leaves(update.params))
-    if self._debug and self._verify is not None:
-      self._verify(merged, update.version)
+    if self._verify_merged is not None:
+      self._verify_merged(merged, update.version)
     return WeightUpdate(update.version, merged, donated=True,
                         checksum=param_checksum.checksum(merged))
 
-  def stats(self) -> ChannelStats:
-    """The adapters channel's counters (`bytes_per_version` = adapter bytes)."""
-    return self._adapters.stats()
-
   def close(self) -> None:
     """Frees the version in transit and the sampler's base copy."""
-    self._adapters.close()
+    super().close()
     delete_all(jax.tree.leaves(self._base))
