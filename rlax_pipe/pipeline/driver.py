@@ -388,9 +388,10 @@ class RealClock:
     """Seconds the learner waits for its next batch (`wait_timeout`)."""
     return wait_timeout(job.cfg.pipeline, self._intervals)
 
-  def on_closed(self, job) -> None:
-    """The queue was closed while the learner waited (a failed side closes it): raise that
-    side's error if there is one (else the `QueueClosed` propagates)."""
+  def raise_failure(self, job) -> None:
+    """Raises the error of a failed side if there is one (a failed side also closes the queue):
+    called when the queue was closed while the learner waited (else the `QueueClosed`
+    propagates) and after every step's hooks."""
     del job
 
   def next_batch(self, job) -> list:
@@ -406,7 +407,7 @@ class RealClock:
       groups = job.trainer.queue.get_batch(job.cfg.pipeline.groups_per_step, job.trainer.version,
                                            timeout=self.wait_limit(job))
     except QueueClosed:
-      self.on_closed(job)
+      self.raise_failure(job)
       raise
     t1 = clock()
     if self._last_batch is not None:
@@ -438,6 +439,7 @@ class RealClock:
       recorder.record("push", result.push_s, start_s=t2 - result.push_s,
                       bytes=result.push_bytes)
       recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
+    self.raise_failure(job)
 
   def stop(self, job) -> float:
     self._compiles.__exit__()
@@ -498,7 +500,7 @@ class ThreadedClock(RealClock):
     self._thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
     self._thread.start()
 
-  def on_closed(self, job) -> None:
+  def raise_failure(self, job) -> None:
     if self._errors:
       raise self._errors[0]
 
@@ -506,11 +508,6 @@ class ThreadedClock(RealClock):
     groups = super().next_batch(job)
     self._limit_s[0] = delivery_limit(job.cfg.pipeline, self._intervals)
     return groups
-
-  def after_hooks(self, job, result: StepResult, now: float) -> None:
-    super().after_hooks(job, result, now)
-    if self._errors:
-      raise self._errors[0]
 
   def stop(self, job) -> float:
     self._stop.set()
