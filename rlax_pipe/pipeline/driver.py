@@ -459,46 +459,42 @@ class ThreadedClock(RealClock):
   """
 
   def start(self, job) -> None:
-    worker, trainer, channel, timeline = job.worker, job.trainer, job.channel, job.timeline
-    cfg, recorder, engine = job.cfg.pipeline, job.cost_recorder, job.worker.engine
     self._stop = threading.Event()
     self._errors: list[BaseException] = []
-    self._grader = grader = _Grader(worker, trainer, self._errors)
-    self._limit_s = limit_s = [delivery_limit(cfg, [])]  # updated by the learner loop
-    stop, errors, clock = self._stop, self._errors, timeline.now
-
-    def sampler_loop():
-      try:
-        while not stop.is_set():
-          t0 = time.perf_counter()
-          installs = 0
-          if worker.may_update_weights():
-            w = channel.try_take()
-            if w is not None:
-              worker.update_weights(w)
-              installs = 1
-          _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
-          worker.top_up()
-          if engine.has_work:
-            before = engine.stats()
-            finished = worker.engine_step(time.monotonic())
-            after = engine.stats()
-            grader.submit(finished)
-            if recorder is not None:
-              f = engine_features(before, after, installs)
-              recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
-                              **dataclasses.asdict(f))
-          else:
-            t_wait = clock()
-            time.sleep(0.002)
-            timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, clock())
-      except BaseException as e:  # pylint: disable=broad-except
-        errors.append(e)
-        trainer.queue.close()
-
+    self._grader = _Grader(job.worker, job.trainer, self._errors)
+    self._limit_s = delivery_limit(job.cfg.pipeline, [])  # updated by the learner loop
     super().start(job)
-    self._thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
+    self._thread = threading.Thread(target=self._sampler_loop, args=(job,),
+                                    name="rlax_pipe-sampler", daemon=True)
     self._thread.start()
+
+  def _sampler_loop(self, job) -> None:
+    """The sampler thread: weight swaps, lost-sample checks, admissions and engine steps until
+    `stop`; an error is kept for the learner side (`raise_failure`) and closes the queue."""
+    worker, recorder, timeline = job.worker, job.cost_recorder, job.timeline
+    engine = worker.engine
+    try:
+      while not self._stop.is_set():
+        t0 = time.perf_counter()
+        update = job.channel.try_take() if worker.may_update_weights() else None
+        if update is not None:
+          worker.update_weights(update)
+        _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
+        worker.top_up()
+        if engine.has_work:
+          before = engine.stats()
+          self._grader.submit(worker.engine_step(time.monotonic()))
+          if recorder is not None:
+            f = engine_features(before, engine.stats(), installs=int(update is not None))
+            recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                            **dataclasses.asdict(f))
+        else:
+          t_wait = timeline.now()
+          time.sleep(0.002)
+          timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, timeline.now())
+    except BaseException as e:  # pylint: disable=broad-except
+      self._errors.append(e)
+      job.trainer.queue.close()
 
   def raise_failure(self, job) -> None:
     if self._errors:
@@ -506,7 +502,7 @@ class ThreadedClock(RealClock):
 
   def next_batch(self, job) -> list:
     groups = super().next_batch(job)
-    self._limit_s[0] = delivery_limit(job.cfg.pipeline, self._intervals)
+    self._limit_s = delivery_limit(job.cfg.pipeline, self._intervals)
     return groups
 
   def stop(self, job) -> float:
