@@ -117,17 +117,14 @@ class VirtualState:
 
   def state_dict(self) -> dict:
     """JSON-able copy (rollouts in transit included)."""
-    return {"t_s": self.t_s, "t_l": self.t_l, "next_seq": self.next_seq,
-            "pending_arrival": self.pending_arrival, "learner_must_act": self.learner_must_act,
-            "installs": self.installs,
-            "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
+    state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {**state, "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
 
   def load_state_dict(self, state: dict) -> None:
-    """Restores a `state_dict`."""
-    self.t_s, self.t_l = float(state["t_s"]), float(state["t_l"])
-    self.next_seq, self.pending_arrival = int(state["next_seq"]), state["pending_arrival"]
-    self.learner_must_act = bool(state["learner_must_act"])
-    self.installs = int(state.get("installs", 0))
+    """Restores a `state_dict` (one saved before `installs` existed restores 0)."""
+    state = {"installs": 0, **state}
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, state[f.name])
     self.transit = [(t, n, rollout_from_dict(r)) for t, n, r in state["transit"]]
 
 
