@@ -39,7 +39,7 @@ import heapq
 import queue as queue_lib
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from absl import logging
 import jax
@@ -512,19 +512,7 @@ class ThreadedClock(RealClock):
     return super().stop(job)
 
 
-class Clock(Protocol):
-  """How `drive` moves time: `VirtualClocks` (reproducible), `ThreadedClock` (threaded) or
-  a multi-process lead's `multihost.lead.LeadClock`."""
-
-  def idle_time(self, job) -> float: ...
-  def start(self, job) -> None: ...
-  def next_batch(self, job) -> list: ...
-  def train(self, job, groups) -> tuple[StepResult, float]: ...
-  def after_hooks(self, job, result: StepResult, now: float) -> None: ...
-  def stop(self, job) -> float: ...
-
-
-def drive(job, clock: Clock, hooks: Sequence) -> float:
+def drive(job, clock: VirtualClocks | RealClock, hooks: Sequence) -> float:
   """The learner loop of every mode: runs the job's remaining learner steps
   (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step -> push (the
   trainer's) -> `hook.on_step(job, result, run time)` for every hook in order.

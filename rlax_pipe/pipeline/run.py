@@ -53,8 +53,8 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   return run_job(job, clock, hooks)
 
 
-def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHook] = (), *,
-            checkpoint_on_error: bool = True,
+def run_job(job: Job, clock: driver_lib.VirtualClocks | driver_lib.RealClock,
+            hooks: Sequence[hooks_lib.StepHook] = (), *, checkpoint_on_error: bool = True,
             before_end: Callable[[], None] | None = None) -> dict:
   """Runs a built job to its end with the step hooks every job runs; returns the summary.
 
