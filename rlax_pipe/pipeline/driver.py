@@ -144,14 +144,13 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
 
 def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
   """The cost-model features of one engine step from the engine's counters before and after
-  it (`SamplerStats`); one decode step per dispatch when the engine does not count dispatches."""
-  steps = after.decode_steps - before.decode_steps
-  dispatches = (after.dispatches - before.dispatches if hasattr(after, "dispatches")
-                else steps)
+  it (`SamplerStats`)."""
   return costs_lib.EngineStep(
       installs=installs, prefill_calls=after.prefill_calls - before.prefill_calls,
-      prefill_tokens=after.prefill_tokens - before.prefill_tokens, dispatches=dispatches,
-      decode_steps=steps, slot_steps=after.generated_tokens - before.generated_tokens,
+      prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+      dispatches=after.dispatches - before.dispatches,
+      decode_steps=after.decode_steps - before.decode_steps,
+      slot_steps=after.generated_tokens - before.generated_tokens,
       live_token_steps=after.live_token_steps - before.live_token_steps)
 
 

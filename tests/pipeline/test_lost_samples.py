@@ -54,8 +54,9 @@ class LossyEngine:
   num_waiting = 0
 
   def stats(self):  # the counters the reproducible driver's cost model reads
-    return types.SimpleNamespace(decode_steps=self.decode_steps, prefill_calls=0,
-                                 prefill_tokens=0, generated_tokens=self.decode_steps,
+    return types.SimpleNamespace(decode_steps=self.decode_steps, dispatches=self.decode_steps,
+                                 prefill_calls=0, prefill_tokens=0,
+                                 generated_tokens=self.decode_steps,
                                  live_token_steps=self.decode_steps)
 
   decode_steps = 0
