@@ -1,28 +1,8 @@
 """The one learner loop, `drive(job, clock, hooks)`, and the clocks that run the sampler side.
 
-`drive` runs the job's remaining learner steps: next batch -> train step (the trainer pushes the
-new version to the job's weight sink) -> step hooks (logging, evaluation, checkpoints). The
-clock decides how time moves and where the sampler side runs:
-
-- `VirtualClocks` (reproducible mode): one thread; a conservative discrete-event interleaving of
-  engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
-  the cost model (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the
-  labelled hand-set default). The actor with the smaller clock moves next; samples finished at
-  sampler time t become visible to the learner at learner time >= t; a push made at the end of a
-  learner step becomes visible to the sampler at its first step boundary after the push's
-  arrival time (a round-based sampler receives, when a round starts, the newest version that has
-  arrived; a version superseded while a round runs is skipped). Same seed, same run. Every rule
-  it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
-- `ThreadedClock` (threaded mode): the sampler loop runs in its own thread, grading in a grader
-  thread (off the sampler's serial path) and the learner loop in the calling thread, on the real
-  clock. Every wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured
-  interval between batches) whose error says what was awaited; an exception on any side stops
-  all and is re-raised in the caller with its original traceback. With the job's
-  `CostRecorder` it times every operation for the measured cost model (`rlax_pipe.costs.fit`);
-  an operation during which XLA compiled anything (any thread, `CompileCounter`) is flagged and
-  left out of the fit.
-- `multihost.lead.LeadClock` (a multi-process job's lead): the learner side of `RealClock` (the
-  same spans and cost records) with the replicas of other processes as the sampler side.
+The clock decides how time moves and where the sampler side runs: `VirtualClocks` (reproducible
+mode), `ThreadedClock` (threaded mode) or, in a multi-process job's lead,
+`multihost.lead.LeadClock` (both are the real-clock learner side, `RealClock`).
 
 All record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push). The local sampler sides check every sampler step for samples
@@ -170,8 +150,15 @@ def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: f
 
 
 class VirtualClocks:
-  """The reproducible mode of `drive` (see the module docstring): one thread, a discrete-event
-  interleaving of engine steps and learner steps on two virtual clocks.
+  """The reproducible mode of `drive`: one thread; a conservative discrete-event interleaving of
+  engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
+  the cost model (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the
+  labelled hand-set default). The actor with the smaller clock moves next; samples finished at
+  sampler time t become visible to the learner at learner time >= t; a push made at the end of a
+  learner step becomes visible to the sampler at its first step boundary after the push's
+  arrival time (a round-based sampler receives, when a round starts, the newest version that has
+  arrived; a version superseded while a round runs is skipped). Same seed, same run. Every rule
+  it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
 
   Reads from the job: `worker`, `trainer`, `channel`, `cfg.pipeline`, `timeline`, `vstate`
   (the interleaving state, continued from and updated in place: a resumed run's is the
@@ -359,9 +346,10 @@ class RealClock:
   """The learner side of the real-clock modes of `drive`: waits for a batch with a limit, trains,
   records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
   the timed learner operations (train_step, push, learner_host) for `costs.fit_cost_model`,
-  an operation during which XLA compiled anything flagged (`CompileCounter`).
-  The sampler side runs elsewhere: `ThreadedClock` adds a local sampler thread; a multi-process
-  job's lead (`multihost.lead.LeadClock`) has the replicas.
+  an operation during which XLA compiled anything (any thread) flagged and left out of the fit
+  (`CompileCounter`). The sampler side runs elsewhere: `ThreadedClock` adds a local sampler
+  thread; a multi-process job's lead (`multihost.lead.LeadClock`) has the other processes'
+  replicas.
 
   Reads from the job: `trainer`, `cfg.pipeline`, `timeline` (its clock is `time.perf_counter`)
   and `cost_recorder`.
@@ -443,15 +431,16 @@ class RealClock:
 
 
 class ThreadedClock(RealClock):
-  """The threaded mode of `drive` (see the module docstring): the sampler loop in a background
-  thread, grading in a grader thread, the learner loop in the calling thread, on the real
-  clock. With the job's `CostRecorder`, every sampler-loop iteration that runs the engine is
-  recorded too.
+  """The threaded mode of `drive`: the sampler loop in a background thread, grading in a grader
+  thread (off the sampler's serial path), the learner loop in the calling thread, on the real
+  clock. Every wait has a limit (`wait_timeout`) whose error says what was awaited; an exception
+  on any side stops all and is re-raised in the caller with its original traceback. With the
+  job's `CostRecorder`, every sampler-loop iteration that runs the engine is recorded too.
 
   Reads from the job, besides `RealClock`'s: `worker`, `channel`.
 
   Raises (from `drive`): whatever any side raised (the sampler's or grader's exception with its
-  traceback); `QueueTimeout` when no batch arrives within the wait limit (`wait_timeout`).
+  traceback); `QueueTimeout` when no batch arrives within the wait limit.
   """
 
   def start(self, job) -> None:
@@ -513,8 +502,9 @@ class ThreadedClock(RealClock):
 
 def drive(job, clock: VirtualClocks | RealClock, hooks: Sequence) -> float:
   """The learner loop of every mode: runs the job's remaining learner steps
-  (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step -> push (the
-  trainer's) -> `hook.on_step(job, result, run time)` for every hook in order.
+  (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step (the trainer pushes
+  the new version to the job's weight sink) -> `hook.on_step(job, result, run time)` for every
+  hook in order.
 
   Args:
     job: the job (`pipeline.job.Job`; the clock says which of its parts it reads).
