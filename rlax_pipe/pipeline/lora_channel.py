@@ -6,9 +6,8 @@ holds one copy of the base, a new policy version is fully described by its adapt
 
   1. at construction copies the learner's frozen base once onto the sampler shardings (device to
      device, through a one-off `WeightChannel` of the full params manifest; `base_bytes`);
-  2. on every `push(WeightUpdate(version, adapters))` moves only the adapters (an inner
-     `WeightChannel` whose manifest is the adapters', so `stats().bytes_per_version` is the
-     adapter bytes);
+  2. is itself the `WeightChannel` of the adapters: every `push(WeightUpdate(version, adapters))`
+     moves only them (`manifest` and `stats().bytes_per_version` are the adapters');
   3. on `try_take` / `take` checks the landed adapters against the learner's checksums (exact),
      merges W' = W + (alpha / r) B A on the sampler mesh (a jitted `LoraAdapters.merge` with the
      sampler's out_shardings; the base copy is read, never modified) and hands the engine an
@@ -34,7 +33,7 @@ from jax.sharding import Mesh
 
 from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
-from rlax_pipe.model.lora import LoraAdapters, adapter_bytes
+from rlax_pipe.model.lora import LoraAdapters
 from rlax_pipe.pipeline.weight_channel import WeightChannel, delete_all
 from rlax_pipe.types import WeightUpdate
 
@@ -48,9 +47,7 @@ def sampler_target(tree_axes: Any, abstract: Any, mesh: Mesh) -> Any:
 
 
 class LoraWeightChannel(WeightChannel):
-  """Adapters-only weight channel with a sampler-side merge (see the module docstring): a
-  `WeightChannel` of the adapters (`push`, `manifest` and `stats` are the adapters', so
-  `stats().bytes_per_version` is the adapter bytes) whose takes hand out merged params.
+  """Adapters-only weight channel with a sampler-side merge (see the module docstring).
 
   Example:
     channel = LoraWeightChannel(learner.lora, learner.base_params, sampler_mesh)
@@ -82,16 +79,10 @@ class LoraWeightChannel(WeightChannel):
     once.close()
     self.base_bytes = once.stats().bytes_per_version
     super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
-    self._names = [jax.tree_util.keystr(p) for p, _ in
-                   jax.tree_util.tree_flatten_with_path(lora.abstract_params())[0]]
+    self._names = [spec.name for spec in self.manifest]  # the adapters' leaf paths
     out_sh = jax.tree.map(lambda t: t.sharding, base_target)
     self._merge = jax.jit(lora.merge, out_shardings=out_sh)
     self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
-
-  @property
-  def adapter_bytes(self) -> int:
-    """Bytes moved per pushed version (the adapters)."""
-    return adapter_bytes(self.lora.abstract_params())
 
   def try_take(self) -> WeightUpdate | None:
     """The newest version, merged, if its adapters have landed; else None (non-blocking)."""
