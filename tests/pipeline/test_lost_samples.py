@@ -360,6 +360,28 @@ def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
     worker.close()
 
 
+@pytest.mark.parametrize("side", ["engine_step", "grade_batch"])
+def test_threaded_clock_re_raises_an_error_of_the_sampler_or_grader_thread(side):
+  """A side thread's exception closes the queue, so the learner waiting for a batch stops at once
+  (long before its wait limit), and `drive` re-raises that exception."""
+  worker = _worker({"steps": 2}, policy="learner-wait")
+
+  def fail(*args):
+    raise ValueError(f"{side} failed")
+
+  setattr(worker, side, fail)
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=60.0)
+  trainer = _Trainer(worker.queue, cfg)
+  channel = types.SimpleNamespace(try_take=lambda: None)
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"{side} failed"):
+      driver.drive(_job(worker, trainer, channel, cfg, 3), driver.ThreadedClock(), ())
+    assert time.monotonic() - t0 < 30.0
+  finally:
+    worker.close()
+
+
 class _Hub:
   """Records what the lead sends (no processes)."""
 
