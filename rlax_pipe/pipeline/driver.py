@@ -314,34 +314,6 @@ def delivery_limit(cfg: PipelineConfig, intervals) -> float:
   return 0.5 * wait_timeout(cfg, intervals)
 
 
-class _Grader:
-  """Grades finished rollouts on its own thread and puts them into the queue, so the sampler
-  loop never waits for verifiers."""
-
-  def __init__(self, worker: RolloutWorker, trainer: Trainer, errors: list):
-    self._worker, self._trainer, self._errors = worker, trainer, errors
-    self._inbox: queue_lib.Queue = queue_lib.Queue()
-    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-grader", daemon=True)
-    self._thread.start()
-
-  def submit(self, rollouts) -> None:
-    if rollouts:
-      self._inbox.put(list(rollouts))
-
-  def _loop(self) -> None:
-    try:
-      while (batch := self._inbox.get()) is not None:
-        for r in self._worker.grade_batch(batch):
-          self._trainer.queue.put(r)
-    except BaseException as e:  # pylint: disable=broad-except
-      self._errors.append(e)
-      self._trainer.queue.close()
-
-  def close(self, timeout: float) -> None:
-    self._inbox.put(None)
-    self._thread.join(timeout=timeout)
-
-
 class RealClock:
   """The learner side of the real-clock modes of `drive`: waits for a batch with a limit, trains,
   records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
@@ -446,40 +418,56 @@ class ThreadedClock(RealClock):
   def start(self, job) -> None:
     self._stop = threading.Event()
     self._errors: list[BaseException] = []
-    self._grader = _Grader(job.worker, job.trainer, self._errors)
+    self._to_grade: queue_lib.Queue = queue_lib.Queue()  # finished rollouts; None ends grading
     self._limit_s = delivery_limit(job.cfg.pipeline, [])  # updated by the learner loop
     super().start(job)
-    self._thread = threading.Thread(target=self._sampler_loop, args=(job,),
-                                    name="rlax_pipe-sampler", daemon=True)
-    self._thread.start()
+    self._sampler = threading.Thread(target=self._side, args=(job, self._sampler_loop),
+                                     name="rlax_pipe-sampler", daemon=True)
+    self._grader = threading.Thread(target=self._side, args=(job, self._grader_loop),
+                                    name="rlax_pipe-grader", daemon=True)
+    self._sampler.start()
+    self._grader.start()
 
-  def _sampler_loop(self, job) -> None:
-    """The sampler thread: weight swaps, lost-sample checks, admissions and engine steps until
-    `stop`; an error is kept for the learner side (`raise_failure`) and closes the queue."""
-    worker, recorder, timeline = job.worker, job.cost_recorder, job.timeline
-    engine = worker.engine
+  def _side(self, job, loop: Callable) -> None:
+    """Runs one side's `loop(job)` (its own thread); its error is kept for the learner side
+    (`raise_failure`) and closes the queue."""
     try:
-      while not self._stop.is_set():
-        t0 = time.perf_counter()
-        update = job.channel.try_take() if worker.may_update_weights() else None
-        if update is not None:
-          worker.update_weights(update)
-        _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
-        worker.top_up()
-        if engine.has_work:
-          before = engine.stats()
-          self._grader.submit(worker.engine_step(time.monotonic()))
-          if recorder is not None:
-            f = engine_features(before, engine.stats(), installs=int(update is not None))
-            recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
-                            **dataclasses.asdict(f))
-        else:
-          t_wait = timeline.now()
-          time.sleep(0.002)
-          timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, timeline.now())
+      loop(job)
     except BaseException as e:  # pylint: disable=broad-except
       self._errors.append(e)
       job.trainer.queue.close()
+
+  def _sampler_loop(self, job) -> None:
+    """Weight swaps, lost-sample checks, admissions and engine steps until `stop`."""
+    worker, recorder, timeline = job.worker, job.cost_recorder, job.timeline
+    engine = worker.engine
+    while not self._stop.is_set():
+      t0 = time.perf_counter()
+      update = job.channel.try_take() if worker.may_update_weights() else None
+      if update is not None:
+        worker.update_weights(update)
+      _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
+      worker.top_up()
+      if engine.has_work:
+        before = engine.stats()
+        finished = worker.engine_step(time.monotonic())
+        if finished:
+          self._to_grade.put(list(finished))
+        if recorder is not None:
+          f = engine_features(before, engine.stats(), installs=int(update is not None))
+          recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                          **dataclasses.asdict(f))
+      else:
+        t_wait = timeline.now()
+        time.sleep(0.002)
+        timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, timeline.now())
+
+  def _grader_loop(self, job) -> None:
+    """Grades finished rollouts off the sampler's serial path (the sampler never waits for
+    verifiers) and puts them into the queue, until `stop` sends None."""
+    while (batch := self._to_grade.get()) is not None:
+      for r in job.worker.grade_batch(batch):
+        job.trainer.queue.put(r)
 
   def raise_failure(self, job) -> None:
     if self._errors:
@@ -493,10 +481,11 @@ class ThreadedClock(RealClock):
   def stop(self, job) -> float:
     self._stop.set()
     limit = job.cfg.pipeline.wait_timeout_s or STARTUP_WAIT_S
-    self._thread.join(timeout=limit)
-    if self._thread.is_alive():
+    self._sampler.join(timeout=limit)
+    if self._sampler.is_alive():
       logging.error("sampler thread did not stop within %.0f s", limit)
-    self._grader.close(timeout=limit)
+    self._to_grade.put(None)
+    self._grader.join(timeout=limit)
     return super().stop(job)
 
 
