@@ -1,9 +1,5 @@
-"""Step hooks of the RL job: logging, held-out evaluation, checkpoints, HF export, the report.
-
-The driver calls the job after every learner step; the job calls each hook's
-`on_step(job, result, time_s)` in order, and `on_end(job, time_s)` once after the last step.
-`run(cfg, hooks=...)` appends user hooks (e.g. a recorder of what was trained) before the report.
-"""
+"""Step hooks of the RL job (`StepHook`): logging, held-out evaluation, checkpoints, HF export,
+the report (`run.run_job` runs them in that order, a user's hooks before the report)."""
 
 from __future__ import annotations
 

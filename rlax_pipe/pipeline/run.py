@@ -1,12 +1,10 @@
-"""The RL job's entry point: `run(RunConfig)` builds the job, drives it, and runs the step hooks.
+"""The RL job's entry point: `run(RunConfig)` builds the job (`job.build_job`), drives it
+(`driver.drive`), and runs the step hooks (`hooks`: logging, evaluation, checkpoints, report).
 
 `run` is the single library entry point of `experiments/pipeline_rl.py`. It writes a run
-directory (`rlax_pipe.run_dir`), logs progress lines, evaluates held-out accuracy, checkpoints the
-learner together with the pipeline state (task iterator, queue, staleness counters; the sampler
-too in reproducible mode), and resumes from the newest usable checkpoint with `resume=True`.
-Samples that were being generated when a threaded run died are counted as wasted on resume and
-never trained; queued samples are restored and trained once. Components are built by
-`job.build_job`; logging, evaluation, checkpoints and the report are `hooks`.
+directory (`rlax_pipe.run_dir`) and resumes from the newest usable checkpoint with `resume=True`
+(what a checkpoint holds: `job`). Samples that were being generated when a threaded run died are
+counted as wasted on resume and never trained; queued samples are restored and trained once.
 """
 
 from __future__ import annotations
