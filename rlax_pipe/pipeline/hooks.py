@@ -50,11 +50,10 @@ class StepHook(Protocol):
 def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
   """(mean, max) token lag of a lag histogram (bin i = lag i)."""
   counts = np.asarray(lag_hist, np.float64)
-  total = counts.sum()
-  if total == 0:
+  if counts.sum() == 0:
     return 0.0, 0
-  lags = np.arange(counts.shape[0])
-  return float((counts * lags).sum() / total), int(lags[counts > 0].max())
+  return (float(np.average(np.arange(counts.shape[0]), weights=counts)),
+          int(np.flatnonzero(counts)[-1]))
 
 
 def sample_lag_stats(result: StepResult) -> tuple[float, int]:
