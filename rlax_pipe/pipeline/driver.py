@@ -329,7 +329,7 @@ class RealClock:
 
   def __init__(self):
     self._intervals: collections.deque[float] = collections.deque(maxlen=20)
-    self._last_batch: float | None = None
+    self._t_batch: float | None = None  # when the learner got its last batch
 
   def idle_time(self, job) -> float:
     del job
@@ -366,11 +366,10 @@ class RealClock:
       self.raise_failure(job)
       raise
     t1 = clock()
-    if self._last_batch is not None:
-      self._intervals.append(t1 - self._last_batch)
-    self._last_batch = t1
-    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
+    if self._t_batch is not None:
+      self._intervals.append(t1 - self._t_batch)
     self._t_batch = t1
+    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
     return groups
 
   def step(self, job, groups) -> StepResult:
