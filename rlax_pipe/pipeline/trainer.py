@@ -171,5 +171,4 @@ def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str
         "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
         "sampler may not decode with the weights its tokens are tagged with (or decodes at "
         "another precision).", version, mismatch, threshold)
-    return {**out, "lag0_logp_alarm": 1}
-  return {**out, "lag0_logp_alarm": 0}
+  return {**out, "lag0_logp_alarm": int(mismatch > threshold)}
