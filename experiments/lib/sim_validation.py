@@ -51,9 +51,9 @@ def write_tiny_init(path: str | pathlib.Path, seed: int = 0) -> str:
 
 def default_init(work_dir: str | pathlib.Path) -> str:
   """The shipped SFT warm start if present, else a tiny random model written under work_dir."""
-  from rlax_pipe.pipeline import run as run_lib  # pylint: disable=import-outside-toplevel
-  if (run_lib.builtin_warm_start_path() / "config.json").exists():
-    return run_lib.BUILTIN_INIT
+  from rlax_pipe.pipeline import job as job_lib  # pylint: disable=import-outside-toplevel
+  if (job_lib.builtin_warm_start_path() / "config.json").exists():
+    return job_lib.BUILTIN_INIT
   path = pathlib.Path(work_dir) / "tiny_init"
   if not (path / "config.json").exists():
     write_tiny_init(path)

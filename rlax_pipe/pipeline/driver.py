@@ -1,28 +1,8 @@
 """The one learner loop, `drive(job, clock, hooks)`, and the clocks that run the sampler side.
 
-`drive` runs the job's remaining learner steps: next batch -> train step (the trainer pushes the
-new version to the job's weight sink) -> step hooks (logging, evaluation, checkpoints). The
-clock decides how time moves and where the sampler side runs:
-
-- `VirtualClocks` (reproducible mode): one thread; a conservative discrete-event interleaving of
-  engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
-  the cost model (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the
-  labelled hand-set default). The actor with the smaller clock moves next; samples finished at
-  sampler time t become visible to the learner at learner time >= t; a push made at the end of a
-  learner step becomes visible to the sampler at its first step boundary after the push's
-  arrival time (a round-based sampler receives, when a round starts, the newest version that has
-  arrived; a version superseded while a round runs is skipped). Same seed, same run. Every rule
-  it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
-- `ThreadedClock` (threaded mode): the sampler loop runs in its own thread, grading in a grader
-  thread (off the sampler's serial path) and the learner loop in the calling thread, on the real
-  clock. Every wait has a timeout (`PipelineConfig.wait_timeout_s`, or scaled to the measured
-  interval between batches) whose error says what was awaited; an exception on any side stops
-  all and is re-raised in the caller with its original traceback. With the job's
-  `CostRecorder` it times every operation for the measured cost model (`rlax_pipe.costs.fit`);
-  an operation during which XLA compiled anything (any thread, `CompileCounter`) is flagged and
-  left out of the fit.
-- `multihost.lead.LeadClock` (a multi-process job's lead): the learner side of `RealClock` (the
-  same spans and cost records) with the replicas of other processes as the sampler side.
+The clock decides how time moves and where the sampler side runs: `VirtualClocks` (reproducible
+mode), `ThreadedClock` (threaded mode) or, in a multi-process job's lead,
+`multihost.lead.LeadClock` (both are the real-clock learner side, `RealClock`).
 
 All record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push). The local sampler sides check every sampler step for samples
@@ -39,7 +19,7 @@ import heapq
 import queue as queue_lib
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from absl import logging
 import jax
@@ -117,17 +97,14 @@ class VirtualState:
 
   def state_dict(self) -> dict:
     """JSON-able copy (rollouts in transit included)."""
-    return {"t_s": self.t_s, "t_l": self.t_l, "next_seq": self.next_seq,
-            "pending_arrival": self.pending_arrival, "learner_must_act": self.learner_must_act,
-            "installs": self.installs,
-            "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
+    state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {**state, "transit": [[t, n, rollout_to_dict(r)] for t, n, r in self.transit]}
 
   def load_state_dict(self, state: dict) -> None:
-    """Restores a `state_dict`."""
-    self.t_s, self.t_l = float(state["t_s"]), float(state["t_l"])
-    self.next_seq, self.pending_arrival = int(state["next_seq"]), state["pending_arrival"]
-    self.learner_must_act = bool(state["learner_must_act"])
-    self.installs = int(state.get("installs", 0))
+    """Restores a `state_dict` (one saved before `installs` existed restores 0)."""
+    state = {"installs": 0, **state}
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, state[f.name])
     self.transit = [(t, n, rollout_from_dict(r)) for t, n, r in state["transit"]]
 
 
@@ -147,14 +124,13 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
 
 def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
   """The cost-model features of one engine step from the engine's counters before and after
-  it (`SamplerStats`); one decode step per dispatch when the engine does not count dispatches."""
-  steps = after.decode_steps - before.decode_steps
-  dispatches = (after.dispatches - before.dispatches if hasattr(after, "dispatches")
-                else steps)
+  it (`SamplerStats`)."""
   return costs_lib.EngineStep(
       installs=installs, prefill_calls=after.prefill_calls - before.prefill_calls,
-      prefill_tokens=after.prefill_tokens - before.prefill_tokens, dispatches=dispatches,
-      decode_steps=steps, slot_steps=after.generated_tokens - before.generated_tokens,
+      prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+      dispatches=after.dispatches - before.dispatches,
+      decode_steps=after.decode_steps - before.decode_steps,
+      slot_steps=after.generated_tokens - before.generated_tokens,
       live_token_steps=after.live_token_steps - before.live_token_steps)
 
 
@@ -174,8 +150,15 @@ def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: f
 
 
 class VirtualClocks:
-  """The reproducible mode of `drive` (see the module docstring): one thread, a discrete-event
-  interleaving of engine steps and learner steps on two virtual clocks.
+  """The reproducible mode of `drive`: one thread; a conservative discrete-event interleaving of
+  engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
+  the cost model (`rlax_pipe.costs.CostModel`: measured on the machine, analytic, or the
+  labelled hand-set default). The actor with the smaller clock moves next; samples finished at
+  sampler time t become visible to the learner at learner time >= t; a push made at the end of a
+  learner step becomes visible to the sampler at its first step boundary after the push's
+  arrival time (a round-based sampler receives, when a round starts, the newest version that has
+  arrived; a version superseded while a round runs is skipped). Same seed, same run. Every rule
+  it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
 
   Reads from the job: `worker`, `trainer`, `channel`, `cfg.pipeline`, `timeline`, `vstate`
   (the interleaving state, continued from and updated in place: a resumed run's is the
@@ -331,41 +314,14 @@ def delivery_limit(cfg: PipelineConfig, intervals) -> float:
   return 0.5 * wait_timeout(cfg, intervals)
 
 
-class _Grader:
-  """Grades finished rollouts on its own thread and puts them into the queue, so the sampler
-  loop never waits for verifiers."""
-
-  def __init__(self, worker: RolloutWorker, trainer: Trainer, errors: list):
-    self._worker, self._trainer, self._errors = worker, trainer, errors
-    self._inbox: queue_lib.Queue = queue_lib.Queue()
-    self._thread = threading.Thread(target=self._loop, name="rlax_pipe-grader", daemon=True)
-    self._thread.start()
-
-  def submit(self, rollouts) -> None:
-    if rollouts:
-      self._inbox.put(list(rollouts))
-
-  def _loop(self) -> None:
-    try:
-      while (batch := self._inbox.get()) is not None:
-        for r in self._worker.grade_batch(batch):
-          self._trainer.queue.put(r)
-    except BaseException as e:  # pylint: disable=broad-except
-      self._errors.append(e)
-      self._trainer.queue.close()
-
-  def close(self, timeout: float) -> None:
-    self._inbox.put(None)
-    self._thread.join(timeout=timeout)
-
-
 class RealClock:
   """The learner side of the real-clock modes of `drive`: waits for a batch with a limit, trains,
   records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
   the timed learner operations (train_step, push, learner_host) for `costs.fit_cost_model`,
-  an operation during which XLA compiled anything flagged (`CompileCounter`).
-  The sampler side runs elsewhere: `ThreadedClock` adds a local sampler thread; a multi-process
-  job's lead (`multihost.lead.LeadClock`) has the replicas.
+  an operation during which XLA compiled anything (any thread) flagged and left out of the fit
+  (`CompileCounter`). The sampler side runs elsewhere: `ThreadedClock` adds a local sampler
+  thread; a multi-process job's lead (`multihost.lead.LeadClock`) has the other processes'
+  replicas.
 
   Reads from the job: `trainer`, `cfg.pipeline`, `timeline` (its clock is `time.perf_counter`)
   and `cost_recorder`.
@@ -373,7 +329,7 @@ class RealClock:
 
   def __init__(self):
     self._intervals: collections.deque[float] = collections.deque(maxlen=20)
-    self._last_batch: float | None = None
+    self._t_batch: float | None = None  # when the learner got its last batch
 
   def idle_time(self, job) -> float:
     del job
@@ -388,9 +344,10 @@ class RealClock:
     """Seconds the learner waits for its next batch (`wait_timeout`)."""
     return wait_timeout(job.cfg.pipeline, self._intervals)
 
-  def on_closed(self, job) -> None:
-    """The queue was closed while the learner waited (a failed side closes it): raise that
-    side's error if there is one (else the `QueueClosed` propagates)."""
+  def raise_failure(self, job) -> None:
+    """Raises the error of a failed side if there is one (a failed side also closes the queue):
+    called when the queue was closed while the learner waited (else the `QueueClosed`
+    propagates) and after every step's hooks."""
     del job
 
   def next_batch(self, job) -> list:
@@ -406,14 +363,13 @@ class RealClock:
       groups = job.trainer.queue.get_batch(job.cfg.pipeline.groups_per_step, job.trainer.version,
                                            timeout=self.wait_limit(job))
     except QueueClosed:
-      self.on_closed(job)
+      self.raise_failure(job)
       raise
     t1 = clock()
-    if self._last_batch is not None:
-      self._intervals.append(t1 - self._last_batch)
-    self._last_batch = t1
-    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
+    if self._t_batch is not None:
+      self._intervals.append(t1 - self._t_batch)
     self._t_batch = t1
+    job.timeline.record("learner", timeline_lib.WAIT_BATCH, t0, t1)
     return groups
 
   def step(self, job, groups) -> StepResult:
@@ -438,6 +394,7 @@ class RealClock:
       recorder.record("push", result.push_s, start_s=t2 - result.push_s,
                       bytes=result.push_bytes)
       recorder.record("learner_host", result.build_s + (t3 - t2), start_s=t2)
+    self.raise_failure(job)
 
   def stop(self, job) -> float:
     self._compiles.__exit__()
@@ -445,99 +402,97 @@ class RealClock:
 
 
 class ThreadedClock(RealClock):
-  """The threaded mode of `drive` (see the module docstring): the sampler loop in a background
-  thread, grading in a grader thread, the learner loop in the calling thread, on the real
-  clock. With the job's `CostRecorder`, every sampler-loop iteration that runs the engine is
-  recorded too.
+  """The threaded mode of `drive`: the sampler loop in a background thread, grading in a grader
+  thread (off the sampler's serial path), the learner loop in the calling thread, on the real
+  clock. Every wait has a limit (`wait_timeout`) whose error says what was awaited; an exception
+  on any side stops all and is re-raised in the caller with its original traceback. With the
+  job's `CostRecorder`, every sampler-loop iteration that runs the engine is recorded too.
 
   Reads from the job, besides `RealClock`'s: `worker`, `channel`.
 
   Raises (from `drive`): whatever any side raised (the sampler's or grader's exception with its
-  traceback); `QueueTimeout` when no batch arrives within the wait limit (`wait_timeout`).
+  traceback); `QueueTimeout` when no batch arrives within the wait limit.
   """
 
   def start(self, job) -> None:
-    worker, trainer, channel, timeline = job.worker, job.trainer, job.channel, job.timeline
-    cfg, recorder, engine = job.cfg.pipeline, job.cost_recorder, job.worker.engine
     self._stop = threading.Event()
     self._errors: list[BaseException] = []
-    self._grader = grader = _Grader(worker, trainer, self._errors)
-    self._limit_s = limit_s = [delivery_limit(cfg, [])]  # updated by the learner loop
-    stop, errors, clock = self._stop, self._errors, timeline.now
-
-    def sampler_loop():
-      try:
-        while not stop.is_set():
-          t0 = time.perf_counter()
-          installs = 0
-          if worker.may_update_weights():
-            w = channel.try_take()
-            if w is not None:
-              worker.update_weights(w)
-              installs = 1
-          _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
-          worker.top_up()
-          if engine.has_work:
-            before = engine.stats()
-            finished = worker.engine_step(time.monotonic())
-            after = engine.stats()
-            grader.submit(finished)
-            if recorder is not None:
-              f = engine_features(before, after, installs)
-              recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
-                              **dataclasses.asdict(f))
-          else:
-            t_wait = clock()
-            time.sleep(0.002)
-            timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, clock())
-      except BaseException as e:  # pylint: disable=broad-except
-        errors.append(e)
-        trainer.queue.close()
-
+    self._to_grade: queue_lib.Queue = queue_lib.Queue()  # finished rollouts; None ends grading
+    self._limit_s = delivery_limit(job.cfg.pipeline, [])  # updated by the learner loop
     super().start(job)
-    self._thread = threading.Thread(target=sampler_loop, name="rlax_pipe-sampler", daemon=True)
-    self._thread.start()
+    self._sampler = threading.Thread(target=self._side, args=(job, self._sampler_loop),
+                                     name="rlax_pipe-sampler", daemon=True)
+    self._grader = threading.Thread(target=self._side, args=(job, self._grader_loop),
+                                    name="rlax_pipe-grader", daemon=True)
+    self._sampler.start()
+    self._grader.start()
 
-  def on_closed(self, job) -> None:
+  def _side(self, job, loop: Callable) -> None:
+    """Runs one side's `loop(job)` (its own thread); its error is kept for the learner side
+    (`raise_failure`) and closes the queue."""
+    try:
+      loop(job)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._errors.append(e)
+      job.trainer.queue.close()
+
+  def _sampler_loop(self, job) -> None:
+    """Weight swaps, lost-sample checks, admissions and engine steps until `stop`."""
+    worker, recorder, timeline = job.worker, job.cost_recorder, job.timeline
+    engine = worker.engine
+    while not self._stop.is_set():
+      t0 = time.perf_counter()
+      update = job.channel.try_take() if worker.may_update_weights() else None
+      if update is not None:
+        worker.update_weights(update)
+      _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
+      worker.top_up()
+      if engine.has_work:
+        before = engine.stats()
+        finished = worker.engine_step(time.monotonic())
+        if finished:
+          self._to_grade.put(list(finished))
+        if recorder is not None:
+          f = engine_features(before, engine.stats(), installs=int(update is not None))
+          recorder.record("engine_step", time.perf_counter() - t0, start_s=t0,
+                          **dataclasses.asdict(f))
+      else:
+        t_wait = timeline.now()
+        time.sleep(0.002)
+        timeline.record("sampler", timeline_lib.WAIT_ADMISSION, t_wait, timeline.now())
+
+  def _grader_loop(self, job) -> None:
+    """Grades finished rollouts off the sampler's serial path (the sampler never waits for
+    verifiers) and puts them into the queue, until `stop` sends None."""
+    while (batch := self._to_grade.get()) is not None:
+      for r in job.worker.grade_batch(batch):
+        job.trainer.queue.put(r)
+
+  def raise_failure(self, job) -> None:
     if self._errors:
       raise self._errors[0]
 
   def next_batch(self, job) -> list:
     groups = super().next_batch(job)
-    self._limit_s[0] = delivery_limit(job.cfg.pipeline, self._intervals)
+    self._limit_s = delivery_limit(job.cfg.pipeline, self._intervals)
     return groups
-
-  def after_hooks(self, job, result: StepResult, now: float) -> None:
-    super().after_hooks(job, result, now)
-    if self._errors:
-      raise self._errors[0]
 
   def stop(self, job) -> float:
     self._stop.set()
     limit = job.cfg.pipeline.wait_timeout_s or STARTUP_WAIT_S
-    self._thread.join(timeout=limit)
-    if self._thread.is_alive():
+    self._sampler.join(timeout=limit)
+    if self._sampler.is_alive():
       logging.error("sampler thread did not stop within %.0f s", limit)
-    self._grader.close(timeout=limit)
+    self._to_grade.put(None)
+    self._grader.join(timeout=limit)
     return super().stop(job)
 
 
-class Clock(Protocol):
-  """How `drive` moves time: `VirtualClocks` (reproducible), `ThreadedClock` (threaded) or
-  a multi-process lead's `multihost.lead.LeadClock`."""
-
-  def idle_time(self, job) -> float: ...
-  def start(self, job) -> None: ...
-  def next_batch(self, job) -> list: ...
-  def train(self, job, groups) -> tuple[StepResult, float]: ...
-  def after_hooks(self, job, result: StepResult, now: float) -> None: ...
-  def stop(self, job) -> float: ...
-
-
-def drive(job, clock: Clock, hooks: Sequence) -> float:
+def drive(job, clock: VirtualClocks | RealClock, hooks: Sequence) -> float:
   """The learner loop of every mode: runs the job's remaining learner steps
-  (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step -> push (the
-  trainer's) -> `hook.on_step(job, result, run time)` for every hook in order.
+  (`cfg.pipeline.num_steps - job.start_step`), each one batch -> train step (the trainer pushes
+  the new version to the job's weight sink) -> `hook.on_step(job, result, run time)` for every
+  hook in order.
 
   Args:
     job: the job (`pipeline.job.Job`; the clock says which of its parts it reads).

@@ -1,9 +1,5 @@
-"""Step hooks of the RL job: logging, held-out evaluation, checkpoints, HF export, the report.
-
-The driver calls the job after every learner step; the job calls each hook's
-`on_step(job, result, time_s)` in order, and `on_end(job, time_s)` once after the last step.
-`run(cfg, hooks=...)` appends user hooks (e.g. a recorder of what was trained) before the report.
-"""
+"""Step hooks of the RL job (`StepHook`): logging, held-out evaluation, checkpoints, HF export,
+the report (`run.run_job` runs them in that order, a user's hooks before the report)."""
 
 from __future__ import annotations
 
@@ -41,7 +37,8 @@ ROW_METRICS = ("loss", "ess", "ratio_mean", "ratio_var", "ratio_min", "ratio_max
 
 
 class StepHook(Protocol):
-  """Something the job runs after every learner step and once at the end."""
+  """Something the job runs after every learner step and once at the end; a subclass inherits a
+  no-op for the one it does not need."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
     """After learner step `job.learner.step`; `time_s` is the run time (seconds)."""
@@ -53,11 +50,10 @@ class StepHook(Protocol):
 def lag_stats(lag_hist: np.ndarray) -> tuple[float, int]:
   """(mean, max) token lag of a lag histogram (bin i = lag i)."""
   counts = np.asarray(lag_hist, np.float64)
-  total = counts.sum()
-  if total == 0:
+  if counts.sum() == 0:
     return 0.0, 0
-  lags = np.arange(counts.shape[0])
-  return float((counts * lags).sum() / total), int(lags[counts > 0].max())
+  return (float(np.average(np.arange(counts.shape[0]), weights=counts)),
+          int(np.flatnonzero(counts)[-1]))
 
 
 def sample_lag_stats(result: StepResult) -> tuple[float, int]:
@@ -149,13 +145,12 @@ def signal_group_fraction(result: StepResult) -> float:
 NO_SIGNAL_WARN_STEPS = 5
 
 
-class TrainLog:
+class TrainLog(StepHook):
   """One metrics row per learner step (metrics.jsonl, TensorBoard) and a progress line; a
   warning when `NO_SIGNAL_WARN_STEPS` steps in a row had no learning signal (every group's
   rewards equal, so every advantage was 0)."""
 
   def __init__(self, eta: Eta | None = None):
-    self.steps_this_session = 0
     self.eta = eta or Eta()
     self.no_signal_steps = 0
 
@@ -169,7 +164,6 @@ class TrainLog:
           "(sampler.sampling.temperature).", step - NO_SIGNAL_WARN_STEPS + 1, step)
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    self.steps_this_session += 1
     step, m, pcfg = job.learner.step, result.metrics, job.cfg.pipeline
     lag_mean, lag_max = lag_stats(m["lag_hist"])
     sample_lags = sample_lag_stats(result)
@@ -218,9 +212,6 @@ class TrainLog:
     job.run_dir.log(row, step)
     logging.info("%s", progress_line(job, row))
 
-  def on_end(self, job: Job, time_s: float) -> None:
-    del job, time_s
-
 
 def _duration(seconds: float | None) -> str:
   if seconds is None:
@@ -245,7 +236,7 @@ def progress_line(job: Job, row: dict) -> str:
           f"{_duration(row['wall_s'])} elapsed, {eta}")
 
 
-class Evaluation:
+class Evaluation(StepHook):
   """Held-out greedy accuracy with an engine on the learner mesh, every `eval_every` steps
   (not at the last step) and once at the end; its wall time is excluded from the run time.
   With `PipelineConfig.eval_samples` = n > 0 a second engine (the sampler's `SamplingConfig`,
@@ -260,34 +251,30 @@ class Evaluation:
         sampling=logprobs_lib.SamplingConfig(greedy=True),
         **({} if cfg.sampler_compute_dtype is None  # evaluate at the learner's precision
            else {"cache_dtype": job.model.compute_dtype}))
-    version, params = policy_params(job)
-    mesh = job.eval_mesh or job.learner.mesh
-    self.engine = SamplerEngine(job.model, eval_cfg,
-                                WeightUpdate(version, params, params_owned(job)), mesh=mesh)
-    # An environment task is evaluated as episodes with its tools (`envs.evaluation_engine`).
     self.episodes = envs.is_environment(job.task)
-    if self.episodes:
-      self.engine = envs.evaluation_engine(self.engine, job.task, job.tok, cfg.env,
-                                           chat=cfg.prompt_format.kind == "chat")
-    self.sampled_engine = None
-    if cfg.pipeline.eval_samples:
-      version, params = policy_params(job)
-      self.sampled_engine = SamplerEngine(
-          job.model, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling),
-          WeightUpdate(version, params, params_owned(job)), mesh=mesh)
-      if self.episodes:
-        self.sampled_engine = envs.evaluation_engine(
-            self.sampled_engine, job.task, job.tok, cfg.env,
-            chat=cfg.prompt_format.kind == "chat")
+    self.engine = self._engine(job, eval_cfg)
+    self.sampled_engine = (
+        self._engine(job, dataclasses.replace(eval_cfg, sampling=cfg.sampler.sampling))
+        if cfg.pipeline.eval_samples else None)
     self.problems = evaluation.eval_problems(job.task, cfg.pipeline.eval_problems)
     self.final_accuracy: float | None = None
+
+  def _engine(self, job: Job, sampler_cfg) -> SamplerEngine:
+    """An engine of `sampler_cfg` on the evaluation mesh holding the newest policy; for an
+    environment task one that runs episodes with its tools (`envs.evaluation_engine`)."""
+    engine = SamplerEngine(job.model, sampler_cfg, policy_update(job),
+                           mesh=job.eval_mesh or job.learner.mesh)
+    if not self.episodes:
+      return engine
+    return envs.evaluation_engine(engine, job.task, job.tok, job.cfg.env,
+                                  chat=job.cfg.prompt_format.kind == "chat")
 
   def _sampled_row(self, job: Job) -> dict:
     """mean@n and pass@k of n samples per problem ({} when eval_samples is 0)."""
     if self.sampled_engine is None:
       return {}
     if job.learner.version != self.sampled_engine.version:
-      self.sampled_engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
+      self.sampled_engine.update_weights(policy_update(job))
     pcfg = job.cfg.pipeline
     res = evaluation.evaluate_samples(
         self.sampled_engine, job.task, job.tok, self.problems, pcfg.eval_samples, pcfg.pass_ks,
@@ -302,7 +289,7 @@ class Evaluation:
     """Evaluates the learner's current params; logs an eval row; returns the accuracy."""
     t0 = time.perf_counter()
     if job.learner.version != self.engine.version:  # the learner keeps its params
-      self.engine.update_weights(WeightUpdate(*policy_params(job), params_owned(job)))
+      self.engine.update_weights(policy_update(job))
     res = evaluation.evaluate(self.engine, job.task, job.tok, self.problems,
                               verifier=job.worker.verifier, grading=job.cfg.pipeline.grading)
     sampled = self._sampled_row(job)
@@ -349,21 +336,16 @@ class Evaluation:
     self.close()
 
 
-def policy_params(job: Job) -> tuple[int, object]:
-  """(version, params) of the newest policy for evaluation and export: the job's `eval_params`
-  (a multi-process lead's own copy), else the learner's params (LoRA merged into the base)."""
+def policy_update(job: Job) -> WeightUpdate:
+  """The newest policy for evaluation and export: the job's `eval_params` (a multi-process
+  lead's own copy, which the receiving engine owns and frees: `donated`), else the learner's
+  params (LoRA merged into the base; the learner keeps them)."""
   if job.eval_params is not None:
-    return job.eval_params()
-  return job.learner.version, job.learner.merged_params()
+    return WeightUpdate(*job.eval_params(), donated=True)
+  return WeightUpdate(job.learner.version, job.learner.merged_params(), donated=False)
 
 
-def params_owned(job: Job) -> bool:
-  """Whether the evaluation engine owns (and frees) the params it gets: copies made for it do,
-  the learner's own params do not."""
-  return job.eval_params is not None
-
-
-class Checkpoint:
+class Checkpoint(StepHook):
   """Checkpoints every `checkpoint_every` steps and at the end (then waits for the writes)."""
 
   def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
@@ -396,13 +378,10 @@ def save_cost_fit(job: Job) -> dict | None:
   return fit.to_dict()
 
 
-class Export:
+class Export(StepHook):
   """At the end: the trained policy as an HF model directory run_dir/hf/ (`RunConfig.export_hf`;
   built-in model family only), with the run's tokenizer and generation config. With LoRA, hf/
   holds the merged weights and run_dir/hf_lora/ the adapters as a PEFT adapter directory."""
-
-  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    del job, result, time_s
 
   def on_end(self, job: Job, time_s: float) -> None:
     del time_s
@@ -414,7 +393,7 @@ class Export:
       return
     path = job.run_dir.path / "hf"
     # The learner's params, or (multi-process job) the lead's own copy of the newest version.
-    _, params = policy_params(job)
+    params = policy_update(job).params
     model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
     lora = getattr(job.learner, "lora", None)
@@ -433,16 +412,13 @@ class Export:
                    "%s)", adapter_path, path)
 
 
-class Report:
+class Report(StepHook):
   """At the end: timeline.jsonl, Gantt chart and plots, the cost records and the fitted cost
   model of a threaded run, and the run summary (summary.json)."""
 
   def __init__(self, evaluation_hook: Evaluation):
     self._eval = evaluation_hook
     self.summary: dict | None = None
-
-  def on_step(self, job: Job, result: StepResult, time_s: float) -> None:
-    del job, result, time_s
 
   def on_end(self, job: Job, time_s: float) -> None:
     pcfg, rd = job.cfg.pipeline, job.run_dir

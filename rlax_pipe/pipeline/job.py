@@ -482,7 +482,7 @@ class LocalPlacement:
                                   debug=pcfg.debug_verify_push)
       logging.info("LoRA: the base (%d bytes) went to the sampler once; each version pushes its "
                    "adapters only (%d bytes) and the sampler merges them.", channel.base_bytes,
-                   channel.adapter_bytes)
+                   channel.stats().bytes_per_version)
     engine_kw = dict(mesh=mesh, clock=sampler_clock or time.perf_counter,
                      on_span=None if reproducible else timeline.record)
     if state is None:  # the engine holds the learner's weights

@@ -6,9 +6,8 @@ holds one copy of the base, a new policy version is fully described by its adapt
 
   1. at construction copies the learner's frozen base once onto the sampler shardings (device to
      device, through a one-off `WeightChannel` of the full params manifest; `base_bytes`);
-  2. on every `push(WeightUpdate(version, adapters))` moves only the adapters (an inner
-     `WeightChannel` whose manifest is the adapters', so `stats().bytes_per_version` is the
-     adapter bytes);
+  2. is itself the `WeightChannel` of the adapters: every `push(WeightUpdate(version, adapters))`
+     moves only them (`manifest` and `stats().bytes_per_version` are the adapters');
   3. on `try_take` / `take` checks the landed adapters against the learner's checksums (exact),
      merges W' = W + (alpha / r) B A on the sampler mesh (a jitted `LoraAdapters.merge` with the
      sampler's out_shardings; the base copy is read, never modified) and hands the engine an
@@ -23,9 +22,6 @@ The engine swaps the merged tree in at a step boundary exactly like a full updat
 keeps the exact version of the weights that produced it (merged, not unmerged, adapters: the
 decode step runs the plain model on merged weights, at no per-token cost). Sampler memory: the
 base copy plus at most the channel's own bound of merged copies (running, pending, in transit).
-
-It offers the `WeightChannel` interface the drivers and the job use (`push`,
-`try_take`, `take`, `stats`, `close`, `manifest`).
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ from jax.sharding import Mesh
 
 from rlax_pipe import param_checksum
 from rlax_pipe import sharding as sharding_lib
-from rlax_pipe.model.lora import LoraAdapters, adapter_bytes
-from rlax_pipe.pipeline.weight_channel import ChannelStats, WeightChannel, delete_all
+from rlax_pipe.model.lora import LoraAdapters
+from rlax_pipe.pipeline.weight_channel import WeightChannel, delete_all
 from rlax_pipe.types import WeightUpdate
 
 
@@ -50,7 +46,7 @@ def sampler_target(tree_axes: Any, abstract: Any, mesh: Mesh) -> Any:
                       abstract, shardings)
 
 
-class LoraWeightChannel:
+class LoraWeightChannel(WeightChannel):
   """Adapters-only weight channel with a sampler-side merge (see the module docstring).
 
   Example:
@@ -82,38 +78,20 @@ class LoraWeightChannel:
     self._base = once.take().params
     once.close()
     self.base_bytes = once.stats().bytes_per_version
-    self._adapters = WeightChannel(
-        sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
-    self._names = [jax.tree_util.keystr(p) for p, _ in
-                   jax.tree_util.tree_flatten_with_path(lora.abstract_params())[0]]
+    super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
+    self._names = [spec.name for spec in self.manifest]  # the adapters' leaf paths
     out_sh = jax.tree.map(lambda t: t.sharding, base_target)
     self._merge = jax.jit(lora.merge, out_shardings=out_sh)
-    self._verify, self._debug = verify, debug
-
-  @property
-  def manifest(self):
-    """The adapters' manifest (names, shapes, dtypes) every push is checked against."""
-    return self._adapters.manifest
-
-  @property
-  def adapter_bytes(self) -> int:
-    """Bytes moved per pushed version (the adapters)."""
-    return adapter_bytes(self.lora.abstract_params())
-
-  def push(self, update: WeightUpdate) -> None:
-    """Starts copying the adapters `update.params` (learner shardings) as `update.version`
-    (`types.WeightSink`); see `WeightChannel.push` (same rules and errors; the manifest is the
-    adapters')."""
-    self._adapters.push(update)
+    self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
 
   def try_take(self) -> WeightUpdate | None:
     """The newest version, merged, if its adapters have landed; else None (non-blocking)."""
-    update = self._adapters.try_take()
+    update = super().try_take()
     return None if update is None else self._merged(update)
 
   def take(self, timeout: float | None = None) -> WeightUpdate:
     """Blocking `WeightChannel.take` of the adapters, then the merge."""
-    return self._merged(self._adapters.take(timeout))
+    return self._merged(super().take(timeout))
 
   def _merged(self, update: WeightUpdate) -> WeightUpdate:
     """Checks the landed adapters, merges them into the base copy, frees them."""
@@ -124,16 +102,12 @@ class LoraWeightChannel:
     merged = self._merge(self._base, update.params)
     jax.block_until_ready(merged)
     delete_all(jax.tree.leaves(update.params))
-    if self._debug and self._verify is not None:
-      self._verify(merged, update.version)
+    if self._verify_merged is not None:
+      self._verify_merged(merged, update.version)
     return WeightUpdate(update.version, merged, donated=True,
                         checksum=param_checksum.checksum(merged))
 
-  def stats(self) -> ChannelStats:
-    """The adapters channel's counters (`bytes_per_version` = adapter bytes)."""
-    return self._adapters.stats()
-
   def close(self) -> None:
     """Frees the version in transit and the sampler's base copy."""
-    self._adapters.close()
+    super().close()
     delete_all(jax.tree.leaves(self._base))

@@ -1,12 +1,10 @@
-"""The RL job's entry point: `run(RunConfig)` builds the job, drives it, and runs the step hooks.
+"""The RL job's entry point: `run(RunConfig)` builds the job (`job.build_job`), drives it
+(`driver.drive`), and runs the step hooks (`hooks`: logging, evaluation, checkpoints, report).
 
 `run` is the single library entry point of `experiments/pipeline_rl.py`. It writes a run
-directory (`rlax_pipe.run_dir`), logs progress lines, evaluates held-out accuracy, checkpoints the
-learner together with the pipeline state (task iterator, queue, staleness counters; the sampler
-too in reproducible mode), and resumes from the newest usable checkpoint with `resume=True`.
-Samples that were being generated when a threaded run died are counted as wasted on resume and
-never trained; queued samples are restored and trained once. Components are built by
-`job.build_job`; logging, evaluation, checkpoints and the report are `hooks`.
+directory (`rlax_pipe.run_dir`) and resumes from the newest usable checkpoint with `resume=True`
+(what a checkpoint holds: `job`). Samples that were being generated when a threaded run died are
+counted as wasted on resume and never trained; queued samples are restored and trained once.
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ from absl import logging
 from rlax_pipe.model import ModelLike
 from rlax_pipe.pipeline import driver as driver_lib
 from rlax_pipe.pipeline import hooks as hooks_lib
-from rlax_pipe.pipeline.config import BUILTIN_INIT, RunConfig  # pylint: disable=unused-import
+from rlax_pipe.pipeline.config import RunConfig
 from rlax_pipe.pipeline.job import Job, build_job
-from rlax_pipe.pipeline.job import builtin_warm_start_path  # pylint: disable=unused-import
-from rlax_pipe.pipeline.job import load_initial_params  # pylint: disable=unused-import
 
 
 def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
@@ -55,8 +51,8 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
   return run_job(job, clock, hooks)
 
 
-def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHook] = (), *,
-            checkpoint_on_error: bool = True,
+def run_job(job: Job, clock: driver_lib.VirtualClocks | driver_lib.RealClock,
+            hooks: Sequence[hooks_lib.StepHook] = (), *, checkpoint_on_error: bool = True,
             before_end: Callable[[], None] | None = None) -> dict:
   """Runs a built job to its end with the step hooks every job runs; returns the summary.
 
@@ -84,9 +80,8 @@ def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHoo
                if job.reproducible else "measured wall-clock (threaded mode)")
   eta = hooks_lib.Eta()
   evaluation = hooks_lib.Evaluation(job, eta)
-  report = hooks_lib.Report(evaluation)
-  all_hooks = [hooks_lib.TrainLog(eta), evaluation, hooks_lib.Checkpoint(), hooks_lib.Export(),
-               *hooks, report]
+  checkpoint, report = hooks_lib.Checkpoint(), hooks_lib.Report(evaluation)
+  all_hooks = [hooks_lib.TrainLog(eta), evaluation, checkpoint, hooks_lib.Export(), *hooks, report]
   job.clock.wall0 = time.perf_counter()
   if job.last_eval is None:
     evaluation.evaluate(job, job.start_step, job.clock.offset)
@@ -97,10 +92,8 @@ def run_job(job: Job, clock: driver_lib.Clock, hooks: Sequence[hooks_lib.StepHoo
       raise
     logging.error("run stopped by an error at learner step %d; checkpointing before re-raising.",
                   job.learner.step)
-    try:
-      job.save(job.vstate.t_l if job.reproducible else job.clock.offset)
-      job.learner.close()
-      job.worker.close()
+    try:  # what the checkpoint hook does at the end: save, then close learner and worker
+      checkpoint.on_end(job, job.vstate.t_l if job.reproducible else job.clock.offset)
     except Exception as e:  # pylint: disable=broad-except
       logging.error("checkpoint after the error failed too: %s", e)
     raise

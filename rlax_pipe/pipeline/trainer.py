@@ -38,7 +38,6 @@ class StepResult:
     reward_mean: mean reward of the samples that have one.
     sample_metrics: `grading.batch_metrics` of `rollouts` (length-cut share, unrewarded samples,
       truncated-prompt share).
-    rows: rows of the packed batch (power of two).
     micro_batches: micro-batches of the step (`Learner.last_plan`).
     processed_rows: rows the step computes, padding of the last micro-batches included
       (processed tokens = processed_rows x seq_len: the learner's cost feature).
@@ -54,7 +53,6 @@ class StepResult:
   completion_tokens: int
   reward_mean: float
   sample_metrics: dict = dataclasses.field(default_factory=dict)
-  rows: int = 0
   micro_batches: int = 1
   processed_rows: int = 0
   push_bytes: int = 0
@@ -132,7 +130,6 @@ class Trainer:
     self.queue.set_learner_version(version)
     self.channel.push(WeightUpdate(version, self.learner.params))
     t3 = time.perf_counter()
-    rows = int(batch.tokens.shape[0])
     micro, processed = self.learner.last_plan  # the plan the step ran
     sample_metrics = grading.batch_metrics(rollouts)
     sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
@@ -142,7 +139,7 @@ class Trainer:
         completion_tokens=int(sum(r.completion_mask.sum() for r in trained)),  # model tokens
         env_tokens=int(sum((1.0 - r.completion_mask).sum() for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=sample_metrics, rows=rows,
+        sample_metrics=sample_metrics,
         micro_batches=micro, processed_rows=processed,
         push_bytes=self.push_bytes,
         build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)
@@ -174,5 +171,4 @@ def lag0_alarm(metrics: dict, threshold: float | None, version: int) -> dict[str
         "step to version %d: lag-0 tokens' mean |log pi - log mu| = %.3g nats > alarm %.3g: the "
         "sampler may not decode with the weights its tokens are tagged with (or decodes at "
         "another precision).", version, mismatch, threshold)
-    return {**out, "lag0_logp_alarm": 1}
-  return {**out, "lag0_logp_alarm": 0}
+  return {**out, "lag0_logp_alarm": int(mismatch > threshold)}

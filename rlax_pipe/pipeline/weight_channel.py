@@ -17,33 +17,22 @@ same slice of the array; otherwise it silently assembles the whole array on the 
 Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built (the per-leaf
 plan and the manifest: `transfer_plan`).
 
-Versioning and ownership: `push(WeightUpdate(version, params))` returns as soon as the copies
-are dispatched;
-the sampler calls `try_take()` between decode steps, which returns the new version only once all
-its arrays are ready (`Array.is_ready()`), so the sampler never blocks on a transfer. A take hands
-out a `WeightUpdate(version, params, donated=True)` and the channel forgets it: from then on the
-engine owns those arrays and deletes them when a newer version replaces them. The channel owns
-only the one incoming version; one superseded by a newer push before being taken is deleted. So
-at most three copies live on the sampler mesh: the running one, one handed over and pending in
-the engine until its next step boundary, and one in transit.
+Ownership (`types.WeightUpdate`): the channel owns only the one incoming version; a take hands
+it over (`donated=True`) and forgets it, and one superseded by a newer push before being taken is
+deleted. So at most three copies live on the sampler mesh: the running one, one handed over and
+pending in the engine until its next step boundary, and one in transit. The version rules of a
+push (a failed one may be retried) are `WeightChannel.push`'s.
 
 Checks (issue #14 item 10): every push also starts the learner-side checksums of the version
 (`rlax_pipe.param_checksum`, exact and layout-independent) and the update carries them, so the
 engine verifies that the weights it decodes with after the swap are that version
-(`WeightMismatchError` otherwise). A push that fails (its transfer or the debug `verify` raised)
-does not use up its version: the same version may be pushed again; so may the version still
-pending (it replaces the pending copy). Only versions at or below the one already taken, or
-below a successful push, are refused.
-
-Threading: one learner thread calls `push`; the sampler thread calls `try_take` / `take` and
-hands the update to its engine. Both sides may run concurrently (the state is lock-protected).
+(`WeightMismatchError` otherwise).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -105,8 +94,9 @@ def delete_all(arrays) -> None:
 class WeightChannel:
   """Moves params versions from learner shardings to sampler shardings, device to device.
 
-  Thread-safe: one learner thread calls `push`, the sampler thread calls `try_take` / `take`
-  (see the module docstring for who owns which copy).
+  Thread-safe: one learner thread calls `push` (it returns as soon as the copies are
+  dispatched), the sampler thread calls `try_take` between decode steps (it never blocks on a
+  transfer) or `take`, concurrently (see the module docstring for who owns which copy).
 
   Example:
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -252,8 +242,8 @@ class WeightChannel:
     Raises:
       ManifestError: naming the first mismatching leaf.
       ValueError: if `version` is older than allowed (see above).
-      Whatever `verify` raises (debug mode); that copy is then discarded and the version may be
-      pushed again.
+      Whatever the transfer or `verify` (debug mode) raises; that copy is then discarded and
+      the version may be pushed again.
     """
     params, version = update.params, update.version
     check_manifest(self._manifest, params, what=f"pushed params (version {version})")
@@ -314,15 +304,11 @@ class WeightChannel:
     Raises:
       TimeoutError: if nothing was pushed within `timeout`, saying which version is held.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      while self._pending is None:
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-          raise TimeoutError(
-              f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
-              f"version {self._taken_version}, last pushed {self._last_pushed}).")
-        self._cond.wait(left)
+      if not self._cond.wait_for(lambda: self._pending is not None, timeout):
+        raise TimeoutError(
+            f"WeightChannel.take: no new version pushed within {timeout} s (sampler holds "
+            f"version {self._taken_version}, last pushed {self._last_pushed}).")
       jax.block_until_ready(self._pending.leaves)
       return self._take_locked()
 

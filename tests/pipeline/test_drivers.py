@@ -114,6 +114,27 @@ def test_resume_continues_from_checkpoint(tmp_path, tiny_init, tiny_config, trai
   assert summary["steps"] == 4
 
 
+def test_an_error_checkpoints_the_last_step_before_re_raising(tmp_path, tiny_init, tiny_config,
+                                                             train_rows):
+  """`run_job`'s error path saves the state of the last finished step (no periodic checkpoint
+  here), so a resume continues after it."""
+  class FailAtStep2:
+    def on_step(self, job, result, time_s):
+      if job.learner.step == 2:
+        raise RuntimeError("hook failed at step 2")
+
+    def on_end(self, job, time_s):
+      pass
+
+  cfg = tiny_config(tmp_path, tiny_init, steps=3)
+  cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, checkpoint_every=100))
+  with pytest.raises(RuntimeError, match="hook failed at step 2"):
+    run_lib.run(cfg, hooks=[FailAtStep2()])
+  summary = run_lib.run(dataclasses.replace(cfg, resume=True))
+  assert [r["step"] for r in train_rows(cfg.run_dir)] == [1, 2, 3]
+  assert summary["steps"] == 3
+
+
 @pytest.mark.parametrize("driver,filter_groups", [("pipeline", "off"),
                                                   ("sync", "zero_variance")])
 def test_reproducible_resume_equals_uninterrupted_run(tmp_path, tiny_init, tiny_config,

@@ -54,8 +54,9 @@ class LossyEngine:
   num_waiting = 0
 
   def stats(self):  # the counters the reproducible driver's cost model reads
-    return types.SimpleNamespace(decode_steps=self.decode_steps, prefill_calls=0,
-                                 prefill_tokens=0, generated_tokens=self.decode_steps,
+    return types.SimpleNamespace(decode_steps=self.decode_steps, dispatches=self.decode_steps,
+                                 prefill_calls=0, prefill_tokens=0,
+                                 generated_tokens=self.decode_steps,
                                  live_token_steps=self.decode_steps)
 
   decode_steps = 0
@@ -355,6 +356,28 @@ def test_threaded_run_names_and_redispatches_a_sample_lost_on_its_way(policy):
     assert worker.queue.missing_samples(0) is None
     if policy == "learner-wait":
       assert 0 in trainer.trained
+  finally:
+    worker.close()
+
+
+@pytest.mark.parametrize("side", ["engine_step", "grade_batch"])
+def test_threaded_clock_re_raises_an_error_of_the_sampler_or_grader_thread(side):
+  """A side thread's exception closes the queue, so the learner waiting for a batch stops at once
+  (long before its wait limit), and `drive` re-raises that exception."""
+  worker = _worker({"steps": 2}, policy="learner-wait")
+
+  def fail(*args):
+    raise ValueError(f"{side} failed")
+
+  setattr(worker, side, fail)
+  cfg = dataclasses.replace(worker.cfg, wait_timeout_s=60.0)
+  trainer = _Trainer(worker.queue, cfg)
+  channel = types.SimpleNamespace(try_take=lambda: None)
+  try:
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"{side} failed"):
+      driver.drive(_job(worker, trainer, channel, cfg, 3), driver.ThreadedClock(), ())
+    assert time.monotonic() - t0 < 30.0
   finally:
     worker.close()
 

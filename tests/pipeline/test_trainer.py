@@ -14,7 +14,7 @@ from rlax_pipe.pipeline import config as pconfig
 from rlax_pipe.pipeline import rules
 from rlax_pipe.pipeline import staleness
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
-from rlax_pipe.pipeline.trainer import Trainer
+from rlax_pipe.pipeline.trainer import Trainer, build_batch
 from rlax_pipe.types import Rollout
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -91,14 +91,16 @@ def trainer_fixture():
 def test_version_owned_by_the_trainer_and_one_transfer_per_step(trainer, monkeypatch):
   rng = np.random.default_rng(0)
   trainer.train_on([_group(0, 0, rng)])  # compiles outside the count
+  steps = [[_group(g, g, rng)] for g in (1, 2)]
   counter = TransferCounter(monkeypatch)
-  results = [trainer.train_on([_group(g, g, rng)]) for g in (1, 2)]
+  results = [trainer.train_on(groups) for groups in steps]
   assert counter.count <= 2, f"{counter.count} device-to-host transfers in 2 steps"
   assert [(r.trained_at, r.produced) for r in results] == [(1, 2), (2, 3)]
   assert trainer.version == 3 and trainer.channel.versions == [1, 2, 3]
-  lcfg = trainer.learner.cfg  # the step's shape is the plan the learner ran
+  lcfg = trainer.learner.cfg  # the step's shape is the plan the learner ran for the packed rows
+  rows = [build_batch(groups, trainer.cfg)[0].tokens.shape[0] for groups in steps]
   assert [(r.micro_batches, r.processed_rows) for r in results] == [rules.micro_batch_plan(
-      r.rows, lcfg.micro_batch_rows, lcfg.num_minibatches) for r in results] == [(1, 16)] * 2
+      n, lcfg.micro_batch_rows, lcfg.num_minibatches) for n in rows] == [(1, 16)] * 2
 
 
 def test_skipped_step_produces_the_version_it_trained_at(trainer):

@@ -65,3 +65,30 @@ def test_adapter_pushes_swap_in_flight_with_exact_token_versions(params):
     np.testing.assert_allclose(r.behavior_logprobs, _keep_reference(by_version, r), atol=1e-5,
                                rtol=0)
   channel.close()
+
+
+def test_debug_verify_sees_the_merged_params(params):
+  """`verify` (with `debug`) runs on each taken version's merged full params, not on the
+  adapters that travelled; without `debug` it never runs."""
+  lcfg = learner_lib.LearnerConfig(
+      mesh_axes=(("fsdp", 2), ("tp", 1)), lora=LoraConfig(rank=2, target_modules=("wq",)),
+      compiler_options=(("xla_backend_optimization_level", 0),))
+  learner = learner_lib.Learner(MODEL, lcfg, ObjectiveConfig(name="tis_pg", max_lag=8), SAMPLING,
+                                devices=jax.devices()[:2], params=params[0])
+  smesh = sh_lib.make_mesh(jax.devices()[4:6], {"tp": 2}, sh_lib.SAMPLER_RULES)
+  seen = []
+  verify = lambda merged, version: seen.append((version, jax.device_get(merged)))
+  quiet = LoraWeightChannel(learner.lora, learner.base_params, smesh, verify=verify)
+  quiet.push(WeightUpdate(0, learner.params))
+  quiet.take(timeout=60)
+  quiet.close()
+  assert not seen
+  channel = LoraWeightChannel(learner.lora, learner.base_params, smesh, verify=verify,
+                              debug=True)
+  channel.push(WeightUpdate(0, learner.params))
+  channel.take(timeout=60)
+  channel.close()
+  (version, merged), = seen
+  want = jax.device_get(learner.merged_params())
+  assert version == 0 and jax.tree.structure(merged) == jax.tree.structure(want)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), merged, want)

@@ -210,7 +210,7 @@ class LeadClock(driver_lib.RealClock):
   def wait_limit(self, job: Job) -> float | None:
     return job.cfg.pipeline.wait_timeout_s
 
-  def on_closed(self, job: Job) -> None:
+  def raise_failure(self, job: Job) -> None:
     del job
     self.monitor.check()
 
@@ -218,10 +218,6 @@ class LeadClock(driver_lib.RealClock):
     self.hub.broadcast(*messages.wire(messages.Train(tuple(groups))), role="learner")
     with self.monitor.deadline("a learner step", job.cfg.pipeline.wait_timeout_s):
       return job.trainer.train_on(groups)
-
-  def after_hooks(self, job: Job, result: StepResult, now: float) -> None:
-    super().after_hooks(job, result, now)
-    self.monitor.check()
 
 
 def fault_on_error(monitor: FaultMonitor, whoami: str, error: BaseException) -> None:
