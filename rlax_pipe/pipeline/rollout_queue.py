@@ -160,11 +160,6 @@ class RolloutQueue:
     """The staleness config."""
     return self._config
 
-  @property
-  def group_filter(self) -> group_filter_lib.GroupFilterConfig:
-    """The dynamic-sampling filter."""
-    return self._filter
-
   def filtered_groups(self) -> int:
     """Groups dropped by the filter so far (waste reason "filtered"; O(1), for the worker's
     replacement rule `rules.reopen_filtered`)."""
@@ -319,12 +314,6 @@ class RolloutQueue:
     """Tells the queue the learner's version (used by put-time drops)."""
     with self._cond:
       self._learner_version = max(self._learner_version, learner_version)
-
-  @property
-  def learner_version(self) -> int:
-    """Newest learner version the queue was told about."""
-    with self._cond:
-      return self._learner_version
 
   def try_get_batch(self, num_groups: int, learner_version: int) -> list[Group] | None:
     """Non-blocking `get_batch`: the batch, or None if not enough fresh groups are ready."""

@@ -383,10 +383,6 @@ class RolloutWorker:
       self._monitor.record(v, r.sample_id, self.verifier.task_name)
     return [graded.get(r.sample_id, r) for r in rollouts]
 
-  def grade(self, rollout: Rollout) -> Rollout:
-    """`grade_batch` of one rollout."""
-    return self.grade_batch([rollout])[0]
-
   def engine_step(self, now: float | None = None) -> list[Rollout]:
     """One engine step (admit / prefill as needed + decoding); returns the ungraded rollouts
     that finished (the threaded driver grades them off the sampler's serial path).
