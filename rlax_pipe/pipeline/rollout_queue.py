@@ -130,15 +130,14 @@ class RolloutQueue:
       raise ValueError(f"RolloutQueue: group_size={group_size} must be >= 1.")
     self._config, self._group_size = config, group_size
     self._filter = group_filter or group_filter_lib.GroupFilterConfig()
-    self._cond = threading.Condition()
+    self._cond = threading.Condition()  # over an RLock: methods holding it call each other
     self._reset()
 
   def _reset(self) -> None:
     self._partial: dict[int, list[Rollout]] = {}
     self._ready: dict[int, _Ready] = {}          # group id -> ready group
     self._heap: list[tuple[int, int, int]] = []  # (oldest version, seq, group id), lazy
-    self._abandoned: dict[int, int] = {}  # group id -> samples still expected
-    self._abandon_reason: dict[int, str] = {}
+    self._abandoned: dict[int, tuple[int, str]] = {}  # group id -> (samples expected, reason)
     self._expected: dict[int, tuple[int, ...]] = {}  # live group id -> its sample ids
     # Groups that were ready, trained or discarded: the newest _COMPLETE_KEPT of them, so a late
     # duplicate is rejected instead of reopening its group.
@@ -193,7 +192,7 @@ class RolloutQueue:
       raise ValueError(f"RolloutQueue.try_admit: group {group_id} has {len(ids)} sample ids, "
                        f"group_size is {self._group_size}.")
     with self._cond:
-      nxt = self._next_train_version_locked()
+      nxt = self.next_train_version()
       if not self._admission.can_admit(sampler_version, self._config, nxt):
         return False
       self._admission.admit(group_id, sampler_version, self._config, nxt)
@@ -204,7 +203,7 @@ class RolloutQueue:
   def next_train_version(self) -> int:
     """Smallest version the learner's next batch can be trained at."""
     with self._cond:
-      return self._next_train_version_locked()
+      return max(self._learner_version, self._last_batch_version + 1)
 
   def put(self, rollout: Rollout, learner_version: int | None = None) -> bool:
     """Adds one finished sample; completes, drops or holds its group.
@@ -231,12 +230,13 @@ class RolloutQueue:
         self._learner_version = max(self._learner_version, learner_version)
       gid = rollout.group_id
       if gid in self._abandoned:
-        self._waste = staleness.count_waste(self._waste, self._abandon_reason.get(gid, "aborted"),
-                                            0, 1, rollout.num_completion_tokens)
-        self._abandoned[gid] -= 1
-        if self._abandoned[gid] <= 0:
+        left, reason = self._abandoned[gid]
+        self._waste = staleness.count_waste(self._waste, reason, 0, 1,
+                                            rollout.num_completion_tokens)
+        if left > 1:
+          self._abandoned[gid] = (left - 1, reason)
+        else:
           del self._abandoned[gid]
-          self._abandon_reason.pop(gid, None)
         return True
       members = self._partial.get(gid, [])
       expected = self._expected.get(gid)
@@ -250,7 +250,6 @@ class RolloutQueue:
         return True
       group = tuple(sorted(self._partial.pop(gid), key=lambda r: r.sample_id))
       self._mark_complete(gid)
-      self._expected.pop(gid, None)
       if any(r.finish_reason == "aborted" for r in group):
         self._discard([group], "aborted")
       elif all(math.isnan(r.reward) for r in group):
@@ -301,10 +300,8 @@ class RolloutQueue:
                                           _tokens(members))
       remaining = self._group_size - len(members)
       if remaining > 0 and group_id not in self._complete:
-        self._abandoned[group_id] = remaining
-        self._abandon_reason[group_id] = reason
+        self._abandoned[group_id] = (remaining, reason)
       self._mark_complete(group_id)
-      self._expected.pop(group_id, None)
       self._retire([group_id], trained=False)
       self._cond.notify_all()
 
@@ -317,9 +314,56 @@ class RolloutQueue:
 
   def try_get_batch(self, num_groups: int, learner_version: int) -> list[Group] | None:
     """Non-blocking `get_batch`: the batch, or None if not enough fresh groups are ready."""
-    self._check_num_groups(num_groups)
+    cap = self._config.queue_capacity_groups
+    if num_groups < 1 or (cap is not None and num_groups > cap):
+      raise ValueError(
+          f"RolloutQueue: num_groups={num_groups} must be >= 1"
+          + (f" and <= queue_capacity_groups={cap}." if cap is not None else "."))
     with self._cond:
-      return self._try_get_locked(num_groups, learner_version)
+      self._learner_version = max(self._learner_version, learner_version)
+      stale = []
+      while (g := self._peek_oldest()) is not None and staleness.is_too_stale(
+          g.oldest_version, learner_version, self._config.max_lag):
+        stale.append(self._pop_oldest().rollouts)
+      if stale:
+        self._discard(stale, "stale")
+        self._cond.notify_all()
+      due = self._admission.due(learner_version, self._config)
+      if any(gid not in self._ready for gid in due):
+        return None  # learner-wait: every due group must be ready and in this batch
+      take = staleness.batch_size(len(self._ready), len(due), num_groups)
+      if take is None:
+        return None
+      chosen = sorted((self._ready[gid] for gid in due), key=lambda g: g.key)
+      due_set = set(due)
+      rest = []
+      while len(chosen) + len(rest) < take:
+        g = self._pop_oldest()
+        if g.rollouts[0].group_id in due_set:
+          continue
+        rest.append(g)
+      chosen += rest
+      for g in chosen:
+        for r in g.rollouts:
+          if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
+            for h in chosen:  # put everything back: the failed get loses nothing
+              if h.rollouts[0].group_id not in self._ready:
+                self._push_ready(h)
+            raise ValueError(
+                f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
+                f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
+                "version the batch will be trained at.")
+      for gid in due:
+        if gid in self._ready:
+          self._remove_ready(gid)
+      groups = [g.rollouts for g in chosen]
+      self._last_batch_version = max(self._last_batch_version, learner_version)
+      self._filtered_since_batch = 0
+      self._retire([g[0].group_id for g in groups], trained=True)
+      self._trained[0] += len(groups)
+      self._trained[1] += sum(len(g) for g in groups)
+      self._trained[2] += sum(_tokens(g) for g in groups)
+      return groups
 
   def get_batch(self, num_groups: int, learner_version: int,
                 timeout: float | None = None) -> list[Group]:
@@ -346,11 +390,10 @@ class RolloutQueue:
       ValueError: if a token's version is newer than `learner_version`, or num_groups is
         invalid.
     """
-    self._check_num_groups(num_groups)
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
       while True:
-        batch = self._try_get_locked(num_groups, learner_version)
+        batch = self.try_get_batch(num_groups, learner_version)
         if batch is not None:
           return batch
         if self._closed:
@@ -407,8 +450,7 @@ class RolloutQueue:
           "ready": [{"seq": g.seq, "rollouts": [rollout_to_dict(r) for r in g.rollouts]}
                     for g in ready],
           "partial": [[rollout_to_dict(r) for r in m] for m in self._partial.values()],
-          "abandoned": [[g, n, self._abandon_reason.get(g, "aborted")]
-                        for g, n in self._abandoned.items()],
+          "abandoned": [[g, n, reason] for g, (n, reason) in self._abandoned.items()],
           "complete": list(self._complete),
       }
 
@@ -462,28 +504,17 @@ class RolloutQueue:
     for members in state["partial"]:
       rs = [rollout_from_dict(d) for d in members]
       self._partial[rs[0].group_id] = rs
-    for entry in state["abandoned"]:
-      self._abandoned[int(entry[0])] = int(entry[1])
-      self._abandon_reason[int(entry[0])] = entry[2] if len(entry) > 2 else "aborted"
+    self._abandoned = {int(e[0]): (int(e[1]), e[2] if len(e) > 2 else "aborted")
+                       for e in state["abandoned"]}
     self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
 
   # ------------------------------------------------------------------ internals
-
-  def _check_num_groups(self, num_groups: int):
-    cap = self._config.queue_capacity_groups
-    if num_groups < 1 or (cap is not None and num_groups > cap):
-      raise ValueError(
-          f"RolloutQueue: num_groups={num_groups} must be >= 1"
-          + (f" and <= queue_capacity_groups={cap}." if cap is not None else "."))
-
-  def _next_train_version_locked(self) -> int:
-    """Smallest version the learner's next batch can be trained at."""
-    return max(self._learner_version, self._last_batch_version + 1)
 
   def _in_flight_locked(self) -> int:
     return self._admission.num_live - self._ready_live
 
   def _mark_complete(self, gid: int) -> None:
+    self._expected.pop(gid, None)
     self._complete[gid] = None
     if len(self._complete) > _COMPLETE_KEPT:
       del self._complete[next(iter(self._complete))]
@@ -526,56 +557,6 @@ class RolloutQueue:
   def _missing_text_locked(self, learner_version: int) -> str:
     waiting = self._admission.due(learner_version, self._config) or [
         g for g, _ in self._admission.live()[:8] if g not in self._ready]
-    names = []
-    for gid in waiting[:4]:
-      expected = self._expected.get(gid)
-      if expected is not None:
-        arrived = {r.sample_id for r in self._partial.get(gid, ())}
-        names.append(f"group {gid}: samples {[i for i in expected if i not in arrived]}")
+    names = [f"group {gid}: samples {self.missing_samples(gid)}"
+             for gid in waiting[:4] if gid in self._expected]
     return ("; not arrived: " + ", ".join(names)) if names else ""
-
-  def _try_get_locked(self, num_groups: int, learner_version: int) -> list[Group] | None:
-    self._learner_version = max(self._learner_version, learner_version)
-    stale = []
-    while (g := self._peek_oldest()) is not None and staleness.is_too_stale(
-        g.oldest_version, learner_version, self._config.max_lag):
-      stale.append(self._pop_oldest().rollouts)
-    if stale:
-      self._discard(stale, "stale")
-      self._cond.notify_all()
-    due = self._admission.due(learner_version, self._config)
-    if any(gid not in self._ready for gid in due):
-      return None  # learner-wait: every due group must be ready and in this batch
-    take = staleness.batch_size(len(self._ready), len(due), num_groups)
-    if take is None:
-      return None
-    chosen = sorted((self._ready[gid] for gid in due), key=lambda g: g.key)
-    due_set = set(due)
-    rest = []
-    while len(chosen) + len(rest) < take:
-      g = self._pop_oldest()
-      if g.rollouts[0].group_id in due_set:
-        continue
-      rest.append(g)
-    chosen += rest
-    for g in chosen:
-      for r in g.rollouts:
-        if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
-          for h in chosen:  # put everything back: the failed get loses nothing
-            if h.rollouts[0].group_id not in self._ready:
-              self._push_ready(h)
-          raise ValueError(
-              f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
-              f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
-              "version the batch will be trained at.")
-    for gid in due:
-      if gid in self._ready:
-        self._remove_ready(gid)
-    groups = [g.rollouts for g in chosen]
-    self._last_batch_version = max(self._last_batch_version, learner_version)
-    self._filtered_since_batch = 0
-    self._retire([g[0].group_id for g in groups], trained=True)
-    self._trained[0] += len(groups)
-    self._trained[1] += sum(len(g) for g in groups)
-    self._trained[2] += sum(_tokens(g) for g in groups)
-    return groups
