@@ -80,15 +80,13 @@ class QueueStats:
   filter_kept_groups: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class _Ready:
-  seq: int
-  oldest_version: int
-  rollouts: Group
+  """A complete group waiting for the learner, ordered oldest first (then by arrival)."""
 
-  @property
-  def key(self) -> tuple[int, int]:
-    return (self.oldest_version, self.seq)
+  oldest_version: int
+  seq: int
+  rollouts: Group = dataclasses.field(compare=False)
 
 
 def _tokens(rollouts) -> int:
@@ -136,13 +134,12 @@ class RolloutQueue:
   def _reset(self) -> None:
     self._partial: dict[int, list[Rollout]] = {}
     self._ready: dict[int, _Ready] = {}          # group id -> ready group
-    self._heap: list[tuple[int, int, int]] = []  # (oldest version, seq, group id), lazy
+    self._heap: list[_Ready] = []                # the ready groups (lazy deletion)
     self._abandoned: dict[int, tuple[int, str]] = {}  # group id -> (samples expected, reason)
     self._expected: dict[int, tuple[int, ...]] = {}  # live group id -> its sample ids
     # Groups that were ready, trained or discarded: the newest _COMPLETE_KEPT of them, so a late
     # duplicate is rejected instead of reopening its group.
     self._complete: dict[int, None] = {}
-    self._ready_live = 0  # ready groups that are live in the admission ledger
     self._seq = 0
     self._learner_version = 0
     self._last_batch_version = -1  # version the newest handed-out batch is trained at
@@ -264,7 +261,7 @@ class RolloutQueue:
         if self._filter.active and group_filter_lib.matches(
             self._filter, [r.reward for r in group]):
           self._filter_kept += 1  # at the bound: trained with zero advantage
-        self._push_ready(_Ready(self._seq, _oldest(group), group))
+        self._push_ready(_Ready(_oldest(group), self._seq, group))
         self._seq += 1
         overflow = staleness.queue_overflow(len(self._ready), self._config.queue_capacity_groups)
         if overflow:
@@ -295,7 +292,7 @@ class RolloutQueue:
     with self._cond:
       members = self._partial.pop(group_id, [])
       if group_id in self._ready:
-        members = list(self._remove_ready(group_id).rollouts)
+        members = list(self._ready.pop(group_id).rollouts)
       self._waste = staleness.count_waste(self._waste, reason, 1, len(members),
                                           _tokens(members))
       remaining = self._group_size - len(members)
@@ -334,7 +331,7 @@ class RolloutQueue:
       take = staleness.batch_size(len(self._ready), len(due), num_groups)
       if take is None:
         return None
-      chosen = sorted((self._ready[gid] for gid in due), key=lambda g: g.key)
+      chosen = sorted(self._ready[gid] for gid in due)
       due_set = set(due)
       rest = []
       while len(chosen) + len(rest) < take:
@@ -354,8 +351,7 @@ class RolloutQueue:
                 f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
                 "version the batch will be trained at.")
       for gid in due:
-        if gid in self._ready:
-          self._remove_ready(gid)
+        self._ready.pop(gid, None)
       groups = [g.rollouts for g in chosen]
       self._last_batch_version = max(self._last_batch_version, learner_version)
       self._filtered_since_batch = 0
@@ -432,7 +428,7 @@ class RolloutQueue:
   def state_dict(self) -> dict[str, Any]:
     """Plain-dict state (config, counters, admission, pending rollouts as numpy) for resume."""
     with self._cond:
-      ready = sorted(self._ready.values(), key=lambda g: g.key)
+      ready = sorted(self._ready.values())
       return {
           "format": 2,
           "config": dataclasses.asdict(self._config),
@@ -484,34 +480,32 @@ class RolloutQueue:
     """
     _check_format(state)
     with self._cond:
-      self._load_locked(state)
-
-  def _load_locked(self, state: dict[str, Any]) -> None:
-    self._reset()
-    self._seq = int(state["seq"])
-    self._learner_version = int(state["learner_version"])
-    self._last_batch_version = int(state.get("last_batch_version", -1))
-    self._trained = [int(x) for x in state["trained"]]
-    self._rejected = int(state.get("rejected", 0))
-    self._filtered_since_batch = int(state.get("filtered_since_batch", 0))
-    self._filter_kept = int(state.get("filter_kept", 0))
-    self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
-    self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
-    self._expected = {int(g): tuple(int(i) for i in ids) for g, ids in state.get("expected", [])}
-    for g in state["ready"]:
-      rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
-      self._push_ready(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
-    for members in state["partial"]:
-      rs = [rollout_from_dict(d) for d in members]
-      self._partial[rs[0].group_id] = rs
-    self._abandoned = {int(e[0]): (int(e[1]), e[2] if len(e) > 2 else "aborted")
-                       for e in state["abandoned"]}
-    self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
+      self._reset()
+      self._seq = int(state["seq"])
+      self._learner_version = int(state["learner_version"])
+      self._last_batch_version = int(state.get("last_batch_version", -1))
+      self._trained = [int(x) for x in state["trained"]]
+      self._rejected = int(state.get("rejected", 0))
+      self._filtered_since_batch = int(state.get("filtered_since_batch", 0))
+      self._filter_kept = int(state.get("filter_kept", 0))
+      self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
+      self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
+      self._expected = {int(g): tuple(int(i) for i in ids)
+                        for g, ids in state.get("expected", [])}
+      for g in state["ready"]:
+        rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
+        self._push_ready(_Ready(_oldest(rollouts), int(g["seq"]), rollouts))
+      for members in state["partial"]:
+        rs = [rollout_from_dict(d) for d in members]
+        self._partial[rs[0].group_id] = rs
+      self._abandoned = {int(e[0]): (int(e[1]), e[2] if len(e) > 2 else "aborted")
+                         for e in state["abandoned"]}
+      self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
 
   # ------------------------------------------------------------------ internals
 
   def _in_flight_locked(self) -> int:
-    return self._admission.num_live - self._ready_live
+    return self._admission.num_live - sum(map(self._admission.is_live, self._ready))
 
   def _mark_complete(self, gid: int) -> None:
     self._expected.pop(gid, None)
@@ -520,21 +514,13 @@ class RolloutQueue:
       del self._complete[next(iter(self._complete))]
 
   def _push_ready(self, g: _Ready) -> None:
-    gid = g.rollouts[0].group_id
-    self._ready[gid] = g
-    self._ready_live += self._admission.is_live(gid)
-    heapq.heappush(self._heap, (g.oldest_version, g.seq, gid))
-
-  def _remove_ready(self, gid: int) -> _Ready:
-    g = self._ready.pop(gid)
-    self._ready_live -= self._admission.is_live(gid)
-    return g
+    self._ready[g.rollouts[0].group_id] = g
+    heapq.heappush(self._heap, g)
 
   def _peek_oldest(self) -> _Ready | None:
     while self._heap:
-      _, seq, gid = self._heap[0]
-      g = self._ready.get(gid)
-      if g is not None and g.seq == seq:
+      g = self._heap[0]
+      if self._ready.get(g.rollouts[0].group_id) is g:
         return g
       heapq.heappop(self._heap)
     return None
@@ -542,7 +528,7 @@ class RolloutQueue:
   def _pop_oldest(self) -> _Ready:
     g = self._peek_oldest()
     heapq.heappop(self._heap)
-    return self._remove_ready(g.rollouts[0].group_id)
+    return self._ready.pop(g.rollouts[0].group_id)
 
   def _retire(self, group_ids, trained: bool):
     ids = [g for g in group_ids if self._admission.is_live(g)]
