@@ -202,10 +202,9 @@ class RolloutWorker:
     prepared = self._next_prompt()
     if prepared.truncated:
       self._count("prompts_truncated")
+      with self._lock:
+        self._truncated.update(range(c.next_sample, c.next_sample + self.cfg.group_size))
     for _ in range(self.cfg.group_size):
-      if prepared.truncated:
-        with self._lock:
-          self._truncated.add(c.next_sample)
       self._submit(c.next_sample, c.next_group, c.next_prompt, prepared.ids)
       c.next_sample += 1
     c.next_group += 1
@@ -256,17 +255,13 @@ class RolloutWorker:
                       for gid, sids in groups.items())
     logging.warning("rollout worker: lost samples, %s (%s).", named,
                     self.cfg.lost_sample_policy)
-    for sid, entry in lost.items():
-      self._outstanding[sid] = entry[:3]
     for gid, sids in groups.items():
       if self.cfg.lost_sample_policy == "redispatch":
         for sid in sids:
-          _, prompt_index, ids = self._outstanding.pop(sid)
+          _, prompt_index, ids, _ = lost[sid]
           self._submit(sid, gid, prompt_index, ids)
         self._count("samples_redispatched", len(sids))
       else:
-        for sid in sids:
-          self._outstanding.pop(sid)
         self._abandon_group(gid, "lost")
         self._count("groups_lost")
     return sorted(lost)
