@@ -253,13 +253,12 @@ class RolloutQueue:
         self._discard([group], "unscored")  # no baseline and nothing to train
       elif staleness.is_too_stale(_oldest(group), self._learner_version, self._config.max_lag):
         self._discard([group], "stale")
-      elif self._filter.active and group_filter_lib.should_drop(
-          self._filter, [r.reward for r in group], self._filtered_since_batch):
+      elif group_filter_lib.should_drop(self._filter, [r.reward for r in group],
+                                        self._filtered_since_batch):
         self._discard([group], "filtered")
         self._filtered_since_batch += 1
       else:
-        if self._filter.active and group_filter_lib.matches(
-            self._filter, [r.reward for r in group]):
+        if group_filter_lib.matches(self._filter, [r.reward for r in group]):
           self._filter_kept += 1  # at the bound: trained with zero advantage
         self._push_ready(_Ready(_oldest(group), self._seq, group))
         self._seq += 1
@@ -331,27 +330,18 @@ class RolloutQueue:
       take = staleness.batch_size(len(self._ready), len(due), num_groups)
       if take is None:
         return None
-      chosen = sorted(self._ready[gid] for gid in due)
-      due_set = set(due)
-      rest = []
-      while len(chosen) + len(rest) < take:
-        g = self._pop_oldest()
-        if g.rollouts[0].group_id in due_set:
-          continue
-        rest.append(g)
-      chosen += rest
+      chosen = sorted(self._ready.pop(gid) for gid in due)
+      while len(chosen) < take:
+        chosen.append(self._pop_oldest())
       for g in chosen:
         for r in g.rollouts:
           if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
             for h in chosen:  # put everything back: the failed get loses nothing
-              if h.rollouts[0].group_id not in self._ready:
-                self._push_ready(h)
+              self._push_ready(h)
             raise ValueError(
                 f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
                 f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
                 "version the batch will be trained at.")
-      for gid in due:
-        self._ready.pop(gid, None)
       groups = [g.rollouts for g in chosen]
       self._last_batch_version = max(self._last_batch_version, learner_version)
       self._filtered_since_batch = 0
@@ -531,9 +521,7 @@ class RolloutQueue:
     return self._ready.pop(g.rollouts[0].group_id)
 
   def _retire(self, group_ids, trained: bool):
-    ids = [g for g in group_ids if self._admission.is_live(g)]
-    if ids:
-      self._admission.retire(ids, trained)
+    self._admission.retire([g for g in group_ids if self._admission.is_live(g)], trained)
 
   def _discard(self, groups: list[Group], reason: str):
     for group in groups:
