@@ -44,16 +44,10 @@ class UnpackedSample:
   advantage: float
 
 
-def _empty_batch(num_rows: int, seq_len: int) -> dict[str, np.ndarray]:
-  return {
-      "tokens": np.zeros((num_rows, seq_len), np.int32),
-      "positions": np.zeros((num_rows, seq_len), np.int32),
-      "segment_ids": np.zeros((num_rows, seq_len), np.int32),
-      "loss_mask": np.zeros((num_rows, seq_len), np.float32),
-      "behavior_logprobs": np.zeros((num_rows, seq_len), np.float32),
-      "policy_versions": np.zeros((num_rows, seq_len), np.int32),
-      "advantages": np.zeros((num_rows, seq_len), np.float32),
-  }
+# The dtype of each [B, L] array of a `TrainBatch` (`routes` aside: `router_replay.batch_routes`).
+_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32,
+           "loss_mask": np.float32, "behavior_logprobs": np.float32, "policy_versions": np.int32,
+           "advantages": np.float32}
 
 
 def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: int,
@@ -95,7 +89,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
   if num_rows is not None and len(rows) > num_rows:
     raise ValueError(f"pack_rollouts: {len(rollouts)} samples need {len(rows)} rows of "
                      f"{seq_len} tokens but num_rows={num_rows}.")
-  out = _empty_batch(len(rows) if num_rows is None else num_rows, seq_len)
+  shape = (len(rows) if num_rows is None else num_rows, seq_len)
+  out = {name: np.zeros(shape, dtype) for name, dtype in _DTYPES.items()}
   placed: list[int] = []  # rollout indices in packed order
   placements: list[tuple[int, int]] = []  # (row, first completion column) of each
   for b, row in enumerate(rows):
