@@ -138,16 +138,11 @@ def packed_order(lengths: Sequence[int], seq_len: int) -> list[int]:
   return [i for row in packing_plan(lengths, seq_len) for i in row]
 
 
-def bucket_rows(needed: int) -> int:
-  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
-  return 1 << max(0, int(needed - 1).bit_length())
-
-
 def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
   """Rows of the learner batch holding samples of these lengths (prompt + completion): the
-  first-fit-decreasing plan's row count rounded up by `bucket_rows` (the learner's batch shape
-  rule, shared with the simulator)."""
-  return bucket_rows(len(packing_plan(lengths, seq_len)))
+  first-fit-decreasing plan's row count rounded up to a power of two, so batch shapes (and
+  compiles) stay few (the learner's batch shape rule, shared with the simulator)."""
+  return 1 << max(0, (len(packing_plan(lengths, seq_len)) - 1).bit_length())
 
 
 # ---- the drivers' scheduling rules ---------------------------------------------------------
