@@ -321,9 +321,6 @@ class AdmissionLedger:
     return cls(int(d["num_admitted"]), int(d["num_trained"]), int(d["num_discarded"]),
                ((int(g), int(v)) for g, v in d["live"]))
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, AdmissionLedger) and self.to_dict() == other.to_dict()
-
 
 # --------------------------------------------------------------------------------------------
 # Wasted-work counters.
