@@ -147,10 +147,6 @@ class RolloutWorker:
     """Whether the engine may receive new weights now (`rules.may_update_weights`)."""
     return rules.may_update_weights(self.cfg.driver, self.engine.has_work)
 
-  def _free_slots(self) -> int:
-    e = self.engine
-    return e.num_slots - e.num_active - e.num_waiting
-
   def top_up(self) -> int:
     """Starts as many new prompt groups as the driver's rule (`rules.begin_top_up`,
     `rules.may_start_group`) and the admission policy allow; round-based drivers first re-open
@@ -159,7 +155,7 @@ class RolloutWorker:
     Returns:
       Number of groups started.
     """
-    cfg, c = self.cfg, self.counters
+    cfg, c, e = self.cfg, self.counters, self.engine
     state = rules.RoundState(c.rounds_started, self._round_open)
     filtered = self.queue.filtered_groups()
     state = rules.reopen_filtered(cfg.driver, state, filtered - c.filtered_reopened)
@@ -168,7 +164,8 @@ class RolloutWorker:
                                    weights_version=self.weights_version,
                                    groups_per_step=cfg.groups_per_step)
     started = 0
-    while ok and rules.may_start_group(cfg.driver, state, self._free_slots()):
+    while ok and rules.may_start_group(cfg.driver, state,
+                                       e.num_slots - e.num_active - e.num_waiting):
       ids = range(c.next_sample, c.next_sample + cfg.group_size)
       if not self.queue.try_admit(c.next_group, self.weights_version, sample_ids=ids):
         break
