@@ -8,8 +8,8 @@ lock and a condition variable. Use it threaded (`get_batch` with a timeout) or f
 a deterministic interleaving (`try_get_batch`).
 
 "Oldest" means smallest oldest-token policy version, ties broken by the order in which groups
-became ready (FIFO). Every event costs O(log n) in the number of live groups: ready groups sit
-in a heap keyed by (oldest version, arrival), admission in `staleness.AdmissionLedger`.
+became ready (FIFO). Ready groups sit in a heap keyed by (oldest version, arrival), so an event
+costs O(log n) in the number of ready groups, plus the admission's (`staleness.AdmissionLedger`).
 
 Lost and duplicated samples (issue #14 item 9): a sample put twice, a sample of a group that is
 already complete (ready, trained or discarded) and a sample the group was not admitted with are

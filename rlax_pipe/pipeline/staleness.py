@@ -38,7 +38,6 @@ signal, `group_filter`; a replacement prompt is admitted in its place).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Any, Iterable
 
 
@@ -157,7 +156,7 @@ def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: in
 
   Policy `learner-wait` admits by AReaL Eq. 3 on `sampler_version` instead and leaves the
   per-token bound to the learner-side gate (`due_bound`). Pure function of scalars; the
-  bookkeeping that feeds it is `AdmissionLedger` (O(log n) per event).
+  bookkeeping that feeds it is `AdmissionLedger`.
 
   Args:
     num_net: admitted groups not discarded (live + trained).
@@ -204,9 +203,9 @@ def batch_size(num_ready: int, num_due: int, groups_per_step: int) -> int | None
 class AdmissionLedger:
   """Groups admitted by the sampler and not yet retired (trained or discarded).
 
-  O(log n) per admission and retirement (n = live groups): live groups are kept per admission
-  version, with a heap of the distinct versions for the oldest one, so no event walks or copies
-  the live set.
+  Live groups are kept per admission version: an admission or a retirement is O(1) per group,
+  and the oldest version is a min over the distinct live versions (few: a live group is at most
+  about max_lag versions old under `block` and `learner-wait`), so no event walks the live set.
 
   Attributes:
     num_admitted: groups ever admitted.
@@ -220,7 +219,6 @@ class AdmissionLedger:
                                                                num_discarded)
     self._version_of: dict[int, int] = {}
     self._by_version: dict[int, dict[int, None]] = {}
-    self._versions: list[int] = []  # heap of versions in _by_version (lazy deletion)
     for g, v in live:
       self._add(int(g), int(v))
 
@@ -240,9 +238,7 @@ class AdmissionLedger:
 
   def oldest_version(self) -> int | None:
     """Smallest admission version among live groups (None when none is live)."""
-    while self._versions and self._versions[0] not in self._by_version:
-      heapq.heappop(self._versions)
-    return self._versions[0] if self._versions else None
+    return min(self._by_version, default=None)
 
   def live(self) -> list[tuple[int, int]]:
     """(group_id, admission_version) of every live group, by version then admission (O(n))."""
@@ -305,10 +301,7 @@ class AdmissionLedger:
 
   def _add(self, group_id: int, version: int) -> None:
     self._version_of[group_id] = version
-    if version not in self._by_version:
-      self._by_version[version] = {}
-      heapq.heappush(self._versions, version)
-    self._by_version[version][group_id] = None
+    self._by_version.setdefault(version, {})[group_id] = None
 
   def to_dict(self) -> dict[str, Any]:
     """Plain-dict form (for resume)."""
