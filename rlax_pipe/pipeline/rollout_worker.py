@@ -54,6 +54,9 @@ from rlax_pipe.types import Rollout, WeightUpdate
 
 # Consecutive over-long prompts after which the task is declared unusable with these settings.
 _MAX_FILTERED_IN_A_ROW = 1000
+# The counts `pop_metrics` returns (see there).
+_COUNTS = ("filtered_overlong", "prompts_truncated", "samples_lost", "samples_redispatched",
+           "groups_lost", "groups_aborted_stale") + tuple(f"reward_{o}" for o in OUTCOMES)
 
 
 @dataclasses.dataclass
@@ -94,7 +97,7 @@ class RolloutWorker:
     self._monitor = grading.FailureMonitor(g.max_failure_fraction, g.failure_window)
     self._truncated: set[int] = set()  # sample ids whose prompt was truncated
     self._lock = threading.Lock()      # counters (learner thread), _truncated (grader thread)
-    self._step_counts = self._zero_counts()
+    self._step_counts = dict.fromkeys(_COUNTS, 0)
     # Requests handed to the engine and not returned: sample id -> (group id, prompt index,
     # prompt ids); checked against the engine for lost samples.
     self._outstanding: dict[int, tuple[int, int, Any]] = {}
@@ -109,12 +112,6 @@ class RolloutWorker:
     """Ends the verifier processes."""
     self.verifier.close()
 
-  @staticmethod
-  def _zero_counts() -> dict[str, int]:
-    return dict.fromkeys(("filtered_overlong", "prompts_truncated", "samples_lost",
-                          "samples_redispatched", "groups_lost", "groups_aborted_stale")
-                         + tuple(f"reward_{o}" for o in OUTCOMES), 0)
-
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
       self._step_counts[key] += n
@@ -126,7 +123,7 @@ class RolloutWorker:
     longer held that never came back), `samples_redispatched`, `groups_lost` (discarded for a
     lost sample) and `groups_aborted_stale` (policy drop, in flight)."""
     with self._lock:
-      counts, self._step_counts = self._step_counts, self._zero_counts()
+      counts, self._step_counts = self._step_counts, dict.fromkeys(_COUNTS, 0)
     calls = sum(counts[f"reward_{o}"] for o in OUTCOMES)
     failed = calls - counts["reward_ok"]
     return {**counts, "reward_failed_frac": failed / calls if calls else float("nan")}
