@@ -1,23 +1,16 @@
 """In-memory rollout queue: groups finished samples and applies the staleness policy.
 
-The sampler `put`s every finished `Rollout` (aborted ones too, with finish_reason "aborted"); a
-group is ready once all `group_size` samples arrived. The learner `get_batch`es the oldest ready
-groups. The sampler asks `try_admit` before starting a group (naming its sample ids). The
-staleness decisions are the pure functions of `staleness.py`; this class only adds storage, a
-lock and a condition variable. Use it threaded (`get_batch` with a timeout) or from one thread in
-a deterministic interleaving (`try_get_batch`).
+The sampler asks `try_admit` before starting a group and `put`s every finished `Rollout`
+(aborted ones too); a group is ready once all `group_size` samples arrived, and the learner
+`get_batch`es the oldest ready groups. The staleness decisions are the pure functions of
+`staleness.py`; this class only adds storage, a lock and a condition variable. Use it threaded
+(`get_batch` with a timeout) or from one thread in a deterministic interleaving (`try_get_batch`).
+Lost and duplicated samples (issue #14 item 9) and dynamic sampling: see `put`, `missing_samples`
+and `discard_group`.
 
 "Oldest" means smallest oldest-token policy version, ties broken by the order in which groups
 became ready (FIFO). Ready groups sit in a heap keyed by (oldest version, arrival), so an event
 costs O(log n) in the number of ready groups, plus the admission's (`staleness.AdmissionLedger`).
-
-Lost and duplicated samples (issue #14 item 9): a sample put twice, a sample of a group that is
-already complete (ready, trained or discarded) and a sample the group was not admitted with are
-rejected and counted (`QueueStats.rejected_samples`), never fatal and never reopening a group.
-`missing_samples` names the samples a group still waits for; `discard_group(..., "lost")` gives
-up on a group whose samples will not come (counted as waste reason "lost").
-Dynamic sampling (`group_filter`): `put` drops a complete group without learning signal (waste
-reason "filtered"), which releases its admission so the sampler admits a replacement.
 """
 
 from __future__ import annotations
@@ -209,9 +202,9 @@ class RolloutQueue:
     reward (all NaN: failed verifiers or masked samples; reason "unscored"), or if its oldest
     token is already too stale for the newest known learner version (reason "stale"; that can
     only get worse), or if the dynamic-sampling filter drops it (reason "filtered",
-    `group_filter.should_drop`; at the filter's bound a zero-variance group is kept and counted in
-    `filter_kept_groups`). Under queue-drop, the oldest ready groups beyond capacity are then
-    dropped (reason "overflow").
+    `group_filter.should_drop`, which releases its admission so the sampler admits a replacement;
+    at the filter's bound a zero-variance group is kept and counted in `filter_kept_groups`).
+    Under queue-drop, the oldest ready groups beyond capacity are then dropped (reason "overflow").
 
     Args:
       rollout: a finished sample.
@@ -219,8 +212,9 @@ class RolloutQueue:
         version seen by `get_batch` / `set_learner_version` is used).
 
     Returns:
-      False when the sample was rejected (a duplicate, a sample of a complete group, or not one
-      of its group's admitted sample ids) and counted in `rejected_samples`; True otherwise.
+      False when the sample was rejected (a duplicate, a sample of a complete group, i.e. ready,
+      trained or discarded, or not one of its group's admitted sample ids): counted in
+      `rejected_samples`, never fatal and never reopening its group. True otherwise.
     """
     with self._cond:
       if learner_version is not None:
