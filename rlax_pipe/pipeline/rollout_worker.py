@@ -3,24 +3,11 @@
 The worker owns the task iterator (prompt, group and sample counters, restorable from a
 checkpoint) and applies the driver's rules for when new groups may start and when new weights may
 be installed: the pure functions of `rules.py` (shared with the simulator) and the staleness
-admission of the queue.
-
-Samples that go missing or stale in flight (issue #14 item 9): the worker keeps the requests it
-handed to the engine and not yet got back; when the engine holds fewer than that (an O(1) check
-per step), the missing ones are named and, by `PipelineConfig.lost_sample_policy`, re-dispatched
-(same sample id, same prompt) or their group is discarded (waste reason "lost"); both are
-counted. A sample the engine did hand back can still be lost on its way to the queue (grading,
-a transport between processes); issue #27 item 2: under `drop` and `queue-drop` nothing else
-ever waits for it, so its group stayed partial forever, unnamed. The worker therefore keeps the
-samples it got back (with the time it got them) until the queue has them: one still missing
-from the queue `delivery_limit_s` after it left the engine is lost, named and handled by the
-same policy, under every staleness policy (amortised O(1): each sample is looked at once, when
-it reaches that age).
-
-Under policy `drop` the worker aborts groups in flight whose oldest token is already too stale
-for the learner's next batch (checked when the learner's version changes): with the engine's
-per-request `abort` when it has one, else by discarding the group in the queue so its samples
-are counted and ignored when they finish.
+admission of the queue. It keeps every sample it handed to the engine until the queue has it, so
+that one lost in the engine or on its way to the queue (grading, a transport between processes)
+is named and handled (`check_lost`; issue #14 item 9, issue #27 item 2: under `drop` and
+`queue-drop` nothing else would ever wait for it). Under policy `drop` it aborts groups in flight
+that are already too stale (`abort_too_stale`).
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
 completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, reasoning
