@@ -1,38 +1,26 @@
-"""Staleness bookkeeping and the three enforcement policies, as pure functions.
+"""Staleness bookkeeping and the four enforcement policies, as pure functions.
 
 No threads, no JAX: the same code runs inside the real pipeline (`RolloutQueue`, drivers) and in
 the discrete-event simulator in `sim/`, so the simulator simulates the policy that runs.
 
-Definitions (DESIGN.md, "Staleness"):
-  * token t of a sample trained at learner version v has lag_t = v - policy_versions[t] >= 0;
-  * ``max_lag = k`` means no token with lag > k is ever in a gradient;
-  * a group is the admission / training / dropping unit (GRPO advantages need the whole group).
+Definitions (DESIGN.md, "Staleness"): token t trained at learner version v has lag
+v - policy_versions[t] >= 0 (`rules.token_lag`); ``max_lag = k`` means no token with lag > k is
+ever in a gradient; a group is the admission / training / dropping unit (GRPO advantages need the
+whole group). Every policy counts the work it wastes, by reason (`WasteCounters`).
 
 Policies (`StalenessConfig.policy`):
   * ``block``: admission control (AReaL, arXiv 2505.24298, Sec. 5.1, Eq. 3, made per-token
-    safe, see `can_admit`): the sampler does not start a group that could break the bound.
-    Nothing needs dropping.
+    safe: `can_admit`); nothing needs dropping.
   * ``drop``: groups whose oldest token is already too stale for the version they would be
-    trained at are discarded (prime-rl style), at put time, at batch time, and in flight:
-    `RolloutWorker.abort_too_stale` applies `is_too_stale` to each running sample's first token
-    when the learner's version changes and gives up its group (aborting its requests when the
-    engine can abort one).
-  * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work
-    ahead of the learner) plus a learner-side gate: the learner never takes a step that would
-    leave behind a live group whose tokens would then exceed max_lag; it waits for such a
-    *due* group and trains every due group (so a batch may hold more than groups_per_step
-    groups). A straggler then stalls the learner instead of the sampler: higher slot occupancy
-    and throughput when sampling is the bottleneck, more mean staleness (see `due_bound`).
+    trained at are discarded (prime-rl style), at put time, at batch time, and in flight
+    (`RolloutWorker.abort_too_stale`).
+  * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work ahead
+    of the learner) plus the learner-side gate of `due_bound`. A straggler then stalls the
+    learner instead of the sampler: higher slot occupancy and throughput when sampling is the
+    bottleneck, more mean staleness.
   * ``queue-drop``: the queue holds at most `queue_capacity_groups` ready groups and drops the
     oldest ones beyond that (Applied Compute, "Predicting and Controlling Staleness in Fully
     Asynchronous RL Training", 2026). When `max_lag` is also set it stays a hard cap at batch time.
-
-Every policy counts wasted tokens (generated completion tokens that are never trained), split by
-reason: ``stale`` (too old), ``overflow`` (queue-drop), ``aborted`` (a sample in the group was
-aborted), ``unscored`` (no sample of the group has a reward: every verifier call failed, or the
-overlong policy masked every sample), ``lost`` (a sample never arrived and the group was given
-up instead of re-dispatched), ``filtered`` (dynamic sampling dropped a group without learning
-signal, `group_filter`; a replacement prompt is admitted in its place).
 """
 
 from __future__ import annotations
@@ -104,7 +92,7 @@ def queue_overflow(num_ready: int, capacity: int | None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Admission control (policy "block").
+# Admission control (policies "block" and "learner-wait").
 
 
 def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_version: int,
