@@ -161,9 +161,9 @@ class RolloutQueue:
                 sample_ids: Iterable[int] | None = None) -> bool:
     """Asks to start prompt group `group_id` with the sampler's current weights version.
 
-    Under `block` and `learner-wait` this applies `staleness.can_admit`; other policies always
-    admit. Admitted groups are tracked so that the bound holds and waits can report what is in
-    flight.
+    Under `block` and `learner-wait` this applies `staleness.admission_headroom`; other policies
+    always admit. Admitted groups are tracked so that the bound holds and waits can report what
+    is in flight.
 
     Args:
       group_id: the group.

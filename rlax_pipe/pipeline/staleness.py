@@ -10,7 +10,7 @@ whole group). Every policy counts the work it wastes, by reason (`WasteCounters`
 
 Policies (`StalenessConfig.policy`):
   * ``block``: admission control (AReaL, arXiv 2505.24298, Sec. 5.1, Eq. 3, made per-token
-    safe: `can_admit`); nothing needs dropping.
+    safe: `admission_headroom`); nothing needs dropping.
   * ``drop``: groups whose oldest token is already too stale for the version they would be
     trained at are discarded (prime-rl style), at put time, at batch time, and in flight
     (`RolloutWorker.abort_too_stale`).
@@ -100,31 +100,9 @@ def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_ve
                        ) -> int | None:
   """How many more groups `block` / `learner-wait` let the sampler start now (None = unlimited).
 
-  block: headroom = B * (a_min + k + 1) - n, where n = `num_net` (admitted groups not
-  discarded), B = groups_per_step, k = max_lag and a_min = the smallest admission version among
-  live groups (`oldest_live_version`, or `sampler_version` when none is live). See `can_admit`
-  for why. learner-wait: headroom = B * (v + k + 1) - n with v = `sampler_version` (AReaL
-  Eq. 3), and 0 while v + k < `next_train_version` (a group admitted now would already be too
-  stale for the learner's next batch). Policies `drop` and `queue-drop` never limit admission.
-  """
-  if config.policy not in ("block", "learner-wait") or config.max_lag is None:
-    return None
-  k, b = config.max_lag, config.groups_per_step
-  if config.policy == "learner-wait":
-    if next_train_version is not None and sampler_version + k < next_train_version:
-      return 0
-    return max(0, b * (sampler_version + k + 1) - num_net)
-  a_min = sampler_version if oldest_live_version is None else min(oldest_live_version,
-                                                                  sampler_version)
-  return max(0, b * (a_min + k + 1) - num_net)
-
-
-def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: int,
-              config: StalenessConfig, next_train_version: int | None = None) -> bool:
-  """Whether the sampler may start one more prompt group now.
-
-  Rule (policy `block`): admit group number n (0-based, counting admitted groups that were not
-  discarded) only while floor(n / B) <= a_min + k, where a_min is the smallest admission version
+  Rule (policy `block`): headroom = B * (a_min + k + 1) - n, i.e. group number n (0-based,
+  counting admitted groups that were not discarded) is admitted only while floor(n / B) <=
+  a_min + k, where B = groups_per_step, k = max_lag and a_min is the smallest admission version
   among live (admitted, not yet trained or discarded) groups, the new one included (its
   admission version is `sampler_version`). This is AReaL Eq. 3 with the *oldest live* admission
   version in place of the current version.
@@ -142,22 +120,31 @@ def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: in
   the sampler admitting. Assumes every learner step trains at least B groups (fewer would let
   the version run ahead of the admission count).
 
-  Policy `learner-wait` admits by AReaL Eq. 3 on `sampler_version` instead and leaves the
-  per-token bound to the learner-side gate (`due_bound`). Pure function of scalars; the
-  bookkeeping that feeds it is `AdmissionLedger`.
+  Policy `learner-wait` admits by AReaL Eq. 3 on the sampler's version v instead, headroom =
+  B * (v + k + 1) - n, and 0 while v + k < `next_train_version` (a group admitted now would
+  already be too stale for the learner's next batch); the per-token bound is the learner-side
+  gate's (`due_bound`). Pure function of scalars; the bookkeeping that feeds it is
+  `AdmissionLedger`.
 
   Args:
-    num_net: admitted groups not discarded (live + trained).
+    num_net: n, admitted groups not discarded (live + trained).
     oldest_live_version: smallest admission version among live groups (None: none live).
     sampler_version: the version of the weights the sampler decodes with now (not the learner's
       version, which may be ahead of it).
-    config: staleness config; `drop`, `queue-drop`, or max_lag None always admit.
+    config: staleness config; `drop`, `queue-drop`, or max_lag None never limit admission.
     next_train_version: learner-wait only: the smallest version the learner's next batch can be
       trained at (None = not known, no check).
   """
-  headroom = admission_headroom(num_net, oldest_live_version, sampler_version, config,
-                                next_train_version)
-  return headroom is None or headroom > 0
+  if config.policy not in ("block", "learner-wait") or config.max_lag is None:
+    return None
+  k, b = config.max_lag, config.groups_per_step
+  if config.policy == "learner-wait":
+    if next_train_version is not None and sampler_version + k < next_train_version:
+      return 0
+    return max(0, b * (sampler_version + k + 1) - num_net)
+  a_min = sampler_version if oldest_live_version is None else min(oldest_live_version,
+                                                                  sampler_version)
+  return max(0, b * (a_min + k + 1) - num_net)
 
 
 def due_bound(train_version: int, config: StalenessConfig) -> int | None:
@@ -234,9 +221,11 @@ class AdmissionLedger:
 
   def can_admit(self, sampler_version: int, config: StalenessConfig,
                 next_train_version: int | None = None) -> bool:
-    """`can_admit` of this ledger."""
-    return can_admit(self.num_net, self.oldest_version(), sampler_version, config,
-                     next_train_version)
+    """Whether the sampler may start one more group now: `admission_headroom` of this ledger is
+    None (unlimited) or > 0."""
+    headroom = admission_headroom(self.num_net, self.oldest_version(), sampler_version, config,
+                                  next_train_version)
+    return headroom is None or headroom > 0
 
   def admit(self, group_id: int, sampler_version: int, config: StalenessConfig,
             next_train_version: int | None = None) -> None:
