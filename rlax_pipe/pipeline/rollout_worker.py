@@ -261,28 +261,24 @@ class RolloutWorker:
   def next_delivery_deadline(self, delivery_limit_s: float) -> float | None:
     """When `check_lost` will name the oldest handed-back sample the queue still waits for
     (time it left the engine + `delivery_limit_s`), or None when the queue waits for none of
-    them. O(samples in transit); for a driver that would otherwise stop (reproducible mode,
-    where time only moves when something is due)."""
-    for sid, (gid, _, _, t) in list(self._in_transit.items()):
+    them; for a driver that would otherwise stop (reproducible mode, where time only moves when
+    something is due) and for `check_lost`. Amortised O(1): delivered samples are forgotten."""
+    while self._in_transit:
+      sid, (gid, _, _, t) = next(iter(self._in_transit.items()))
       if sid in (self.queue.missing_samples(gid) or ()):
         return t + delivery_limit_s
       del self._in_transit[sid]  # delivered (or its group is no longer waited for)
     return None
 
   def _lost_in_transit(self, now: float, limit_s: float) -> dict[int, tuple]:
-    """Samples handed back by the engine at least `limit_s` before `now` that the queue still
-    waits for (one whose group completed or was given up is not waited for): sample id ->
-    (group id, prompt index, prompt ids, where lost)."""
+    """Samples handed back by the engine that the queue still waits for at their
+    `next_delivery_deadline` (`limit_s` after) and `now` is past it: sample id -> (group id,
+    prompt index, prompt ids, where lost)."""
     lost = {}
-    while self._in_transit:
-      sid, (gid, prompt_index, ids, t) = next(iter(self._in_transit.items()))
-      if now < t + limit_s:  # (the same sum as next_delivery_deadline: no rounding gap)
-        break
-      del self._in_transit[sid]
-      if sid in (self.queue.missing_samples(gid) or ()):
-        lost[sid] = (gid, prompt_index, ids,
-                     f"left the engine {now - t:.3g} s ago, not in the queue after "
-                     f"{limit_s:.3g} s")
+    while (deadline := self.next_delivery_deadline(limit_s)) is not None and now >= deadline:
+      sid, (gid, prompt_index, ids, t) = self._in_transit.popitem(last=False)
+      lost[sid] = (gid, prompt_index, ids, f"left the engine {now - t:.3g} s ago, not in the "
+                   f"queue after {limit_s:.3g} s")
     return lost
 
   def abort_too_stale(self) -> int:
