@@ -1,12 +1,12 @@
-"""Packs graded rollouts into a fixed-shape `TrainBatch` [B, L] (host side, numpy).
+"""Packs graded rollouts into a fixed-shape `TrainBatch` [B, L] (host side, numpy), in the layout
+`types.TrainBatch` describes (segment ids, positions restarting at 0, per-token arrays aligned
+with `tokens`).
 
 Each sample (prompt + completion) is one segment of a row; rows are filled first-fit decreasing
 (Johnson 1973, bin packing: sort by length, longest first, each into the first row it fits).
-Within a row segments are numbered 1, 2, ... (0 marks padding) and positions restart at 0, so
-attention must be masked to equal segment ids. Per-token arrays follow `types.TrainBatch`:
-loss_mask, behavior_logprobs, policy_versions and advantages are set on completion tokens only
-(0 elsewhere), aligned with `tokens`; in a multi-turn episode only on the model's tokens
-(`Rollout.loss_mask`): environment tokens are context, as the prompt is.
+loss_mask, behavior_logprobs, policy_versions and advantages are set on the model's completion
+tokens only, 0 elsewhere (`Rollout.loss_mask`: an episode's environment tokens are context, as
+the prompt is).
 """
 
 from __future__ import annotations
