@@ -206,7 +206,8 @@ class VirtualClocks:
   def _deliver(self, job, now: float) -> None:
     st, cfg = job.vstate, job.cfg.pipeline
     if rules.weights_deliverable(st.pending_arrival, now, job.worker.may_update_weights()):
-      job.worker.update_weights(job.channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
+      job.worker.engine.update_weights(
+          job.channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
       st.pending_arrival = None
       st.installs += 1
 
@@ -473,7 +474,7 @@ class ThreadedClock(RealClock):
           if worker.may_update_weights():
             w = channel.try_take()
             if w is not None:
-              worker.update_weights(w)
+              engine.update_weights(w)
               installs = 1
           _sampler_housekeeping(worker, time.monotonic(), limit_s[0])
           worker.top_up()

@@ -37,7 +37,7 @@ from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
 from rlax_pipe.tasks.safe_reward import OUTCOMES
 from rlax_pipe.tasks.verifier_pool import VerifierPool
-from rlax_pipe.types import Rollout, WeightUpdate
+from rlax_pipe.types import Rollout
 
 # Consecutive over-long prompts after which the task is declared unusable with these settings.
 _MAX_FILTERED_IN_A_ROW = 1000
@@ -115,17 +115,6 @@ class RolloutWorker:
     failed = calls - counts["reward_ok"]
     return {**counts, "reward_failed_frac": failed / calls if calls else float("nan")}
 
-  @property
-  def weights_version(self) -> int:
-    """Newest version handed to the engine (the engine owns the number)."""
-    return self.engine.latest_version
-
-  def update_weights(self, update: WeightUpdate) -> None:
-    """Hands newer weights (and their ownership) to the engine (`types.Sampler.update_weights`);
-    it swaps them in at its next step boundary, before any token of a group started from now on
-    is generated."""
-    self.engine.update_weights(update)
-
   # ---- rules --------------------------------------------------------------------------------
   def may_update_weights(self) -> bool:
     """Whether the engine may receive new weights now (`rules.may_update_weights`)."""
@@ -145,13 +134,13 @@ class RolloutWorker:
     state = rules.reopen_filtered(cfg.driver, state, filtered - c.filtered_reopened)
     c.filtered_reopened = filtered
     state, ok = rules.begin_top_up(cfg.driver, state, has_work=self.engine.has_work,
-                                   weights_version=self.weights_version,
+                                   weights_version=self.engine.latest_version,
                                    groups_per_step=cfg.groups_per_step)
     started = 0
     while ok and rules.may_start_group(cfg.driver, state,
                                        e.num_slots - e.num_active - e.num_waiting):
       ids = range(c.next_sample, c.next_sample + cfg.group_size)
-      if not self.queue.try_admit(c.next_group, self.weights_version, sample_ids=ids):
+      if not self.queue.try_admit(c.next_group, self.engine.latest_version, sample_ids=ids):
         break
       self._submit_group()
       state = rules.group_started(cfg.driver, state)
