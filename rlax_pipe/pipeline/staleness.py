@@ -190,8 +190,8 @@ class AdmissionLedger:
 
   def __init__(self, num_admitted: int = 0, num_trained: int = 0, num_discarded: int = 0,
                live: Iterable[tuple[int, int]] = ()):
-    self.num_admitted, self.num_trained, self.num_discarded = (num_admitted, num_trained,
-                                                               num_discarded)
+    self.num_admitted, self.num_trained, self.num_discarded = (
+        int(num_admitted), int(num_trained), int(num_discarded))
     self._version_of: dict[int, int] = {}
     self._by_version: dict[int, dict[int, None]] = {}
     for g, v in live:
@@ -287,9 +287,8 @@ class AdmissionLedger:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> AdmissionLedger:
-    """Inverse of `to_dict`."""
-    return cls(int(d["num_admitted"]), int(d["num_trained"]), int(d["num_discarded"]),
-               ((int(g), int(v)) for g, v in d["live"]))
+    """Inverse of `to_dict` (its keys are the constructor's arguments)."""
+    return cls(**d)
 
 
 # --------------------------------------------------------------------------------------------
