@@ -133,14 +133,14 @@ class RolloutWorker:
     filtered = self.queue.filtered_groups()
     state = rules.reopen_filtered(cfg.driver, state, filtered - c.filtered_reopened)
     c.filtered_reopened = filtered
-    state, ok = rules.begin_top_up(cfg.driver, state, has_work=self.engine.has_work,
-                                   weights_version=self.engine.latest_version,
+    state, ok = rules.begin_top_up(cfg.driver, state, has_work=e.has_work,
+                                   weights_version=e.latest_version,
                                    groups_per_step=cfg.groups_per_step)
     started = 0
     while ok and rules.may_start_group(cfg.driver, state,
                                        e.num_slots - e.num_active - e.num_waiting):
       ids = range(c.next_sample, c.next_sample + cfg.group_size)
-      if not self.queue.try_admit(c.next_group, self.engine.latest_version, sample_ids=ids):
+      if not self.queue.try_admit(c.next_group, e.latest_version, sample_ids=ids):
         break
       self._submit_group()
       state = rules.group_started(cfg.driver, state)
