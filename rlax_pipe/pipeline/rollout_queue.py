@@ -52,12 +52,11 @@ class QueueStats:
     trained_groups, trained_samples, trained_tokens: handed to the learner (completion tokens).
     learner_version: newest learner version the queue has been told about.
     waste: discarded work, by reason.
-    rejected_samples: samples put twice, put after their group was complete, or not of their
-      group's admitted sample ids (rejected, not stored).
-    filter_kept_groups: zero-variance groups kept and trained because the filter had dropped
-      `max_dropped_per_step` groups since the last batch (its bound); 0 with the filter off.
-      Every count here is cumulative since the run started (kept across a resume), not per
-      learner step.
+    rejected_samples: samples `put` rejected (not stored).
+    filter_kept_groups: zero-variance groups kept and trained at the filter's bound
+      (`group_filter`); 0 with the filter off.
+
+  Every count is cumulative since the run started (kept across a resume), not per learner step.
   """
 
   ready_groups: int
