@@ -321,10 +321,9 @@ class RolloutWorker:
       grading.RewardFailureError: when too many recent verifier calls failed.
     """
     live = [r for r in rollouts if r.finish_reason != "aborted"]
-    with self._lock:
-      for r in rollouts:
-        if r.finish_reason == "aborted":
-          self._truncated.discard(r.sample_id)
+    with self._lock:  # an aborted sample is returned ungraded: forget its prompt's truncation
+      self._truncated.difference_update(r.sample_id for r in rollouts
+                                        if r.finish_reason == "aborted")
     items = [(self.task.problem(r.prompt_index, "train"),
               grading.completion_for_grading(self.tok, r.prompt_tokens, r.last_turn_tokens,
                                              self._reasoning_markers))  # episode: last turn
