@@ -1,12 +1,12 @@
-"""Packs graded rollouts into a fixed-shape `TrainBatch` [B, L] (host side, numpy).
+"""Packs graded rollouts into a fixed-shape `TrainBatch` [B, L] (host side, numpy), in the layout
+`types.TrainBatch` describes (segment ids, positions restarting at 0, per-token arrays aligned
+with `tokens`).
 
 Each sample (prompt + completion) is one segment of a row; rows are filled first-fit decreasing
 (Johnson 1973, bin packing: sort by length, longest first, each into the first row it fits).
-Within a row segments are numbered 1, 2, ... (0 marks padding) and positions restart at 0, so
-attention must be masked to equal segment ids. Per-token arrays follow `types.TrainBatch`:
-loss_mask, behavior_logprobs, policy_versions and advantages are set on completion tokens only
-(0 elsewhere), aligned with `tokens`; in a multi-turn episode only on the model's tokens
-(`Rollout.loss_mask`): environment tokens are context, as the prompt is.
+loss_mask, behavior_logprobs, policy_versions and advantages are set on the model's completion
+tokens only, 0 elsewhere (`Rollout.loss_mask`: an episode's environment tokens are context, as
+the prompt is).
 """
 
 from __future__ import annotations
@@ -44,16 +44,10 @@ class UnpackedSample:
   advantage: float
 
 
-def _empty_batch(num_rows: int, seq_len: int) -> dict[str, np.ndarray]:
-  return {
-      "tokens": np.zeros((num_rows, seq_len), np.int32),
-      "positions": np.zeros((num_rows, seq_len), np.int32),
-      "segment_ids": np.zeros((num_rows, seq_len), np.int32),
-      "loss_mask": np.zeros((num_rows, seq_len), np.float32),
-      "behavior_logprobs": np.zeros((num_rows, seq_len), np.float32),
-      "policy_versions": np.zeros((num_rows, seq_len), np.int32),
-      "advantages": np.zeros((num_rows, seq_len), np.float32),
-  }
+# The dtype of each [B, L] array of a `TrainBatch` (`routes` aside: `router_replay.batch_routes`).
+_DTYPES = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32,
+           "loss_mask": np.float32, "behavior_logprobs": np.float32, "policy_versions": np.int32,
+           "advantages": np.float32}
 
 
 def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: int,
@@ -95,7 +89,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, seq_len: 
   if num_rows is not None and len(rows) > num_rows:
     raise ValueError(f"pack_rollouts: {len(rollouts)} samples need {len(rows)} rows of "
                      f"{seq_len} tokens but num_rows={num_rows}.")
-  out = _empty_batch(len(rows) if num_rows is None else num_rows, seq_len)
+  shape = (len(rows) if num_rows is None else num_rows, seq_len)
+  out = {name: np.zeros(shape, dtype) for name, dtype in _DTYPES.items()}
   placed: list[int] = []  # rollout indices in packed order
   placements: list[tuple[int, int]] = []  # (row, first completion column) of each
   for b, row in enumerate(rows):

@@ -189,7 +189,8 @@ class VirtualClocks:
   def _deliver(self, job, now: float) -> None:
     st, cfg = job.vstate, job.cfg.pipeline
     if rules.weights_deliverable(st.pending_arrival, now, job.worker.may_update_weights()):
-      job.worker.update_weights(job.channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
+      job.worker.engine.update_weights(
+          job.channel.take(timeout=cfg.wait_timeout_s or STARTUP_WAIT_S))
       st.pending_arrival = None
       st.installs += 1
 
@@ -444,7 +445,7 @@ class ThreadedClock(RealClock):
       t0 = time.perf_counter()
       update = job.channel.try_take() if worker.may_update_weights() else None
       if update is not None:
-        worker.update_weights(update)
+        engine.update_weights(update)
       _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
       worker.top_up()
       if engine.has_work:

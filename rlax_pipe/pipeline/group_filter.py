@@ -8,16 +8,12 @@ a group-relative advantage (`rlax_pipe.advantages`: every estimator gives exactl
 whose valid rewards are equal) such a group contributes no policy-gradient term, yet it takes its
 share of the learner's fixed-size batch.
 
-Here (`PipelineConfig.filter_groups`):
-  * ``off``: every complete, scored group is trained (the behaviour without this module).
-  * ``zero_variance``: a complete group whose valid (non-NaN) rewards are all equal, or that has
-    fewer than 2 valid rewards (no baseline: every advantage is 0), is discarded by the queue when
-    it becomes complete (the moment its rewards are known) and counted as waste reason
-    ``filtered`` (groups, samples, completion tokens). The discard releases its admission
-    (`staleness.AdmissionLedger`: discarded groups are not counted), so the sampler admits a
-    replacement prompt by the same staleness rule, stamped with its own admission version
-    (pipeline driver: at its next top-up; round-based drivers: `rules.reopen_filtered` re-opens
-    one group of the current round per filtered group). The learner's batch keeps its size.
+Here (`PipelineConfig.filter_groups`): under ``zero_variance`` the queue discards a complete group
+without signal (`has_signal`) when it becomes complete (the moment its rewards are known), as
+waste reason ``filtered``. The discard releases its admission (`staleness.AdmissionLedger` does
+not count discarded groups), so the sampler admits a replacement prompt by the same staleness
+rule, stamped with its own admission version (round-based drivers: `rules.reopen_filtered`). The
+learner's batch keeps its size. Under ``off`` every complete, scored group is trained.
 
 The bound: a run in which (almost) every group is zero-variance must not sample forever. The queue
 drops at most `max_dropped_per_step` groups between two batches handed to the learner; a

@@ -183,7 +183,7 @@ class TrainLog(StepHook):
         "token_lag_mean": lag_mean, "token_lag_max": lag_max,
         "sample_lag_mean": sample_lags[0], "sample_lag_max": sample_lags[1],
         "token_lag_max_at_train": int(result.trained_at - versions.min()) if versions.size else 0,
-        "sampler_version": job.worker.weights_version,
+        "sampler_version": job.worker.engine.latest_version,
         "push_bytes": result.push_bytes,  # one version's weights (LoRA: the adapters only)
         "idle_sampler": sampler_idle(summary.idle),
         "idle_learner": summary.idle.get("learner", float("nan")),

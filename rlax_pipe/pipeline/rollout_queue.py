@@ -1,23 +1,16 @@
 """In-memory rollout queue: groups finished samples and applies the staleness policy.
 
-The sampler `put`s every finished `Rollout` (aborted ones too, with finish_reason "aborted"); a
-group is ready once all `group_size` samples arrived. The learner `get_batch`es the oldest ready
-groups. The sampler asks `try_admit` before starting a group (naming its sample ids). The
-staleness decisions are the pure functions of `staleness.py`; this class only adds storage, a
-lock and a condition variable. Use it threaded (`get_batch` with a timeout) or from one thread in
-a deterministic interleaving (`try_get_batch`).
+The sampler asks `try_admit` before starting a group and `put`s every finished `Rollout`
+(aborted ones too); a group is ready once all `group_size` samples arrived, and the learner
+`get_batch`es the oldest ready groups. The staleness decisions are the pure functions of
+`staleness.py`; this class only adds storage, a lock and a condition variable. Use it threaded
+(`get_batch` with a timeout) or from one thread in a deterministic interleaving (`try_get_batch`).
+Lost and duplicated samples (issue #14 item 9) and dynamic sampling: see `put`, `missing_samples`
+and `discard_group`.
 
 "Oldest" means smallest oldest-token policy version, ties broken by the order in which groups
-became ready (FIFO). Every event costs O(log n) in the number of live groups: ready groups sit
-in a heap keyed by (oldest version, arrival), admission in `staleness.AdmissionLedger`.
-
-Lost and duplicated samples (issue #14 item 9): a sample put twice, a sample of a group that is
-already complete (ready, trained or discarded) and a sample the group was not admitted with are
-rejected and counted (`QueueStats.rejected_samples`), never fatal and never reopening a group.
-`missing_samples` names the samples a group still waits for; `discard_group(..., "lost")` gives
-up on a group whose samples will not come (counted as waste reason "lost").
-Dynamic sampling (`group_filter`): `put` drops a complete group without learning signal (waste
-reason "filtered"), which releases its admission so the sampler admits a replacement.
+became ready (FIFO). Ready groups sit in a heap keyed by (oldest version, arrival), so an event
+costs O(log n) in the number of ready groups, plus the admission's (`staleness.AdmissionLedger`).
 """
 
 from __future__ import annotations
@@ -59,12 +52,11 @@ class QueueStats:
     trained_groups, trained_samples, trained_tokens: handed to the learner (completion tokens).
     learner_version: newest learner version the queue has been told about.
     waste: discarded work, by reason.
-    rejected_samples: samples put twice, put after their group was complete, or not of their
-      group's admitted sample ids (rejected, not stored).
-    filter_kept_groups: zero-variance groups kept and trained because the filter had dropped
-      `max_dropped_per_step` groups since the last batch (its bound); 0 with the filter off.
-      Every count here is cumulative since the run started (kept across a resume), not per
-      learner step.
+    rejected_samples: samples `put` rejected (not stored).
+    filter_kept_groups: zero-variance groups kept and trained at the filter's bound
+      (`group_filter`); 0 with the filter off.
+
+  Every count is cumulative since the run started (kept across a resume), not per learner step.
   """
 
   ready_groups: int
@@ -80,15 +72,13 @@ class QueueStats:
   filter_kept_groups: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class _Ready:
-  seq: int
-  oldest_version: int
-  rollouts: Group
+  """A complete group waiting for the learner, ordered oldest first (then by arrival)."""
 
-  @property
-  def key(self) -> tuple[int, int]:
-    return (self.oldest_version, self.seq)
+  oldest_version: int
+  seq: int
+  rollouts: Group = dataclasses.field(compare=False)
 
 
 def _tokens(rollouts) -> int:
@@ -130,20 +120,18 @@ class RolloutQueue:
       raise ValueError(f"RolloutQueue: group_size={group_size} must be >= 1.")
     self._config, self._group_size = config, group_size
     self._filter = group_filter or group_filter_lib.GroupFilterConfig()
-    self._cond = threading.Condition()
+    self._cond = threading.Condition()  # over an RLock: methods holding it call each other
     self._reset()
 
   def _reset(self) -> None:
     self._partial: dict[int, list[Rollout]] = {}
     self._ready: dict[int, _Ready] = {}          # group id -> ready group
-    self._heap: list[tuple[int, int, int]] = []  # (oldest version, seq, group id), lazy
-    self._abandoned: dict[int, int] = {}  # group id -> samples still expected
-    self._abandon_reason: dict[int, str] = {}
+    self._heap: list[_Ready] = []                # the ready groups (lazy deletion)
+    self._abandoned: dict[int, tuple[int, str]] = {}  # group id -> (samples expected, reason)
     self._expected: dict[int, tuple[int, ...]] = {}  # live group id -> its sample ids
     # Groups that were ready, trained or discarded: the newest _COMPLETE_KEPT of them, so a late
     # duplicate is rejected instead of reopening its group.
     self._complete: dict[int, None] = {}
-    self._ready_live = 0  # ready groups that are live in the admission ledger
     self._seq = 0
     self._learner_version = 0
     self._last_batch_version = -1  # version the newest handed-out batch is trained at
@@ -160,11 +148,6 @@ class RolloutQueue:
     """The staleness config."""
     return self._config
 
-  @property
-  def group_filter(self) -> group_filter_lib.GroupFilterConfig:
-    """The dynamic-sampling filter."""
-    return self._filter
-
   def filtered_groups(self) -> int:
     """Groups dropped by the filter so far (waste reason "filtered"; O(1), for the worker's
     replacement rule `rules.reopen_filtered`)."""
@@ -177,9 +160,9 @@ class RolloutQueue:
                 sample_ids: Iterable[int] | None = None) -> bool:
     """Asks to start prompt group `group_id` with the sampler's current weights version.
 
-    Under `block` and `learner-wait` this applies `staleness.can_admit`; other policies always
-    admit. Admitted groups are tracked so that the bound holds and waits can report what is in
-    flight.
+    Under `block` and `learner-wait` this applies `staleness.admission_headroom`; other policies
+    always admit. Admitted groups are tracked so that the bound holds and waits can report what
+    is in flight.
 
     Args:
       group_id: the group.
@@ -198,7 +181,7 @@ class RolloutQueue:
       raise ValueError(f"RolloutQueue.try_admit: group {group_id} has {len(ids)} sample ids, "
                        f"group_size is {self._group_size}.")
     with self._cond:
-      nxt = self._next_train_version_locked()
+      nxt = self.next_train_version()
       if not self._admission.can_admit(sampler_version, self._config, nxt):
         return False
       self._admission.admit(group_id, sampler_version, self._config, nxt)
@@ -209,7 +192,7 @@ class RolloutQueue:
   def next_train_version(self) -> int:
     """Smallest version the learner's next batch can be trained at."""
     with self._cond:
-      return self._next_train_version_locked()
+      return max(self._learner_version, self._last_batch_version + 1)
 
   def put(self, rollout: Rollout, learner_version: int | None = None) -> bool:
     """Adds one finished sample; completes, drops or holds its group.
@@ -218,9 +201,9 @@ class RolloutQueue:
     reward (all NaN: failed verifiers or masked samples; reason "unscored"), or if its oldest
     token is already too stale for the newest known learner version (reason "stale"; that can
     only get worse), or if the dynamic-sampling filter drops it (reason "filtered",
-    `group_filter.should_drop`; at the filter's bound a zero-variance group is kept and counted in
-    `filter_kept_groups`). Under queue-drop, the oldest ready groups beyond capacity are then
-    dropped (reason "overflow").
+    `group_filter.should_drop`, which releases its admission so the sampler admits a replacement;
+    at the filter's bound a zero-variance group is kept and counted in `filter_kept_groups`).
+    Under queue-drop, the oldest ready groups beyond capacity are then dropped (reason "overflow").
 
     Args:
       rollout: a finished sample.
@@ -228,20 +211,22 @@ class RolloutQueue:
         version seen by `get_batch` / `set_learner_version` is used).
 
     Returns:
-      False when the sample was rejected (a duplicate, a sample of a complete group, or not one
-      of its group's admitted sample ids) and counted in `rejected_samples`; True otherwise.
+      False when the sample was rejected (a duplicate, a sample of a complete group, i.e. ready,
+      trained or discarded, or not one of its group's admitted sample ids): counted in
+      `rejected_samples`, never fatal and never reopening its group. True otherwise.
     """
     with self._cond:
       if learner_version is not None:
         self._learner_version = max(self._learner_version, learner_version)
       gid = rollout.group_id
       if gid in self._abandoned:
-        self._waste = staleness.count_waste(self._waste, self._abandon_reason.get(gid, "aborted"),
-                                            0, 1, rollout.num_completion_tokens)
-        self._abandoned[gid] -= 1
-        if self._abandoned[gid] <= 0:
+        left, reason = self._abandoned[gid]
+        self._waste = staleness.count_waste(self._waste, reason, 0, 1,
+                                            rollout.num_completion_tokens)
+        if left > 1:
+          self._abandoned[gid] = (left - 1, reason)
+        else:
           del self._abandoned[gid]
-          self._abandon_reason.pop(gid, None)
         return True
       members = self._partial.get(gid, [])
       expected = self._expected.get(gid)
@@ -255,22 +240,20 @@ class RolloutQueue:
         return True
       group = tuple(sorted(self._partial.pop(gid), key=lambda r: r.sample_id))
       self._mark_complete(gid)
-      self._expected.pop(gid, None)
       if any(r.finish_reason == "aborted" for r in group):
         self._discard([group], "aborted")
       elif all(math.isnan(r.reward) for r in group):
         self._discard([group], "unscored")  # no baseline and nothing to train
       elif staleness.is_too_stale(_oldest(group), self._learner_version, self._config.max_lag):
         self._discard([group], "stale")
-      elif self._filter.active and group_filter_lib.should_drop(
-          self._filter, [r.reward for r in group], self._filtered_since_batch):
+      elif group_filter_lib.should_drop(self._filter, [r.reward for r in group],
+                                        self._filtered_since_batch):
         self._discard([group], "filtered")
         self._filtered_since_batch += 1
       else:
-        if self._filter.active and group_filter_lib.matches(
-            self._filter, [r.reward for r in group]):
+        if group_filter_lib.matches(self._filter, [r.reward for r in group]):
           self._filter_kept += 1  # at the bound: trained with zero advantage
-        self._push_ready(_Ready(self._seq, _oldest(group), group))
+        self._push_ready(_Ready(_oldest(group), self._seq, group))
         self._seq += 1
         overflow = staleness.queue_overflow(len(self._ready), self._config.queue_capacity_groups)
         if overflow:
@@ -301,15 +284,13 @@ class RolloutQueue:
     with self._cond:
       members = self._partial.pop(group_id, [])
       if group_id in self._ready:
-        members = list(self._remove_ready(group_id).rollouts)
+        members = list(self._ready.pop(group_id).rollouts)
       self._waste = staleness.count_waste(self._waste, reason, 1, len(members),
                                           _tokens(members))
       remaining = self._group_size - len(members)
       if remaining > 0 and group_id not in self._complete:
-        self._abandoned[group_id] = remaining
-        self._abandon_reason[group_id] = reason
+        self._abandoned[group_id] = (remaining, reason)
       self._mark_complete(group_id)
-      self._expected.pop(group_id, None)
       self._retire([group_id], trained=False)
       self._cond.notify_all()
 
@@ -320,17 +301,48 @@ class RolloutQueue:
     with self._cond:
       self._learner_version = max(self._learner_version, learner_version)
 
-  @property
-  def learner_version(self) -> int:
-    """Newest learner version the queue was told about."""
-    with self._cond:
-      return self._learner_version
-
   def try_get_batch(self, num_groups: int, learner_version: int) -> list[Group] | None:
     """Non-blocking `get_batch`: the batch, or None if not enough fresh groups are ready."""
-    self._check_num_groups(num_groups)
+    cap = self._config.queue_capacity_groups
+    if num_groups < 1 or (cap is not None and num_groups > cap):
+      raise ValueError(
+          f"RolloutQueue: num_groups={num_groups} must be >= 1"
+          + (f" and <= queue_capacity_groups={cap}." if cap is not None else "."))
     with self._cond:
-      return self._try_get_locked(num_groups, learner_version)
+      self._learner_version = max(self._learner_version, learner_version)
+      stale = []
+      while (g := self._peek_oldest()) is not None and staleness.is_too_stale(
+          g.oldest_version, learner_version, self._config.max_lag):
+        stale.append(self._pop_oldest().rollouts)
+      if stale:
+        self._discard(stale, "stale")
+        self._cond.notify_all()
+      due = self._admission.due(learner_version, self._config)
+      if any(gid not in self._ready for gid in due):
+        return None  # learner-wait: every due group must be ready and in this batch
+      take = staleness.batch_size(len(self._ready), len(due), num_groups)
+      if take is None:
+        return None
+      chosen = sorted(self._ready.pop(gid) for gid in due)
+      while len(chosen) < take:
+        chosen.append(self._pop_oldest())
+      for g in chosen:
+        for r in g.rollouts:
+          if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
+            for h in chosen:  # put everything back: the failed get loses nothing
+              self._push_ready(h)
+            raise ValueError(
+                f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
+                f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
+                "version the batch will be trained at.")
+      groups = [g.rollouts for g in chosen]
+      self._last_batch_version = max(self._last_batch_version, learner_version)
+      self._filtered_since_batch = 0
+      self._retire([g[0].group_id for g in groups], trained=True)
+      self._trained[0] += len(groups)
+      self._trained[1] += sum(len(g) for g in groups)
+      self._trained[2] += sum(_tokens(g) for g in groups)
+      return groups
 
   def get_batch(self, num_groups: int, learner_version: int,
                 timeout: float | None = None) -> list[Group]:
@@ -357,11 +369,10 @@ class RolloutQueue:
       ValueError: if a token's version is newer than `learner_version`, or num_groups is
         invalid.
     """
-    self._check_num_groups(num_groups)
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
       while True:
-        batch = self._try_get_locked(num_groups, learner_version)
+        batch = self.try_get_batch(num_groups, learner_version)
         if batch is not None:
           return batch
         if self._closed:
@@ -400,7 +411,7 @@ class RolloutQueue:
   def state_dict(self) -> dict[str, Any]:
     """Plain-dict state (config, counters, admission, pending rollouts as numpy) for resume."""
     with self._cond:
-      ready = sorted(self._ready.values(), key=lambda g: g.key)
+      ready = sorted(self._ready.values())
       return {
           "format": 2,
           "config": dataclasses.asdict(self._config),
@@ -418,8 +429,7 @@ class RolloutQueue:
           "ready": [{"seq": g.seq, "rollouts": [rollout_to_dict(r) for r in g.rollouts]}
                     for g in ready],
           "partial": [[rollout_to_dict(r) for r in m] for m in self._partial.values()],
-          "abandoned": [[g, n, self._abandon_reason.get(g, "aborted")]
-                        for g, n in self._abandoned.items()],
+          "abandoned": [[g, n, reason] for g, (n, reason) in self._abandoned.items()],
           "complete": list(self._complete),
       }
 
@@ -453,68 +463,47 @@ class RolloutQueue:
     """
     _check_format(state)
     with self._cond:
-      self._load_locked(state)
-
-  def _load_locked(self, state: dict[str, Any]) -> None:
-    self._reset()
-    self._seq = int(state["seq"])
-    self._learner_version = int(state["learner_version"])
-    self._last_batch_version = int(state.get("last_batch_version", -1))
-    self._trained = [int(x) for x in state["trained"]]
-    self._rejected = int(state.get("rejected", 0))
-    self._filtered_since_batch = int(state.get("filtered_since_batch", 0))
-    self._filter_kept = int(state.get("filter_kept", 0))
-    self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
-    self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
-    self._expected = {int(g): tuple(int(i) for i in ids) for g, ids in state.get("expected", [])}
-    for g in state["ready"]:
-      rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
-      self._push_ready(_Ready(int(g["seq"]), _oldest(rollouts), rollouts))
-    for members in state["partial"]:
-      rs = [rollout_from_dict(d) for d in members]
-      self._partial[rs[0].group_id] = rs
-    for entry in state["abandoned"]:
-      self._abandoned[int(entry[0])] = int(entry[1])
-      self._abandon_reason[int(entry[0])] = entry[2] if len(entry) > 2 else "aborted"
-    self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
+      self._reset()
+      self._seq = int(state["seq"])
+      self._learner_version = int(state["learner_version"])
+      self._last_batch_version = int(state.get("last_batch_version", -1))
+      self._trained = [int(x) for x in state["trained"]]
+      self._rejected = int(state.get("rejected", 0))
+      self._filtered_since_batch = int(state.get("filtered_since_batch", 0))
+      self._filter_kept = int(state.get("filter_kept", 0))
+      self._waste = staleness.WasteCounters(**{k: int(v) for k, v in state["waste"].items()})
+      self._admission = staleness.AdmissionLedger.from_dict(state["admission"])
+      self._expected = {int(g): tuple(int(i) for i in ids)
+                        for g, ids in state.get("expected", [])}
+      for g in state["ready"]:
+        rollouts = tuple(rollout_from_dict(d) for d in g["rollouts"])
+        self._push_ready(_Ready(_oldest(rollouts), int(g["seq"]), rollouts))
+      for members in state["partial"]:
+        rs = [rollout_from_dict(d) for d in members]
+        self._partial[rs[0].group_id] = rs
+      self._abandoned = {int(e[0]): (int(e[1]), e[2] if len(e) > 2 else "aborted")
+                         for e in state["abandoned"]}
+      self._complete = dict.fromkeys(int(g) for g in state.get("complete", ()))
 
   # ------------------------------------------------------------------ internals
 
-  def _check_num_groups(self, num_groups: int):
-    cap = self._config.queue_capacity_groups
-    if num_groups < 1 or (cap is not None and num_groups > cap):
-      raise ValueError(
-          f"RolloutQueue: num_groups={num_groups} must be >= 1"
-          + (f" and <= queue_capacity_groups={cap}." if cap is not None else "."))
-
-  def _next_train_version_locked(self) -> int:
-    """Smallest version the learner's next batch can be trained at."""
-    return max(self._learner_version, self._last_batch_version + 1)
-
   def _in_flight_locked(self) -> int:
-    return self._admission.num_live - self._ready_live
+    return self._admission.num_live - sum(map(self._admission.is_live, self._ready))
 
   def _mark_complete(self, gid: int) -> None:
+    self._expected.pop(gid, None)
     self._complete[gid] = None
     if len(self._complete) > _COMPLETE_KEPT:
       del self._complete[next(iter(self._complete))]
 
   def _push_ready(self, g: _Ready) -> None:
-    gid = g.rollouts[0].group_id
-    self._ready[gid] = g
-    self._ready_live += self._admission.is_live(gid)
-    heapq.heappush(self._heap, (g.oldest_version, g.seq, gid))
-
-  def _remove_ready(self, gid: int) -> _Ready:
-    g = self._ready.pop(gid)
-    self._ready_live -= self._admission.is_live(gid)
-    return g
+    self._ready[g.rollouts[0].group_id] = g
+    heapq.heappush(self._heap, g)
 
   def _peek_oldest(self) -> _Ready | None:
     while self._heap:
-      _, seq, gid = self._heap[0]
-      g = self._ready.get(gid)
-      if g is not None and g.seq == seq:
+      g = self._heap[0]
+      if self._ready.get(g.rollouts[0].group_id) is g:
         return g
       heapq.heappop(self._heap)
     return None
@@ -522,12 +511,10 @@ class RolloutQueue:
   def _pop_oldest(self) -> _Ready:
     g = self._peek_oldest()
     heapq.heappop(self._heap)
-    return self._remove_ready(g.rollouts[0].group_id)
+    return self._ready.pop(g.rollouts[0].group_id)
 
   def _retire(self, group_ids, trained: bool):
-    ids = [g for g in group_ids if self._admission.is_live(g)]
-    if ids:
-      self._admission.retire(ids, trained)
+    self._admission.retire([g for g in group_ids if self._admission.is_live(g)], trained)
 
   def _discard(self, groups: list[Group], reason: str):
     for group in groups:
@@ -537,56 +524,6 @@ class RolloutQueue:
   def _missing_text_locked(self, learner_version: int) -> str:
     waiting = self._admission.due(learner_version, self._config) or [
         g for g, _ in self._admission.live()[:8] if g not in self._ready]
-    names = []
-    for gid in waiting[:4]:
-      expected = self._expected.get(gid)
-      if expected is not None:
-        arrived = {r.sample_id for r in self._partial.get(gid, ())}
-        names.append(f"group {gid}: samples {[i for i in expected if i not in arrived]}")
+    names = [f"group {gid}: samples {self.missing_samples(gid)}"
+             for gid in waiting[:4] if gid in self._expected]
     return ("; not arrived: " + ", ".join(names)) if names else ""
-
-  def _try_get_locked(self, num_groups: int, learner_version: int) -> list[Group] | None:
-    self._learner_version = max(self._learner_version, learner_version)
-    stale = []
-    while (g := self._peek_oldest()) is not None and staleness.is_too_stale(
-        g.oldest_version, learner_version, self._config.max_lag):
-      stale.append(self._pop_oldest().rollouts)
-    if stale:
-      self._discard(stale, "stale")
-      self._cond.notify_all()
-    due = self._admission.due(learner_version, self._config)
-    if any(gid not in self._ready for gid in due):
-      return None  # learner-wait: every due group must be ready and in this batch
-    take = staleness.batch_size(len(self._ready), len(due), num_groups)
-    if take is None:
-      return None
-    chosen = sorted((self._ready[gid] for gid in due), key=lambda g: g.key)
-    due_set = set(due)
-    rest = []
-    while len(chosen) + len(rest) < take:
-      g = self._pop_oldest()
-      if g.rollouts[0].group_id in due_set:
-        continue
-      rest.append(g)
-    chosen += rest
-    for g in chosen:
-      for r in g.rollouts:
-        if r.policy_versions.size and int(r.policy_versions.max()) > learner_version:
-          for h in chosen:  # put everything back: the failed get loses nothing
-            if h.rollouts[0].group_id not in self._ready:
-              self._push_ready(h)
-          raise ValueError(
-              f"RolloutQueue.get_batch: sample {r.sample_id} has a token of version "
-              f"{int(r.policy_versions.max())} > learner_version {learner_version}; pass the "
-              "version the batch will be trained at.")
-    for gid in due:
-      if gid in self._ready:
-        self._remove_ready(gid)
-    groups = [g.rollouts for g in chosen]
-    self._last_batch_version = max(self._last_batch_version, learner_version)
-    self._filtered_since_batch = 0
-    self._retire([g[0].group_id for g in groups], trained=True)
-    self._trained[0] += len(groups)
-    self._trained[1] += sum(len(g) for g in groups)
-    self._trained[2] += sum(_tokens(g) for g in groups)
-    return groups

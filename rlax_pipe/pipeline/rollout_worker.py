@@ -3,24 +3,11 @@
 The worker owns the task iterator (prompt, group and sample counters, restorable from a
 checkpoint) and applies the driver's rules for when new groups may start and when new weights may
 be installed: the pure functions of `rules.py` (shared with the simulator) and the staleness
-admission of the queue.
-
-Samples that go missing or stale in flight (issue #14 item 9): the worker keeps the requests it
-handed to the engine and not yet got back; when the engine holds fewer than that (an O(1) check
-per step), the missing ones are named and, by `PipelineConfig.lost_sample_policy`, re-dispatched
-(same sample id, same prompt) or their group is discarded (waste reason "lost"); both are
-counted. A sample the engine did hand back can still be lost on its way to the queue (grading,
-a transport between processes); issue #27 item 2: under `drop` and `queue-drop` nothing else
-ever waits for it, so its group stayed partial forever, unnamed. The worker therefore keeps the
-samples it got back (with the time it got them) until the queue has them: one still missing
-from the queue `delivery_limit_s` after it left the engine is lost, named and handled by the
-same policy, under every staleness policy (amortised O(1): each sample is looked at once, when
-it reaches that age).
-
-Under policy `drop` the worker aborts groups in flight whose oldest token is already too stale
-for the learner's next batch (checked when the learner's version changes): with the engine's
-per-request `abort` when it has one, else by discarding the group in the queue so its samples
-are counted and ignored when they finish.
+admission of the queue. It keeps every sample it handed to the engine until the queue has it, so
+that one lost in the engine or on its way to the queue (grading, a transport between processes)
+is named and handled (`check_lost`; issue #14 item 9, issue #27 item 2: under `drop` and
+`queue-drop` nothing else would ever wait for it). Under policy `drop` it aborts groups in flight
+that are already too stale (`abort_too_stale`).
 
 Prompts become ids with `tok.encode_prompt` (raw or chat template); those ids and the sampled
 completion ids go to the learner unchanged (no re-tokenisation). Over-long prompts, reasoning
@@ -50,10 +37,13 @@ from rlax_pipe.sampler import Request, SamplerEngine
 from rlax_pipe.tasks import base as task_base
 from rlax_pipe.tasks.safe_reward import OUTCOMES
 from rlax_pipe.tasks.verifier_pool import VerifierPool
-from rlax_pipe.types import Rollout, WeightUpdate
+from rlax_pipe.types import Rollout
 
 # Consecutive over-long prompts after which the task is declared unusable with these settings.
 _MAX_FILTERED_IN_A_ROW = 1000
+# The counts `pop_metrics` returns (see there).
+_COUNTS = ("filtered_overlong", "prompts_truncated", "samples_lost", "samples_redispatched",
+           "groups_lost", "groups_aborted_stale") + tuple(f"reward_{o}" for o in OUTCOMES)
 
 
 @dataclasses.dataclass
@@ -94,7 +84,7 @@ class RolloutWorker:
     self._monitor = grading.FailureMonitor(g.max_failure_fraction, g.failure_window)
     self._truncated: set[int] = set()  # sample ids whose prompt was truncated
     self._lock = threading.Lock()      # counters (learner thread), _truncated (grader thread)
-    self._step_counts = self._zero_counts()
+    self._step_counts = dict.fromkeys(_COUNTS, 0)
     # Requests handed to the engine and not returned: sample id -> (group id, prompt index,
     # prompt ids); checked against the engine for lost samples.
     self._outstanding: dict[int, tuple[int, int, Any]] = {}
@@ -109,12 +99,6 @@ class RolloutWorker:
     """Ends the verifier processes."""
     self.verifier.close()
 
-  @staticmethod
-  def _zero_counts() -> dict[str, int]:
-    return dict.fromkeys(("filtered_overlong", "prompts_truncated", "samples_lost",
-                          "samples_redispatched", "groups_lost", "groups_aborted_stale")
-                         + tuple(f"reward_{o}" for o in OUTCOMES), 0)
-
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
       self._step_counts[key] += n
@@ -126,30 +110,15 @@ class RolloutWorker:
     longer held that never came back), `samples_redispatched`, `groups_lost` (discarded for a
     lost sample) and `groups_aborted_stale` (policy drop, in flight)."""
     with self._lock:
-      counts, self._step_counts = self._step_counts, self._zero_counts()
+      counts, self._step_counts = self._step_counts, dict.fromkeys(_COUNTS, 0)
     calls = sum(counts[f"reward_{o}"] for o in OUTCOMES)
     failed = calls - counts["reward_ok"]
     return {**counts, "reward_failed_frac": failed / calls if calls else float("nan")}
-
-  @property
-  def weights_version(self) -> int:
-    """Newest version handed to the engine (the engine owns the number)."""
-    return self.engine.latest_version
-
-  def update_weights(self, update: WeightUpdate) -> None:
-    """Hands newer weights (and their ownership) to the engine (`types.Sampler.update_weights`);
-    it swaps them in at its next step boundary, before any token of a group started from now on
-    is generated."""
-    self.engine.update_weights(update)
 
   # ---- rules --------------------------------------------------------------------------------
   def may_update_weights(self) -> bool:
     """Whether the engine may receive new weights now (`rules.may_update_weights`)."""
     return rules.may_update_weights(self.cfg.driver, self.engine.has_work)
-
-  def _free_slots(self) -> int:
-    e = self.engine
-    return e.num_slots - e.num_active - e.num_waiting
 
   def top_up(self) -> int:
     """Starts as many new prompt groups as the driver's rule (`rules.begin_top_up`,
@@ -159,18 +128,19 @@ class RolloutWorker:
     Returns:
       Number of groups started.
     """
-    cfg, c = self.cfg, self.counters
+    cfg, c, e = self.cfg, self.counters, self.engine
     state = rules.RoundState(c.rounds_started, self._round_open)
     filtered = self.queue.filtered_groups()
     state = rules.reopen_filtered(cfg.driver, state, filtered - c.filtered_reopened)
     c.filtered_reopened = filtered
-    state, ok = rules.begin_top_up(cfg.driver, state, has_work=self.engine.has_work,
-                                   weights_version=self.weights_version,
+    state, ok = rules.begin_top_up(cfg.driver, state, has_work=e.has_work,
+                                   weights_version=e.latest_version,
                                    groups_per_step=cfg.groups_per_step)
     started = 0
-    while ok and rules.may_start_group(cfg.driver, state, self._free_slots()):
+    while ok and rules.may_start_group(cfg.driver, state,
+                                       e.num_slots - e.num_active - e.num_waiting):
       ids = range(c.next_sample, c.next_sample + cfg.group_size)
-      if not self.queue.try_admit(c.next_group, self.weights_version, sample_ids=ids):
+      if not self.queue.try_admit(c.next_group, e.latest_version, sample_ids=ids):
         break
       self._submit_group()
       state = rules.group_started(cfg.driver, state)
@@ -202,10 +172,9 @@ class RolloutWorker:
     prepared = self._next_prompt()
     if prepared.truncated:
       self._count("prompts_truncated")
+      with self._lock:
+        self._truncated.update(range(c.next_sample, c.next_sample + self.cfg.group_size))
     for _ in range(self.cfg.group_size):
-      if prepared.truncated:
-        with self._lock:
-          self._truncated.add(c.next_sample)
       self._submit(c.next_sample, c.next_group, c.next_prompt, prepared.ids)
       c.next_sample += 1
     c.next_group += 1
@@ -256,17 +225,13 @@ class RolloutWorker:
                       for gid, sids in groups.items())
     logging.warning("rollout worker: lost samples, %s (%s).", named,
                     self.cfg.lost_sample_policy)
-    for sid, entry in lost.items():
-      self._outstanding[sid] = entry[:3]
     for gid, sids in groups.items():
       if self.cfg.lost_sample_policy == "redispatch":
         for sid in sids:
-          _, prompt_index, ids = self._outstanding.pop(sid)
+          _, prompt_index, ids, _ = lost[sid]
           self._submit(sid, gid, prompt_index, ids)
         self._count("samples_redispatched", len(sids))
       else:
-        for sid in sids:
-          self._outstanding.pop(sid)
         self._abandon_group(gid, "lost")
         self._count("groups_lost")
     return sorted(lost)
@@ -285,28 +250,24 @@ class RolloutWorker:
   def next_delivery_deadline(self, delivery_limit_s: float) -> float | None:
     """When `check_lost` will name the oldest handed-back sample the queue still waits for
     (time it left the engine + `delivery_limit_s`), or None when the queue waits for none of
-    them. O(samples in transit); for a driver that would otherwise stop (reproducible mode,
-    where time only moves when something is due)."""
-    for sid, (gid, _, _, t) in list(self._in_transit.items()):
+    them; for a driver that would otherwise stop (reproducible mode, where time only moves when
+    something is due) and for `check_lost`. Amortised O(1): delivered samples are forgotten."""
+    while self._in_transit:
+      sid, (gid, _, _, t) = next(iter(self._in_transit.items()))
       if sid in (self.queue.missing_samples(gid) or ()):
         return t + delivery_limit_s
       del self._in_transit[sid]  # delivered (or its group is no longer waited for)
     return None
 
   def _lost_in_transit(self, now: float, limit_s: float) -> dict[int, tuple]:
-    """Samples handed back by the engine at least `limit_s` before `now` that the queue still
-    waits for (one whose group completed or was given up is not waited for): sample id ->
-    (group id, prompt index, prompt ids, where lost)."""
+    """Samples handed back by the engine that the queue still waits for at their
+    `next_delivery_deadline` (`limit_s` after) and `now` is past it: sample id -> (group id,
+    prompt index, prompt ids, where lost)."""
     lost = {}
-    while self._in_transit:
-      sid, (gid, prompt_index, ids, t) = next(iter(self._in_transit.items()))
-      if now < t + limit_s:  # (the same sum as next_delivery_deadline: no rounding gap)
-        break
-      del self._in_transit[sid]
-      if sid in (self.queue.missing_samples(gid) or ()):
-        lost[sid] = (gid, prompt_index, ids,
-                     f"left the engine {now - t:.3g} s ago, not in the queue after "
-                     f"{limit_s:.3g} s")
+    while (deadline := self.next_delivery_deadline(limit_s)) is not None and now >= deadline:
+      sid, (gid, prompt_index, ids, t) = self._in_transit.popitem(last=False)
+      lost[sid] = (gid, prompt_index, ids, f"left the engine {now - t:.3g} s ago, not in the "
+                   f"queue after {limit_s:.3g} s")
     return lost
 
   def abort_too_stale(self) -> int:
@@ -360,10 +321,9 @@ class RolloutWorker:
       grading.RewardFailureError: when too many recent verifier calls failed.
     """
     live = [r for r in rollouts if r.finish_reason != "aborted"]
-    with self._lock:
-      for r in rollouts:
-        if r.finish_reason == "aborted":
-          self._truncated.discard(r.sample_id)
+    with self._lock:  # an aborted sample is returned ungraded: forget its prompt's truncation
+      self._truncated.difference_update(r.sample_id for r in rollouts
+                                        if r.finish_reason == "aborted")
     items = [(self.task.problem(r.prompt_index, "train"),
               grading.completion_for_grading(self.tok, r.prompt_tokens, r.last_turn_tokens,
                                              self._reasoning_markers))  # episode: last turn
@@ -382,10 +342,6 @@ class RolloutWorker:
     for r, v in zip(live, verdicts):
       self._monitor.record(v, r.sample_id, self.verifier.task_name)
     return [graded.get(r.sample_id, r) for r in rollouts]
-
-  def grade(self, rollout: Rollout) -> Rollout:
-    """`grade_batch` of one rollout."""
-    return self.grade_batch([rollout])[0]
 
   def engine_step(self, now: float | None = None) -> list[Rollout]:
     """One engine step (admit / prefill as needed + decoding); returns the ungraded rollouts

@@ -1,30 +1,20 @@
 """The pipeline's host rules as pure functions (numpy only, no JAX): one copy, two users.
 
 The real pipeline (`RolloutWorker`, `Trainer`, the drivers, the step hooks) and the simulator
-(`rlax_pipe.sim`) call these functions to compute a token's and a sample's lag (`token_lag`,
-`sample_lag`), the learner's batch shape (`packing_plan`, `batch_rows`, and `micro_batch_plan`
-from `rlax_pipe.host_rules`), the engine's refill point (`refill_at`, from `host_rules` too: the
-sampler and the learner, lower layers, call the same functions there), and to decide when a prompt group may start, when new
-weights may be installed and which side of the virtual-clock interleaving moves next; the
-staleness admission and the learner's batch rule are the pure functions of `staleness.py`. So the
-simulator cannot drift from what runs (tests/sim/test_same_schedule.py runs both on the same
-lengths and costs and compares the schedules), and it imports no JAX
+(`rlax_pipe.sim`) call these functions for a token's and a sample's lag, the learner's batch
+shape (with `micro_batch_plan` and the engine's refill point `refill_at`, re-exported from
+`rlax_pipe.host_rules`, where the sampler and the learner, lower layers, call them), when a
+prompt group may start, when new weights may be installed and which side of the virtual-clock
+interleaving moves next; the staleness admission and the learner's batch rule are in
+`staleness.py`. So the simulator cannot drift from what runs (tests/sim/test_same_schedule.py
+compares both schedules on the same lengths and costs), and it imports no JAX
 (tests/sim/test_sim_api.py).
 
-Drivers (DESIGN.md, "Drivers"):
-  * "pipeline": keep every decode slot busy: a new group may start while the engine's free slots
-    (slots - active - waiting) are >= 0, i.e. at most one group's worth of requests waits beyond
-    the slots, so a freed slot refills at the next step; weights install at any step boundary.
-  * "async-batch": rounds of `groups_per_step` groups; a round starts when the engine is empty;
-    weights install only when the engine is empty (no sample mixes versions).
-  * "sync": like async-batch, and round r starts only once the weights of version r (trained on
-    rounds 0..r-1) are installed, so every token has lag 0.
-
-Dynamic sampling (`group_filter`): a group the queue drops for lack of learning signal is
-replaced. Pipeline: nothing to do (the drop releases its admission and the sampler keeps
-admitting). Round-based drivers: `reopen_filtered` re-opens one group of the current round per
-dropped group, started at once with the weights the sampler holds (no new round, so sync keeps
-lag 0: its learner cannot step before the replacements finish).
+Drivers (DESIGN.md, "Drivers"): "pipeline" keeps every decode slot busy (`may_start_group`) and
+installs weights at any step boundary; "async-batch" runs rounds of `groups_per_step` groups,
+each started on an empty engine, and installs weights only between rounds; "sync" is async-batch
+whose round r also waits for the weights of version r, so every token has lag 0. Groups dropped
+by dynamic sampling are replaced: `reopen_filtered`.
 """
 
 from __future__ import annotations
@@ -34,8 +24,6 @@ from typing import Sequence
 
 import numpy as np
 
-# The rules the sampler and the learner (lower layers) share with the simulator, written once in
-# `rlax_pipe.host_rules`; re-exported here so the pipeline and the simulator have one place.
 from rlax_pipe.host_rules import micro_batch_plan, refill_at  # pylint: disable=unused-import
 
 # The drivers (DESIGN.md, "Drivers"); PipelineConfig.driver and SimConfig.driver choose one.
@@ -63,7 +51,6 @@ def token_lag(policy_versions: np.ndarray, learner_version: int) -> np.ndarray:
         f"token_lag: a token has policy version {int(np.max(policy_versions))} > learner "
         f"version {learner_version}; pass the version the batch will be trained at.")
   return lag.astype(np.int32)
-
 
 
 def sample_lag(policy_versions: np.ndarray, learner_version: int) -> int:
@@ -138,20 +125,14 @@ def packed_order(lengths: Sequence[int], seq_len: int) -> list[int]:
   return [i for row in packing_plan(lengths, seq_len) for i in row]
 
 
-def bucket_rows(needed: int) -> int:
-  """Row count rounded up to a power of two, so batch shapes (and compiles) stay few."""
-  return 1 << max(0, int(needed - 1).bit_length())
-
-
 def batch_rows(lengths: Sequence[int], seq_len: int) -> int:
   """Rows of the learner batch holding samples of these lengths (prompt + completion): the
-  first-fit-decreasing plan's row count rounded up by `bucket_rows` (the learner's batch shape
-  rule, shared with the simulator)."""
-  return bucket_rows(len(packing_plan(lengths, seq_len)))
+  first-fit-decreasing plan's row count rounded up to a power of two, so batch shapes (and
+  compiles) stay few (the learner's batch shape rule, shared with the simulator)."""
+  return 1 << max(0, (len(packing_plan(lengths, seq_len)) - 1).bit_length())
 
 
 # ---- the drivers' scheduling rules ---------------------------------------------------------
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +179,8 @@ def reopen_filtered(driver: str, state: RoundState, num_filtered: int) -> RoundS
   Round-based drivers owe the learner `groups_per_step` groups per round: each dropped group
   re-opens one slot of the current round, so `begin_top_up` lets it start without waiting for
   a new round (a new round would wait for an empty engine and, under sync, for weights that the
-  learner cannot produce before the batch is full). Pipeline: unchanged.
+  learner cannot produce before the batch is full). Pipeline: unchanged (the drop freed an
+  admission, so the sampler keeps admitting).
 
   Args:
     driver: the driver.
@@ -217,6 +199,10 @@ def reopen_filtered(driver: str, state: RoundState, num_filtered: int) -> RoundS
 
 def may_start_group(driver: str, state: RoundState, free_slots: int) -> bool:
   """Whether one more group may start now (before asking the staleness admission).
+
+  Pipeline: while the engine's free slots are >= 0, i.e. at most one group's worth of requests
+  waits beyond the slots, so a freed slot refills at the next step. Round-based drivers: while
+  the current round has groups to start.
 
   Args:
     driver: the driver.

@@ -1,44 +1,31 @@
-"""Staleness bookkeeping and the three enforcement policies, as pure functions.
+"""Staleness bookkeeping and the four enforcement policies, as pure functions.
 
 No threads, no JAX: the same code runs inside the real pipeline (`RolloutQueue`, drivers) and in
 the discrete-event simulator in `sim/`, so the simulator simulates the policy that runs.
 
-Definitions (DESIGN.md, "Staleness"):
-  * token t of a sample trained at learner version v has lag_t = v - policy_versions[t] >= 0;
-  * ``max_lag = k`` means no token with lag > k is ever in a gradient;
-  * a group is the admission / training / dropping unit (GRPO advantages need the whole group).
+Definitions (DESIGN.md, "Staleness"): token t trained at learner version v has lag
+v - policy_versions[t] >= 0 (`rules.token_lag`); ``max_lag = k`` means no token with lag > k is
+ever in a gradient; a group is the admission / training / dropping unit (GRPO advantages need the
+whole group). Every policy counts the work it wastes, by reason (`WasteCounters`).
 
 Policies (`StalenessConfig.policy`):
   * ``block``: admission control (AReaL, arXiv 2505.24298, Sec. 5.1, Eq. 3, made per-token
-    safe, see `can_admit`): the sampler does not start a group that could break the bound.
-    Nothing needs dropping.
+    safe: `admission_headroom`); nothing needs dropping.
   * ``drop``: groups whose oldest token is already too stale for the version they would be
-    trained at are discarded (prime-rl style), at put time, at batch time, and in flight:
-    `RolloutWorker.abort_too_stale` applies `is_too_stale` to each running sample's first token
-    when the learner's version changes and gives up its group (aborting its requests when the
-    engine can abort one).
-  * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work
-    ahead of the learner) plus a learner-side gate: the learner never takes a step that would
-    leave behind a live group whose tokens would then exceed max_lag; it waits for such a
-    *due* group and trains every due group (so a batch may hold more than groups_per_step
-    groups). A straggler then stalls the learner instead of the sampler: higher slot occupancy
-    and throughput when sampling is the bottleneck, more mean staleness (see `due_bound`).
+    trained at are discarded (prime-rl style), at put time, at batch time, and in flight
+    (`RolloutWorker.abort_too_stale`).
+  * ``learner-wait``: admission by AReaL Eq. 3 on the sampler's version (bounds the work ahead
+    of the learner) plus the learner-side gate of `due_bound`. A straggler then stalls the
+    learner instead of the sampler: higher slot occupancy and throughput when sampling is the
+    bottleneck, more mean staleness.
   * ``queue-drop``: the queue holds at most `queue_capacity_groups` ready groups and drops the
     oldest ones beyond that (Applied Compute, "Predicting and Controlling Staleness in Fully
     Asynchronous RL Training", 2026). When `max_lag` is also set it stays a hard cap at batch time.
-
-Every policy counts wasted tokens (generated completion tokens that are never trained), split by
-reason: ``stale`` (too old), ``overflow`` (queue-drop), ``aborted`` (a sample in the group was
-aborted), ``unscored`` (no sample of the group has a reward: every verifier call failed, or the
-overlong policy masked every sample), ``lost`` (a sample never arrived and the group was given
-up instead of re-dispatched), ``filtered`` (dynamic sampling dropped a group without learning
-signal, `group_filter`; a replacement prompt is admitted in its place).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Any, Iterable
 
 
@@ -105,7 +92,7 @@ def queue_overflow(num_ready: int, capacity: int | None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Admission control (policy "block").
+# Admission control (policies "block" and "learner-wait").
 
 
 def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_version: int,
@@ -113,31 +100,9 @@ def admission_headroom(num_net: int, oldest_live_version: int | None, sampler_ve
                        ) -> int | None:
   """How many more groups `block` / `learner-wait` let the sampler start now (None = unlimited).
 
-  block: headroom = B * (a_min + k + 1) - n, where n = `num_net` (admitted groups not
-  discarded), B = groups_per_step, k = max_lag and a_min = the smallest admission version among
-  live groups (`oldest_live_version`, or `sampler_version` when none is live). See `can_admit`
-  for why. learner-wait: headroom = B * (v + k + 1) - n with v = `sampler_version` (AReaL
-  Eq. 3), and 0 while v + k < `next_train_version` (a group admitted now would already be too
-  stale for the learner's next batch). Policies `drop` and `queue-drop` never limit admission.
-  """
-  if config.policy not in ("block", "learner-wait") or config.max_lag is None:
-    return None
-  k, b = config.max_lag, config.groups_per_step
-  if config.policy == "learner-wait":
-    if next_train_version is not None and sampler_version + k < next_train_version:
-      return 0
-    return max(0, b * (sampler_version + k + 1) - num_net)
-  a_min = sampler_version if oldest_live_version is None else min(oldest_live_version,
-                                                                  sampler_version)
-  return max(0, b * (a_min + k + 1) - num_net)
-
-
-def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: int,
-              config: StalenessConfig, next_train_version: int | None = None) -> bool:
-  """Whether the sampler may start one more prompt group now.
-
-  Rule (policy `block`): admit group number n (0-based, counting admitted groups that were not
-  discarded) only while floor(n / B) <= a_min + k, where a_min is the smallest admission version
+  Rule (policy `block`): headroom = B * (a_min + k + 1) - n, i.e. group number n (0-based,
+  counting admitted groups that were not discarded) is admitted only while floor(n / B) <=
+  a_min + k, where B = groups_per_step, k = max_lag and a_min is the smallest admission version
   among live (admitted, not yet trained or discarded) groups, the new one included (its
   admission version is `sampler_version`). This is AReaL Eq. 3 with the *oldest live* admission
   version in place of the current version.
@@ -155,22 +120,31 @@ def can_admit(num_net: int, oldest_live_version: int | None, sampler_version: in
   the sampler admitting. Assumes every learner step trains at least B groups (fewer would let
   the version run ahead of the admission count).
 
-  Policy `learner-wait` admits by AReaL Eq. 3 on `sampler_version` instead and leaves the
-  per-token bound to the learner-side gate (`due_bound`). Pure function of scalars; the
-  bookkeeping that feeds it is `AdmissionLedger` (O(log n) per event).
+  Policy `learner-wait` admits by AReaL Eq. 3 on the sampler's version v instead, headroom =
+  B * (v + k + 1) - n, and 0 while v + k < `next_train_version` (a group admitted now would
+  already be too stale for the learner's next batch); the per-token bound is the learner-side
+  gate's (`due_bound`). Pure function of scalars; the bookkeeping that feeds it is
+  `AdmissionLedger`.
 
   Args:
-    num_net: admitted groups not discarded (live + trained).
+    num_net: n, admitted groups not discarded (live + trained).
     oldest_live_version: smallest admission version among live groups (None: none live).
     sampler_version: the version of the weights the sampler decodes with now (not the learner's
       version, which may be ahead of it).
-    config: staleness config; `drop`, `queue-drop`, or max_lag None always admit.
+    config: staleness config; `drop`, `queue-drop`, or max_lag None never limit admission.
     next_train_version: learner-wait only: the smallest version the learner's next batch can be
       trained at (None = not known, no check).
   """
-  headroom = admission_headroom(num_net, oldest_live_version, sampler_version, config,
-                                next_train_version)
-  return headroom is None or headroom > 0
+  if config.policy not in ("block", "learner-wait") or config.max_lag is None:
+    return None
+  k, b = config.max_lag, config.groups_per_step
+  if config.policy == "learner-wait":
+    if next_train_version is not None and sampler_version + k < next_train_version:
+      return 0
+    return max(0, b * (sampler_version + k + 1) - num_net)
+  a_min = sampler_version if oldest_live_version is None else min(oldest_live_version,
+                                                                  sampler_version)
+  return max(0, b * (a_min + k + 1) - num_net)
 
 
 def due_bound(train_version: int, config: StalenessConfig) -> int | None:
@@ -204,9 +178,9 @@ def batch_size(num_ready: int, num_due: int, groups_per_step: int) -> int | None
 class AdmissionLedger:
   """Groups admitted by the sampler and not yet retired (trained or discarded).
 
-  O(log n) per admission and retirement (n = live groups): live groups are kept per admission
-  version, with a heap of the distinct versions for the oldest one, so no event walks or copies
-  the live set.
+  Live groups are kept per admission version: an admission or a retirement is O(1) per group,
+  and the oldest version is a min over the distinct live versions (few: a live group is at most
+  about max_lag versions old under `block` and `learner-wait`), so no event walks the live set.
 
   Attributes:
     num_admitted: groups ever admitted.
@@ -216,11 +190,10 @@ class AdmissionLedger:
 
   def __init__(self, num_admitted: int = 0, num_trained: int = 0, num_discarded: int = 0,
                live: Iterable[tuple[int, int]] = ()):
-    self.num_admitted, self.num_trained, self.num_discarded = (num_admitted, num_trained,
-                                                               num_discarded)
+    self.num_admitted, self.num_trained, self.num_discarded = (
+        int(num_admitted), int(num_trained), int(num_discarded))
     self._version_of: dict[int, int] = {}
     self._by_version: dict[int, dict[int, None]] = {}
-    self._versions: list[int] = []  # heap of versions in _by_version (lazy deletion)
     for g, v in live:
       self._add(int(g), int(v))
 
@@ -240,9 +213,7 @@ class AdmissionLedger:
 
   def oldest_version(self) -> int | None:
     """Smallest admission version among live groups (None when none is live)."""
-    while self._versions and self._versions[0] not in self._by_version:
-      heapq.heappop(self._versions)
-    return self._versions[0] if self._versions else None
+    return min(self._by_version, default=None)
 
   def live(self) -> list[tuple[int, int]]:
     """(group_id, admission_version) of every live group, by version then admission (O(n))."""
@@ -250,9 +221,11 @@ class AdmissionLedger:
 
   def can_admit(self, sampler_version: int, config: StalenessConfig,
                 next_train_version: int | None = None) -> bool:
-    """`can_admit` of this ledger."""
-    return can_admit(self.num_net, self.oldest_version(), sampler_version, config,
-                     next_train_version)
+    """Whether the sampler may start one more group now: `admission_headroom` of this ledger is
+    None (unlimited) or > 0."""
+    headroom = admission_headroom(self.num_net, self.oldest_version(), sampler_version, config,
+                                  next_train_version)
+    return headroom is None or headroom > 0
 
   def admit(self, group_id: int, sampler_version: int, config: StalenessConfig,
             next_train_version: int | None = None) -> None:
@@ -305,10 +278,7 @@ class AdmissionLedger:
 
   def _add(self, group_id: int, version: int) -> None:
     self._version_of[group_id] = version
-    if version not in self._by_version:
-      self._by_version[version] = {}
-      heapq.heappush(self._versions, version)
-    self._by_version[version][group_id] = None
+    self._by_version.setdefault(version, {})[group_id] = None
 
   def to_dict(self) -> dict[str, Any]:
     """Plain-dict form (for resume)."""
@@ -317,12 +287,8 @@ class AdmissionLedger:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> AdmissionLedger:
-    """Inverse of `to_dict`."""
-    return cls(int(d["num_admitted"]), int(d["num_trained"]), int(d["num_discarded"]),
-               ((int(g), int(v)) for g, v in d["live"]))
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, AdmissionLedger) and self.to_dict() == other.to_dict()
+    """Inverse of `to_dict` (its keys are the constructor's arguments)."""
+    return cls(**d)
 
 
 # --------------------------------------------------------------------------------------------
