@@ -48,6 +48,7 @@ from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeou
 from rlax_pipe.pipeline.multihost import messages
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
 from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
+from rlax_pipe.pipeline.weight_channel import delete_all
 from rlax_pipe.types import WeightUpdate
 
 KV_PREFIX = "rlax/w/"
@@ -213,7 +214,7 @@ class LearnerSender(_LogReader):
   def _free_locked(self) -> None:
     for v in [v for v, s in self._snaps.items()
               if s.refs == 0 and v < self._retired_below and v != self.latest]:
-      _delete(self._snaps.pop(v).staged)
+      delete_all(self._snaps.pop(v).staged)
 
   # ---- ack thread -------------------------------------------------------------------------
   def _ack_loop(self) -> None:
@@ -259,15 +260,8 @@ class LearnerSender(_LogReader):
       self._cond.wait_for(lambda: not any(s.refs for s in self._snaps.values()),
                           max(0.0, deadline - time.monotonic()))
       for snap in self._snaps.values():
-        _delete(snap.staged)
+        delete_all(snap.staged)
       self._snaps.clear()
-
-
-def _delete(arrays: list[jax.Array]) -> None:
-  """Frees every array of `arrays` not freed yet."""
-  for x in arrays:
-    if not x.is_deleted():
-      x.delete()
 
 
 class WeightCoordinator:
@@ -416,6 +410,6 @@ class ReplicaReceiver(_LogReader):
     def drained() -> bool:
       update = self.poll()
       if update is not None:
-        _delete(jax.tree.leaves(update.params))
+        delete_all(jax.tree.leaves(update.params))
       return self._monitor.error is not None or (self.log_ended(0.05) and self._incoming is None)
     messages.wait_for(drained, timeout_s, period_s=0.0)
