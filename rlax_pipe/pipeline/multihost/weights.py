@@ -137,14 +137,10 @@ class LearnerSender(_LogReader):
     self._snaps: dict[int, _Snapshot] = {}
     self.latest = -1
     self._retired_below = -1
-    self._on_push: list[Callable[[int], None]] = []
+    self.on_push: Callable[[int], None] | None = None  # on_push(version) after each push
     self._acks: queue.Queue = queue.Queue()
     threading.Thread(target=self._ack_loop, name="rlax_pipe-acks", daemon=True).start()
     self._log_thread.start()
-
-  def on_push(self, callback: Callable[[int], None]) -> None:
-    """`callback(version)` after every push (the lead announces and retires versions)."""
-    self._on_push.append(callback)
 
   # ---- learner thread ---------------------------------------------------------------------
   def push(self, update: WeightUpdate) -> None:
@@ -167,8 +163,8 @@ class LearnerSender(_LogReader):
       self._snaps[version] = snap
       self.latest = version
       self._cond.notify_all()
-    for cb in self._on_push:
-      cb(version)
+    if self.on_push is not None:
+      self.on_push(version)
 
   def checksum(self, version: int) -> list[int]:
     """The checksums of pushed `version` (host values; waits for their computation)."""
@@ -279,7 +275,7 @@ class WeightCoordinator:
     self._lock = threading.RLock()  # orders the log's appends
     self._appended = 0
     self._stop = threading.Event()
-    sender.on_push(self._retire)
+    sender.on_push = self._retire
     self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True,
                                       name=f"rlax_pipe-weights-r{r}")
                      for r in range(self.topology.num_replicas)]
