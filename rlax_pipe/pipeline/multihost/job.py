@@ -249,11 +249,10 @@ def _run_lead(given: RunConfig, topo, monitor, model, params, user_hooks) -> dic
   hub, proxy, sender, dcfg = place.hub, place.proxy, place.sender, job.cfg.distributed
   for r in range(topo.num_replicas):
     hub.send(topo.replica_process(r), *messages.wire(messages.Init(rng=proxy.initial_rng(r))))
-  side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: job.queue.close())
+  side = LeadSamplerSide(job, hub, proxy, monitor)
   records = MultiprocessRecords(side, sender, proxy, dcfg.record_samples)
   records.log_push(job, job.learner.version)
-  side.start()
 
   def stop_processes() -> None:
     hub.broadcast(*messages.wire(messages.End()), role="learner")

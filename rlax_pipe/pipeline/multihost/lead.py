@@ -40,7 +40,7 @@ from rlax_pipe.pipeline.multihost import messages
 
 
 class LeadSamplerSide:
-  """The lead's sampler thread (see the module docstring).
+  """The lead's sampler thread (see the module docstring), started at construction.
 
   Args:
     job: the lead's job (worker, queue, timeline).
@@ -58,8 +58,6 @@ class LeadSamplerSide:
     self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
     self._thread = threading.Thread(target=self._loop, name="rlax_pipe-lead-sampler",
                                     daemon=True)
-
-  def start(self) -> None:
     self._thread.start()
 
   def _handle(self, p: int, kind: str, payload: Any) -> None:
