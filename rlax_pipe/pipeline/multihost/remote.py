@@ -157,13 +157,12 @@ class RemoteEngines:
     return {sid: None for s in self.replicas.values() for sid in s.outstanding}
 
   # ---- the lead's bookkeeping ------------------------------------------------------------------
-  def flush(self, replica: int) -> int:
-    """Sends the queued requests of `replica`; returns how many."""
+  def flush(self, replica: int) -> None:
+    """Sends the queued requests of `replica`."""
     state = self.replicas[replica]
     batch, state.to_send = state.to_send, []
     if batch:
       self._hub.send(state.process_id, *messages.wire(messages.Submit(tuple(batch))))
-    return len(batch)
 
   def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:
     """Books finished (or aborted) rollouts (handed out by the next `step`) and the replica's
