@@ -166,7 +166,6 @@ class ReplicaProcess:
     """Decodes until the lead says stop; returns after the goodbye."""
     e, driver = self.engine, self.cfg.pipeline.driver
     finished, last_flush, stopping, pending = [], time.monotonic(), False, None
-    checked = e.weight_checks
     while not stopping:
       t0 = time.perf_counter()
       installs = 0
@@ -199,9 +198,9 @@ class ReplicaProcess:
         self._record("", timeline_lib.WAIT_ADMISSION, t0, time.perf_counter())
       now = time.monotonic()
       flush = now - last_flush > _FLUSH_S
-      if finished or flush or e.weight_checks != checked:
+      if finished or flush or e.weight_checks != self._checks_reported:
         self.link.send(*messages.wire(messages.Rollouts(tuple(finished), self._status(flush))))
-        finished, checked = [], e.weight_checks
+        finished = []
       if flush or stopping:
         self._flush_records()
         last_flush = now
