@@ -3,15 +3,8 @@
 Every message is one frozen dataclass whose class attribute `KIND` is its tag on the wire. The
 wire format is the process links' (`rlax_pipe.cluster.links`): a pickled pair `(kind, payload)`;
 here the payload is the message itself and the kind its tag (`wire`). Unpickling does not run
-`__post_init__`, so the receiver checks each message again (`received`): the tag must name the
-payload's type, the type must be one the receiver expects, and the fields must have their types.
-
-Lead -> sampler replica: `Init`, `Submit`, `Abort`, `Stop`.
-Lead -> learner follower: `Train`, `End`.
-Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Costs` (replicas), `Done`.
-
-Every wait for another process goes through `wait_for` (a limit, the job's faults checked);
-a non-lead process takes its messages off its link with `receive`.
+`__post_init__`, so the receiver checks each message again (`received`). Who sends which:
+`TO_REPLICA`, `TO_LEARNER`, `TO_LEAD` (and each message's docstring).
 """
 
 from __future__ import annotations
