@@ -29,10 +29,6 @@ def _tuple_of(ok: Callable[[Any], bool] = lambda _: True) -> Callable[[Any], boo
   return lambda v: isinstance(v, tuple) and all(ok(x) for x in v)
 
 
-def _is_pair_of_numbers(c) -> bool:
-  return isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, (int, float)) for x in c)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Message:
   """A message's tag and shared check: `KIND` is the class name in lower case unless the class
@@ -127,7 +123,9 @@ class Costs(_Message):
   """
   CHECKS = (("records", _tuple_of(lambda r: isinstance(r, dict) and {"op", "duration_s"} <= set(r)),
              "a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)"),
-            ("compiles", _tuple_of(_is_pair_of_numbers), "a tuple of (start_s, end_s) pairs"))
+            ("compiles", _tuple_of(lambda c: isinstance(c, tuple) and len(c) == 2
+                                   and all(isinstance(x, (int, float)) for x in c)),
+             "a tuple of (start_s, end_s) pairs"))
   records: tuple[dict, ...]
   compiles: tuple[tuple[float, float], ...]
 
