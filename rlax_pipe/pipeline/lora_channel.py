@@ -13,10 +13,8 @@ holds one copy of the base, a new policy version is fully described by its adapt
      sampler's out_shardings; the base copy is read, never modified) and hands the engine an
      ordinary `WeightUpdate` of the merged params, with the checksums of that merged tree so the
      engine's own check (`sampler.weight_check`) still proves it decodes with what it was given.
-
-The merge runs when the sampler takes the version (`try_take` / `take` wait for it: one jitted
-pass reading the base and writing the merged tree, plus a rank-r matmul per adapted weight), so the
-sampler thread pays that once per version instead of the full-params transfer.
+     So the sampler thread pays, once per version instead of the full-params transfer, one jitted
+     pass reading the base and writing the merged tree, plus a rank-r matmul per adapted weight.
 
 The engine swaps the merged tree in at a step boundary exactly like a full update, so every token
 keeps the exact version of the weights that produced it (merged, not unmerged, adapters: the
