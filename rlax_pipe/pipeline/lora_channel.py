@@ -68,7 +68,6 @@ class LoraWeightChannel(WeightChannel):
     Raises:
       ManifestError: if `base` does not match the model's params.
     """
-    self.lora = lora
     model = lora.model
     base_target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
     once = WeightChannel(base_target)
