@@ -116,11 +116,6 @@ class _Snapshot:
 class LearnerSender(_LogReader):
   """A learner process's side: staging copies per version, sending, freeing on acknowledgement.
 
-  `push(WeightUpdate(version, params))` is the weight-sink call the `Trainer` makes after every
-  step; every learner process makes it for the same versions in the same order (its re-layout is
-  a collective on the learner mesh). It returns after dispatching the re-layout (an independent
-  copy: the learner may donate `params` at once) and the checksums.
-
   Args:
     layout: the shared layout.
     monitor: fault monitor.
@@ -145,8 +140,11 @@ class LearnerSender(_LogReader):
   # ---- learner thread ---------------------------------------------------------------------
   def push(self, update: WeightUpdate) -> None:
     """Re-lays `update.params` out into this process's replica-layout copy and keeps it as
-    `update.version` (`types.WeightSink`; `donated` and `checksum` are not read: the copy is
-    this sender's own, and it computes the checksums the replicas check).
+    `update.version` (`types.WeightSink`: the `Trainer` calls it after every step, every learner
+    process for the same versions in the same order, as the re-layout is a collective on the
+    learner mesh). Returns once the re-layout and the checksums are dispatched; the copy is this
+    sender's own (the learner may donate `params` at once) and it computes the checksums the
+    replicas check, so `donated` and `checksum` are not read.
 
     Raises:
       ManifestError: if `params` does not match the model's params tree.
