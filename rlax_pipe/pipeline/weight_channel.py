@@ -163,10 +163,9 @@ class WeightChannel:
   def lower_transfer(self, params: Any) -> dict[str, Any]:
     """The push's device programs lowered from abstract learner-side params (deviceless AOT).
 
-    The same plan and jitted programs as `push` (nothing is copied): hop 1, the learner-mesh
-    reshard into the sampler-congruent layout; the per-shard `device_put` between the meshes
-    (not an XLA program: its bytes are counted from the plan); hop 3, the sampler-mesh
-    refinement (only when the learner has fewer devices than the sampler has shards).
+    The same plan and jitted programs as `push` (nothing is copied): steps 1 and 3 of the module
+    docstring as lowered programs ("hops"); step 2, the per-shard `device_put`, is not an XLA
+    program: its bytes are counted from the plan.
 
     Args:
       params: pytree of `jax.ShapeDtypeStruct` matching the manifest, each with its learner
