@@ -135,7 +135,9 @@ class WeightChannel:
     self._bytes = int(sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
                           for s in self._manifest))
     self._verify, self._debug = verify, debug
-    self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], Callable | None, Callable | None]] = {}
+    # learner shardings -> (leaf plans, hop 1's leaf indices and program, the same of hop 3)
+    self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], list[int], Callable | None,
+                                             list[int], Callable | None]] = {}
     self._cond = threading.Condition()
     self._taken_version = -1
     self._pending: _InTransit | None = None
@@ -152,12 +154,12 @@ class WeightChannel:
     if key not in self._plans:
       plans = [plan_leaf(src, tgt, spec.shape, spec.name)
                for src, tgt, spec in zip(key, self._targets, self._manifest)]
-      hop1 = [p.learner_layout for p in plans if p.learner_layout is not None]
-      hop3 = [t for p, t in zip(plans, self._targets) if p.refine]
-      self._plans[key] = (
-          plans,
-          jax.jit(_identity, out_shardings=hop1) if hop1 else None,
-          jax.jit(_identity, out_shardings=hop3) if hop3 else None)
+      idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+      idx3 = [i for i, p in enumerate(plans) if p.refine]
+      hop1 = [plans[i].learner_layout for i in idx1]
+      hop3 = [self._targets[i] for i in idx3]
+      self._plans[key] = (plans, idx1, jax.jit(_identity, out_shardings=hop1) if idx1 else None,
+                          idx3, jax.jit(_identity, out_shardings=hop3) if idx3 else None)
     return self._plans[key]
 
   def lower_transfer(self, params: Any) -> dict[str, Any]:
@@ -183,10 +185,8 @@ class WeightChannel:
     """
     check_manifest(self._manifest, params, what="abstract params")
     leaves = jax.tree_util.tree_leaves(params)
-    plans, hop1, hop3 = self._plan(leaves)
+    plans, idx1, hop1, idx3, hop3 = self._plan(leaves)
     abstract = lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
-    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
-    idx3 = [i for i, p in enumerate(plans) if p.refine]
     per_device: dict[Any, int] = {}
     for leaf, plan in zip(leaves, plans):
       itemsize = np.dtype(leaf.dtype).itemsize
@@ -205,9 +205,8 @@ class WeightChannel:
 
   def _transfer(self, leaves: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
     """Dispatches the copies; returns (sampler leaves, intermediates to delete later)."""
-    plans, hop1, hop3 = self._plan(leaves)
+    plans, idx1, hop1, idx3, hop3 = self._plan(leaves)
     staged, intermediates = list(leaves), []
-    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
     if idx1:
       out = hop1([leaves[i] for i in idx1])
       for i, y in zip(idx1, out):
@@ -215,7 +214,6 @@ class WeightChannel:
           intermediates.append(y)
         staged[i] = y
     landed = jax.device_put(staged, [p.landing for p in plans], may_alias=False)
-    idx3 = [i for i, p in enumerate(plans) if p.refine]
     if idx3:
       out = hop3([landed[i] for i in idx3])
       for i, y in zip(idx3, out):
