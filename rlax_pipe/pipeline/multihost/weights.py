@@ -47,8 +47,7 @@ from rlax_pipe import param_checksum
 from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout
 from rlax_pipe.pipeline.multihost import messages
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
-from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
-from rlax_pipe.pipeline.weight_channel import delete_all
+from rlax_pipe.pipeline.weight_channel import check_manifest, delete_all, params_manifest
 from rlax_pipe.types import WeightUpdate
 
 KV_PREFIX = "rlax/w/"
