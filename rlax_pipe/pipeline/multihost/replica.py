@@ -122,13 +122,10 @@ class ReplicaProcess:
   def start(self) -> None:
     """Receives the first weights and the sampling keys, builds the engine."""
     self._compiles.__enter__()  # every compile of this process, from the engine's first
-    init = messages.wait_for(lambda: messages.receive(self.link.inbox, messages.TO_REPLICA, 0.1),
+    init = messages.wait_for(lambda: messages.receive(self.link.inbox, (messages.Init,), 0.1),
                              self.cfg.distributed.connect_timeout_s, self.monitor, period_s=0.0)
     if init is None:
       raise TimeoutError("no 'init' message from the learner lead.")
-    if not isinstance(init, messages.Init):
-      raise messages.ProtocolError(
-          f"replica start: expected an Init message from the lead, got {type(init).__name__}")
     self.receiver.request(-1)
     first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
     self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
