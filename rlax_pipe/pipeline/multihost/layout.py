@@ -121,8 +121,6 @@ class TransferLayout:
 
 def compare_manifests(sender: list, receiver: list, sender_name: str, receiver_name: str) -> None:
   """Raises `LayoutMismatchError` naming the first differing entry on both sides."""
-  if sender == receiver:
-    return
   for i, (a, b) in enumerate(itertools.zip_longest(sender, receiver)):
     if a != b:
       raise LayoutMismatchError(
