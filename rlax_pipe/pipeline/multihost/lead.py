@@ -19,6 +19,7 @@ train step, push and the learner's host work as `driver.RealClock` does; the rep
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import queue as queue_lib
 import threading
@@ -91,13 +92,10 @@ class LeadSamplerSide:
     stop_sent = False
     try:
       while not self._exit.is_set() and self.monitor.error is None:
-        try:
-          item = self.hub.inbox.get(timeout=0.005)
-        except queue_lib.Empty:
-          item = None
-        while item is not None:
-          self._handle(*item)
-          item = None if self.hub.inbox.empty() else self.hub.inbox.get_nowait()  # one reader
+        with contextlib.suppress(queue_lib.Empty):  # (nothing came within 5 ms)
+          self._handle(*self.hub.inbox.get(timeout=0.005))
+          while not self.hub.inbox.empty():  # one reader: what is there stays there
+            self._handle(*self.hub.inbox.get_nowait())
         finished = self.proxy.step()
         if finished:
           self.job.worker.returned(finished)  # no longer outstanding; in transit until queued
