@@ -120,14 +120,21 @@ class ReplicaProcess:
     self._spans.append((lane, kind, start + off, end + off, active, total))
 
   def start(self) -> None:
-    """Receives the first weights and the sampling keys, builds the engine."""
+    """Receives the first weights and the sampling keys, builds the engine.
+
+    Raises:
+      ProcessFault: on a fault of the job; TimeoutError: no Init or no weights in time.
+    """
     self._compiles.__enter__()  # every compile of this process, from the engine's first
     init = messages.wait_for(lambda: messages.receive(self.link.inbox, (messages.Init,), 0.1),
                              self.cfg.distributed.connect_timeout_s, self.monitor, period_s=0.0)
     if init is None:
       raise TimeoutError("no 'init' message from the learner lead.")
     self.receiver.request(-1)
-    first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
+    limit_s = self.cfg.distributed.transfer_timeout_s
+    first = messages.wait_for(self.receiver.poll, limit_s, self.monitor)
+    if first is None:
+      raise TimeoutError(f"{self.topology.name()}: no weights within {limit_s:.0f} s.")
     self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
                                 on_span=self._record)
     self.engine.load_rng_state(replica_keys(init.rng, self.cfg.sampler.seed, self.replica,

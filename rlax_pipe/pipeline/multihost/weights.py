@@ -387,17 +387,6 @@ class ReplicaReceiver(_LogReader):
                         donated=True,
                         checksum=np.asarray(inc.entry["checksum"], np.uint32))
 
-  def wait(self, timeout_s: float) -> WeightUpdate:
-    """Blocking `poll` (the first version, before the engine exists).
-
-    Raises:
-      ProcessFault: on a fault of the job; TimeoutError after `timeout_s`.
-    """
-    update = messages.wait_for(self.poll, timeout_s, self._monitor)
-    if update is None:
-      raise TimeoutError(f"{self.layout.topology.name()}: no weights within {timeout_s:.0f} s.")
-    return update
-
   def drain(self, timeout_s: float) -> None:
     """At the end: acknowledges (and frees) whatever still arrives until the log ends."""
     def drained() -> bool:
