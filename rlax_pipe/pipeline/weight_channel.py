@@ -282,9 +282,9 @@ class WeightChannel:
             f"WeightChannel target leaf {jax.tree_util.keystr(path)} needs a NamedSharding on "
             f"the sampler mesh, got {getattr(leaf, 'sharding', None)!r}.")
     self._targets = [leaf.sharding for leaf in leaves]
-    self._manifest = params_manifest(target)
+    self.manifest = params_manifest(target)  # every pushed params tree must have it
     self._bytes = int(sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
-                          for s in self._manifest))
+                          for s in self.manifest))
     self._verify, self._debug = verify, debug
     # learner shardings -> (leaf plans, hop 1's leaf indices and program, the same of hop 3)
     self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], list[int], Callable | None,
@@ -295,16 +295,11 @@ class WeightChannel:
     self._last_pushed = -1
     self._pushes = self._takes = self._superseded = 0
 
-  @property
-  def manifest(self) -> tuple[LeafSpec, ...]:
-    """Names, shapes and dtypes every pushed params tree must have."""
-    return self._manifest
-
   def _plan(self, leaves: list[Any]):
     key = tuple(getattr(x, "sharding", None) for x in leaves)
     if key not in self._plans:
       plans = [plan_leaf(src, tgt, spec.shape, spec.name)
-               for src, tgt, spec in zip(key, self._targets, self._manifest)]
+               for src, tgt, spec in zip(key, self._targets, self.manifest)]
       idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
       idx3 = [i for i, p in enumerate(plans) if p.refine]
       hop1 = [plans[i].learner_layout for i in idx1]
@@ -334,7 +329,7 @@ class WeightChannel:
     Raises:
       ManifestError: when `params` does not match the manifest.
     """
-    check_manifest(self._manifest, params, what="abstract params")
+    check_manifest(self.manifest, params, what="abstract params")
     leaves = jax.tree_util.tree_leaves(params)
     plans, idx1, hop1, idx3, hop3 = self._plan(leaves)
     abstract = lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
@@ -394,7 +389,7 @@ class WeightChannel:
       the version may be pushed again.
     """
     params, version = update.params, update.version
-    check_manifest(self._manifest, params, what=f"pushed params (version {version})")
+    check_manifest(self.manifest, params, what=f"pushed params (version {version})")
     with self._cond:
       if version <= self._taken_version or version < self._last_pushed:
         raise ValueError(
