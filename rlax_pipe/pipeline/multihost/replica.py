@@ -172,7 +172,6 @@ class ReplicaProcess:
     finished, last_flush, stopping, pending = [], time.monotonic(), False, None
     while not stopping:
       t0 = time.perf_counter()
-      installs = 0
       self.monitor.check()
       while (msg := messages.receive(self.link.inbox, messages.TO_REPLICA)) is not None:
         if isinstance(msg, messages.Submit):
@@ -186,11 +185,11 @@ class ReplicaProcess:
           raise messages.ProtocolError("a second Init message from the lead.")
       if pending is None:  # a complete version, kept until the driver's rule lets it in
         pending = self.receiver.poll()
-      if pending is not None and rules.may_update_weights(driver, e.has_work):
+      installs = int(pending is not None and rules.may_update_weights(driver, e.has_work))
+      if installs:
         e.update_weights(pending)
         self._installed(pending.version)
         pending = None
-        installs = 1
       if e.has_work:
         before = e.stats()
         finished += e.step()
