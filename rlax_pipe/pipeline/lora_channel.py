@@ -68,15 +68,13 @@ class LoraWeightChannel(WeightChannel):
     Raises:
       ManifestError: if `base` does not match the model's params.
     """
-    model = lora.model
-    base_target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
+    base_target = sampler_target(lora.model.param_axes(), lora.model.abstract_params(), mesh)
     once = WeightChannel(base_target)
     once.push(WeightUpdate(0, base))
     self._base = once.take().params
     once.close()
     self.base_bytes = once.stats().bytes_per_version
     super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
-    self._names = [spec.name for spec in self.manifest]  # the adapters' leaf paths
     out_sh = jax.tree.map(lambda t: t.sharding, base_target)
     self._merge = jax.jit(lora.merge, out_shardings=out_sh)
     self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
@@ -94,7 +92,7 @@ class LoraWeightChannel(WeightChannel):
     """Checks the landed adapters, merges them into the base copy, frees them."""
     if update.checksum is not None:
       param_checksum.compare(update.checksum, param_checksum.checksum(update.params),
-                             update.version, names=self._names,
+                             update.version, names=[spec.name for spec in self.manifest],
                              got_from="the sampler's landed adapters")
     merged = self._merge(self._base, update.params)
     jax.block_until_ready(merged)
