@@ -3,8 +3,7 @@
 Two threads, as in the single-process threaded driver:
 - the sampler side (`LeadSamplerSide`): takes the replicas' messages off the links (rollouts are
   graded by the one `RolloutWorker` and put into the one `RolloutQueue`; spans and rows are kept
-  for the run directory) and tops every replica up through `RemoteEngines` (the worker's rules
-  and the queue's staleness admission, per replica);
+  for the run directory) and tops every replica up through `RemoteEngines` (how: `remote`);
 - the learner loop (`driver.drive` with a `LeadClock`, the calling thread): takes a batch from
   the queue, sends it to the other learner processes, trains in lockstep with them, pushes the
   new version (every learner process re-lays it out; replicas get it by request), and runs the

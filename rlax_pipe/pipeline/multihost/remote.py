@@ -141,9 +141,8 @@ class RemoteEngines:
     return out
 
   def update_weights(self, update: WeightUpdate) -> None:
-    """Refused: the replicas fetch each version from the learner processes' `LearnerSender`
-    (the job's `types.WeightSink`) through the `WeightCoordinator`; the lead holds no replica
-    weights to replace.
+    """Refused: the lead holds no replica weights (each replica fetches its versions from the
+    learner's `LearnerSender` through the `WeightCoordinator`).
 
     Raises:
       TypeError: always, naming the route to use instead.
