@@ -118,9 +118,8 @@ def assert_congruent(src: NamedSharding, dst: NamedSharding, shape: tuple[int, .
                      name: str = "leaf") -> None:
   """Checks that `device_put(x with src, dst)` is a pure per-shard device copy.
 
-  With equal device counts the layouts must be congruent (same mesh shape, same axis names, same
-  `PartitionSpec`). In every case each destination shard's slice must be the slice of some
-  source shard, otherwise `jax.device_put` gathers the array on the host (jax-notes §2a).
+  With equal device counts the layouts must be congruent (same mesh shape, axis names and
+  `PartitionSpec`); always, each destination slice must be a source shard's (module docstring).
 
   Raises:
     RuntimeError: naming the leaf, both layouts and the first uncovered slice.

@@ -2,11 +2,10 @@
 
 The replica decodes what the lead submits and streams finished rollouts back (ungraded: the lead
 grades, queues and applies the staleness policy). New weights arrive while it decodes
-(`weights.ReplicaReceiver`); a complete version is handed to the engine at a dispatch boundary
-when the driver's rule allows (pipeline: at once; round-based drivers: between rounds), the
-engine checks its checksums against the learner's after the swap, and per-token version tags
-stay exact. Spans (timed on the lead's clock), weight installs and the engine's statistics go to
-the lead's run directory.
+(`weights`, steps 3-4); a complete version is handed to the engine at a dispatch boundary when
+the driver's rule allows (pipeline: at once; round-based drivers: between rounds), so per-token
+version tags stay exact. Spans (timed on the lead's clock), weight installs and the engine's
+statistics go to the lead's run directory.
 
 An environment task (tools: `rlax_pipe.envs`) runs as episodes here: the engine is wrapped in an
 `EpisodeEngine` whose tools run in this process's own verifier worker pool, on a background
