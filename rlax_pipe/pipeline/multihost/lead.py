@@ -81,12 +81,6 @@ class LeadSamplerSide:
     else:  # messages.Done
       self.done.add(p)
 
-  def _top_up(self) -> None:
-    for r in sorted(self.proxy.replicas):
-      with self.proxy.target(r):
-        self.job.worker.top_up()
-      self.proxy.flush(r)
-
   def _loop(self) -> None:
     stop_sent = False
     try:
@@ -104,7 +98,10 @@ class LeadSamplerSide:
           # samples lost on a replica or on their way to the queue: named, and re-dispatched
           # to the replica that had them or their group given up (issue #27 item 2)
           self.job.worker.check_lost(time.monotonic(), self._delivery_limit_s)
-          self._top_up()
+          for r in sorted(self.proxy.replicas):  # the worker tops each replica up in turn
+            with self.proxy.target(r):
+              self.job.worker.top_up()
+            self.proxy.flush(r)
         elif not stop_sent:  # from this thread: no request can follow the stop
           self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
           stop_sent = True
