@@ -224,8 +224,7 @@ def _identity(tree):
 @dataclasses.dataclass
 class _InTransit:
   version: int
-  params: Any                      # pytree on the sampler shardings
-  leaves: list[jax.Array]          # its leaves, for readiness checks and deletion
+  leaves: list[jax.Array]          # on the sampler shardings (the channel's tree structure)
   intermediates: list[jax.Array]   # learner-side / landing copies to delete once ready
   checksum: Any = None             # the learner's param_checksum of this version
 
@@ -397,13 +396,12 @@ class WeightChannel:
     leaves = jax.tree_util.tree_leaves(params)
     expected = param_checksum.checksum(leaves)
     landed, intermediates = self._transfer(leaves)
-    record = _InTransit(version, jax.tree_util.tree_unflatten(self._treedef, landed), landed,
-                        intermediates, expected)
+    record = _InTransit(version, landed, intermediates, expected)
     if self._debug and self._verify is not None:
       jax.block_until_ready(landed)
       delete_all(record.intermediates)
       try:
-        self._verify(record.params, version)
+        self._verify(jax.tree_util.tree_unflatten(self._treedef, landed), version)
       except Exception:
         delete_all(record.leaves)
         raise
@@ -425,7 +423,8 @@ class WeightChannel:
     delete_all(record.intermediates)
     self._taken_version = record.version
     self._takes += 1
-    return WeightUpdate(record.version, record.params, donated=True, checksum=record.checksum)
+    params = jax.tree_util.tree_unflatten(self._treedef, record.leaves)
+    return WeightUpdate(record.version, params, donated=True, checksum=record.checksum)
 
   def try_take(self) -> WeightUpdate | None:
     """Non-blocking: the newest pushed version if its copy is complete, else None.
