@@ -75,8 +75,7 @@ class LoraWeightChannel(WeightChannel):
     once.close()
     self.base_bytes = once.stats().bytes_per_version
     super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
-    out_sh = jax.tree.map(lambda t: t.sharding, base_target)
-    self._merge = jax.jit(lora.merge, out_shardings=out_sh)
+    self._merge = jax.jit(lora.merge, out_shardings=jax.tree.map(lambda t: t.sharding, base_target))
     self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
 
   def try_take(self) -> WeightUpdate | None:

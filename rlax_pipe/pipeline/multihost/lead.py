@@ -61,7 +61,6 @@ class LeadSamplerSide:
     self._thread.start()
 
   def _handle(self, p: int, kind: str, payload: Any) -> None:
-    job = self.job
     msg = messages.received(kind, payload, messages.TO_LEAD)
     if isinstance(msg, messages.Rollouts):
       r = replica_of(p, self.proxy.topology.num_learner_processes)
@@ -71,13 +70,13 @@ class LeadSamplerSide:
                           "checksum": checksum})
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
-        job.timeline.record(*span)
+        self.job.timeline.record(*span)
     elif isinstance(msg, messages.Rows):
       self.rows.extend(msg.rows)
     elif isinstance(msg, messages.Costs):
-      if job.cost_recorder is not None:
-        job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
-                                 msg.compiles)
+      if self.job.cost_recorder is not None:
+        self.job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
+                                      msg.compiles)
     else:  # messages.Done
       self.done.add(p)
 
