@@ -10,9 +10,8 @@ Two threads, as in the single-process threaded driver:
   step hooks (metrics, evaluation on this process's devices, checkpoints of the learner
   processes together).
 
-Timed operations (the job's `CostRecorder`, when it has one): the learner loop records each
-train step, push and the learner's host work as `driver.RealClock` does; the replicas' arrive in
-`messages.Costs`, so the run directory's cost_records.jsonl / cost_fit.json hold both roles.
+Timed operations (the job's `CostRecorder`, if any): the learner loop's as `driver.RealClock`
+records them, the replicas' from `messages.Costs`; cost_records.jsonl / cost_fit.json hold both.
 """
 
 from __future__ import annotations
