@@ -57,8 +57,7 @@ class RemoteEngines:
     topology: the job.
     cfg: the sampler config every replica runs (per data replica `num_slots`).
     slots: replica index -> its decode slots.
-    version: the learner's version at start, a lower bound of every replica's (its first
-      version is newer).
+    version: the learner's version at start (a lower bound: each replica's first is newer).
     saved_rng: a checkpoint's "sampler_rng" (the replicas' keys; None: fresh), for `initial_rng`.
   """
 
