@@ -123,8 +123,7 @@ def _single(name):
   # Where the time goes, each part alone (warm, median of --repeats): the learner-side
   # checksums the push starts, and the copy itself (hop 1 reshard + device_put [+ hop 3]).
   leaves = jax.tree.leaves(params)
-  plans, hop1, _ = channel._plan(leaves)  # pylint: disable=protected-access
-  idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+  plans, idx1, hop1, _, _ = channel._plan(leaves)  # pylint: disable=protected-access
   staged = list(leaves)
   if hop1:
     for i, y in zip(idx1, hop1([leaves[i] for i in idx1])):

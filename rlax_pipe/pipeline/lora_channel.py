@@ -13,10 +13,8 @@ holds one copy of the base, a new policy version is fully described by its adapt
      sampler's out_shardings; the base copy is read, never modified) and hands the engine an
      ordinary `WeightUpdate` of the merged params, with the checksums of that merged tree so the
      engine's own check (`sampler.weight_check`) still proves it decodes with what it was given.
-
-The merge runs when the sampler takes the version (`try_take` / `take` wait for it: one jitted
-pass reading the base and writing the merged tree, plus a rank-r matmul per adapted weight), so the
-sampler thread pays that once per version instead of the full-params transfer.
+     So the sampler thread pays, once per version instead of the full-params transfer, one jitted
+     pass reading the base and writing the merged tree, plus a rank-r matmul per adapted weight.
 
 The engine swaps the merged tree in at a step boundary exactly like a full update, so every token
 keeps the exact version of the weights that produced it (merged, not unmerged, adapters: the
@@ -70,18 +68,14 @@ class LoraWeightChannel(WeightChannel):
     Raises:
       ManifestError: if `base` does not match the model's params.
     """
-    self.lora = lora
-    model = lora.model
-    base_target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
+    base_target = sampler_target(lora.model.param_axes(), lora.model.abstract_params(), mesh)
     once = WeightChannel(base_target)
     once.push(WeightUpdate(0, base))
     self._base = once.take().params
     once.close()
     self.base_bytes = once.stats().bytes_per_version
     super().__init__(sampler_target(lora.param_axes(), lora.abstract_params(), mesh))
-    self._names = [spec.name for spec in self.manifest]  # the adapters' leaf paths
-    out_sh = jax.tree.map(lambda t: t.sharding, base_target)
-    self._merge = jax.jit(lora.merge, out_shardings=out_sh)
+    self._merge = jax.jit(lora.merge, out_shardings=jax.tree.map(lambda t: t.sharding, base_target))
     self._verify_merged = verify if debug else None  # (the adapters' pushes are not verified)
 
   def try_take(self) -> WeightUpdate | None:
@@ -97,7 +91,7 @@ class LoraWeightChannel(WeightChannel):
     """Checks the landed adapters, merges them into the base copy, frees them."""
     if update.checksum is not None:
       param_checksum.compare(update.checksum, param_checksum.checksum(update.params),
-                             update.version, names=self._names,
+                             update.version, names=[spec.name for spec in self.manifest],
                              got_from="the sampler's landed adapters")
     merged = self._merge(self._base, update.params)
     jax.block_until_ready(merged)

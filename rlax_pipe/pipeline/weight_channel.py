@@ -14,8 +14,7 @@ same slice of the array; otherwise it silently assembles the whole array on the 
      on the sampler mesh that slices the landed coarser shards into the final layout (local
      slicing, no host).
 
-Congruence (step 1 -> 2) is checked in code for every leaf when the plan is built (the per-leaf
-plan and the manifest: `transfer_plan`).
+Congruence (step 1 -> 2) is checked in code for every leaf when its plan is built (`plan_leaf`).
 
 Ownership (`types.WeightUpdate`): the channel owns only the one incoming version; a take hands
 it over (`donated=True`) and forgets it, and one superseded by a newer push before being taken is
@@ -36,14 +35,165 @@ import threading
 from typing import Any, Callable
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 
 from rlax_pipe import param_checksum
-from rlax_pipe.pipeline.transfer_plan import (  # pylint: disable=unused-import
-    LeafSpec, ManifestError, LeafPlan, plan_leaf, assert_congruent, check_manifest,
-    params_manifest)
+from rlax_pipe import sharding as sharding_lib
 from rlax_pipe.types import WeightUpdate
+
+_REPLICA_AXIS = "_rlax_pipe_replica"
+
+
+class ManifestError(ValueError):
+  """A pushed params tree does not match the channel's manifest (names, shapes, dtypes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One manifest entry.
+
+  Attributes:
+    name: flattened leaf path, as `jax.tree_util.keystr` writes it (e.g. "['layers']['wq']").
+    shape: array shape.
+    dtype: dtype name, e.g. "float32".
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+
+
+def params_manifest(tree: Any) -> tuple[LeafSpec, ...]:
+  """Flattened names, shapes and dtypes of a params pytree (arrays or `jax.ShapeDtypeStruct`)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return tuple(
+      LeafSpec(jax.tree_util.keystr(path), tuple(int(d) for d in leaf.shape),
+               np.dtype(leaf.dtype).name) for path, leaf in leaves)
+
+
+def check_manifest(expected: tuple[LeafSpec, ...], tree: Any, what: str = "params") -> None:
+  """Checks a params tree against a manifest.
+
+  Args:
+    expected: manifest from `params_manifest`.
+    tree: the pytree to check.
+    what: how to name the tree in error messages.
+
+  Raises:
+    ManifestError: naming every missing or unexpected leaf, or the first leaf whose shape or
+      dtype differs.
+  """
+  got = params_manifest(tree)
+  if got == expected:
+    return
+  exp_by_name = {s.name: s for s in expected}
+  got_by_name = {s.name: s for s in got}
+  missing = [n for n in exp_by_name if n not in got_by_name]
+  extra = [n for n in got_by_name if n not in exp_by_name]
+  if missing or extra:
+    raise ManifestError(
+        f"{what} tree does not match the weight-channel manifest: missing leaves {missing}, "
+        f"unexpected leaves {extra}.")
+  for name, e in exp_by_name.items():
+    g = got_by_name[name]
+    if g != e:
+      raise ManifestError(
+          f"{what} leaf {name} has shape {g.shape} dtype {g.dtype}; the manifest expects "
+          f"shape {e.shape} dtype {e.dtype}.")
+  raise ManifestError(f"{what} leaves are in a different order than the manifest.")
+
+
+def _index_key(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+  return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _mesh_devices(sharding: Any) -> tuple[Any, ...]:
+  if isinstance(sharding, NamedSharding):
+    return tuple(sharding.mesh.devices.flat)
+  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def assert_congruent(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...],
+                     name: str = "leaf") -> None:
+  """Checks that `device_put(x with src, dst)` is a pure per-shard device copy.
+
+  With equal device counts the layouts must be congruent (same mesh shape, axis names and
+  `PartitionSpec`); always, each destination slice must be a source shard's (module docstring).
+
+  Raises:
+    RuntimeError: naming the leaf, both layouts and the first uncovered slice.
+  """
+  if src.num_devices == dst.num_devices and (
+      src.mesh.devices.shape != dst.mesh.devices.shape
+      or src.mesh.axis_names != dst.mesh.axis_names or src.spec != dst.spec):
+    raise RuntimeError(
+        f"weight channel: {name} intermediate layout {dict(src.mesh.shape)} {src.spec} is not "
+        f"congruent with the sampler layout {dict(dst.mesh.shape)} {dst.spec}.")
+  have = {_index_key(i) for i in src.devices_indices_map(shape).values()}
+  for index in dst.devices_indices_map(shape).values():
+    if _index_key(index) not in have:
+      raise RuntimeError(
+          f"weight channel: {name} sampler shard {index} of shape {shape} has no identical "
+          f"source shard in {dict(src.mesh.shape)} {src.spec}; device_put would go through "
+          "the host.")
+
+
+def _coarsen(spec: PartitionSpec, mesh: Mesh, num_devices: int
+             ) -> tuple[PartitionSpec, list[str], list[int]]:
+  """Keeps, per spec entry, the longest prefix of mesh axes whose running size product divides
+  `num_devices`. Returns the coarse spec and its mesh axes / sizes in spec order."""
+  entries, names, sizes, product = [], [], [], 1
+  for entry in spec:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = []
+    for a in axes:
+      if num_devices % (product * mesh.shape[a]):
+        break
+      kept.append(a)
+      product *= mesh.shape[a]
+    names += kept
+    sizes += [mesh.shape[a] for a in kept]
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*entries), names, sizes
+
+
+def _auto_mesh(devices: tuple[Any, ...], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+  return sharding_lib.make_mesh(devices, dict(zip(names, shape)), keep_device_order=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """How one leaf travels from the learner to the sampler (see the module docstring)."""
+
+  learner_layout: NamedSharding | None  # None: leaf is pushed as is (already in place / host)
+  landing: NamedSharding                # layout on the sampler devices after device_put
+  refine: bool                          # landing != target: a jit on the sampler mesh follows
+
+
+def plan_leaf(src: Any, target: NamedSharding, shape: tuple[int, ...], name: str) -> LeafPlan:
+  """Chooses the intermediate layouts for one leaf (see module docstring)."""
+  if src is None:  # a host array: uploaded straight into the target layout
+    return LeafPlan(None, target, False)
+  src_devices = _mesh_devices(src)
+  mesh_b, n_a = target.mesh, len(src_devices)
+  if n_a == mesh_b.size:
+    layout = NamedSharding(
+        _auto_mesh(src_devices, mesh_b.devices.shape, mesh_b.axis_names), target.spec)
+    landing, refine = target, False
+  else:
+    coarse, names, sizes = _coarsen(target.spec, mesh_b, n_a)
+    g = int(np.prod(sizes, dtype=np.int64))
+    names_t = tuple(names) + (_REPLICA_AXIS,)
+    layout = NamedSharding(_auto_mesh(src_devices, tuple(sizes) + (n_a // g,), names_t), coarse)
+    refine = coarse != target.spec
+    landing = NamedSharding(
+        _auto_mesh(_mesh_devices(target), tuple(sizes) + (mesh_b.size // g,), names_t),
+        coarse) if refine else target
+  assert_congruent(layout, landing, shape, name)
+  if src.is_equivalent_to(layout, len(shape)):
+    layout = None
+  return LeafPlan(layout, landing, refine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +224,7 @@ def _identity(tree):
 @dataclasses.dataclass
 class _InTransit:
   version: int
-  params: Any                      # pytree on the sampler shardings
-  leaves: list[jax.Array]          # its leaves, for readiness checks and deletion
+  leaves: list[jax.Array]          # on the sampler shardings (the channel's tree structure)
   intermediates: list[jax.Array]   # learner-side / landing copies to delete once ready
   checksum: Any = None             # the learner's param_checksum of this version
 
@@ -131,42 +280,38 @@ class WeightChannel:
             f"WeightChannel target leaf {jax.tree_util.keystr(path)} needs a NamedSharding on "
             f"the sampler mesh, got {getattr(leaf, 'sharding', None)!r}.")
     self._targets = [leaf.sharding for leaf in leaves]
-    self._manifest = params_manifest(target)
+    self.manifest = params_manifest(target)  # every pushed params tree must have it
     self._bytes = int(sum(np.prod(s.shape, dtype=np.int64) * np.dtype(s.dtype).itemsize
-                          for s in self._manifest))
+                          for s in self.manifest))
     self._verify, self._debug = verify, debug
-    self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], Callable | None, Callable | None]] = {}
+    # learner shardings -> (leaf plans, hop 1's leaf indices and program, the same of hop 3)
+    self._plans: dict[tuple[Any, ...], tuple[list[LeafPlan], list[int], Callable | None,
+                                             list[int], Callable | None]] = {}
     self._cond = threading.Condition()
     self._taken_version = -1
     self._pending: _InTransit | None = None
     self._last_pushed = -1
     self._pushes = self._takes = self._superseded = 0
 
-  @property
-  def manifest(self) -> tuple[LeafSpec, ...]:
-    """Names, shapes and dtypes every pushed params tree must have."""
-    return self._manifest
-
   def _plan(self, leaves: list[Any]):
     key = tuple(getattr(x, "sharding", None) for x in leaves)
     if key not in self._plans:
       plans = [plan_leaf(src, tgt, spec.shape, spec.name)
-               for src, tgt, spec in zip(key, self._targets, self._manifest)]
-      hop1 = [p.learner_layout for p in plans if p.learner_layout is not None]
-      hop3 = [t for p, t in zip(plans, self._targets) if p.refine]
-      self._plans[key] = (
-          plans,
-          jax.jit(_identity, out_shardings=hop1) if hop1 else None,
-          jax.jit(_identity, out_shardings=hop3) if hop3 else None)
+               for src, tgt, spec in zip(key, self._targets, self.manifest)]
+      idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
+      idx3 = [i for i, p in enumerate(plans) if p.refine]
+      hop1 = [plans[i].learner_layout for i in idx1]
+      hop3 = [self._targets[i] for i in idx3]
+      self._plans[key] = (plans, idx1, jax.jit(_identity, out_shardings=hop1) if idx1 else None,
+                          idx3, jax.jit(_identity, out_shardings=hop3) if idx3 else None)
     return self._plans[key]
 
   def lower_transfer(self, params: Any) -> dict[str, Any]:
     """The push's device programs lowered from abstract learner-side params (deviceless AOT).
 
-    The same plan and jitted programs as `push` (nothing is copied): hop 1, the learner-mesh
-    reshard into the sampler-congruent layout; the per-shard `device_put` between the meshes
-    (not an XLA program: its bytes are counted from the plan); hop 3, the sampler-mesh
-    refinement (only when the learner has fewer devices than the sampler has shards).
+    The same plan and jitted programs as `push` (nothing is copied): steps 1 and 3 of the module
+    docstring as lowered programs ("hops"); step 2, the per-shard `device_put`, is not an XLA
+    program: its bytes are counted from the plan.
 
     Args:
       params: pytree of `jax.ShapeDtypeStruct` matching the manifest, each with its learner
@@ -182,12 +327,10 @@ class WeightChannel:
     Raises:
       ManifestError: when `params` does not match the manifest.
     """
-    check_manifest(self._manifest, params, what="abstract params")
+    check_manifest(self.manifest, params, what="abstract params")
     leaves = jax.tree_util.tree_leaves(params)
-    plans, hop1, hop3 = self._plan(leaves)
+    plans, idx1, hop1, idx3, hop3 = self._plan(leaves)
     abstract = lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh)
-    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
-    idx3 = [i for i, p in enumerate(plans) if p.refine]
     per_device: dict[Any, int] = {}
     for leaf, plan in zip(leaves, plans):
       itemsize = np.dtype(leaf.dtype).itemsize
@@ -206,9 +349,8 @@ class WeightChannel:
 
   def _transfer(self, leaves: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
     """Dispatches the copies; returns (sampler leaves, intermediates to delete later)."""
-    plans, hop1, hop3 = self._plan(leaves)
+    plans, idx1, hop1, idx3, hop3 = self._plan(leaves)
     staged, intermediates = list(leaves), []
-    idx1 = [i for i, p in enumerate(plans) if p.learner_layout is not None]
     if idx1:
       out = hop1([leaves[i] for i in idx1])
       for i, y in zip(idx1, out):
@@ -216,7 +358,6 @@ class WeightChannel:
           intermediates.append(y)
         staged[i] = y
     landed = jax.device_put(staged, [p.landing for p in plans], may_alias=False)
-    idx3 = [i for i, p in enumerate(plans) if p.refine]
     if idx3:
       out = hop3([landed[i] for i in idx3])
       for i, y in zip(idx3, out):
@@ -246,7 +387,7 @@ class WeightChannel:
       the version may be pushed again.
     """
     params, version = update.params, update.version
-    check_manifest(self._manifest, params, what=f"pushed params (version {version})")
+    check_manifest(self.manifest, params, what=f"pushed params (version {version})")
     with self._cond:
       if version <= self._taken_version or version < self._last_pushed:
         raise ValueError(
@@ -255,13 +396,12 @@ class WeightChannel:
     leaves = jax.tree_util.tree_leaves(params)
     expected = param_checksum.checksum(leaves)
     landed, intermediates = self._transfer(leaves)
-    record = _InTransit(version, jax.tree_util.tree_unflatten(self._treedef, landed), landed,
-                        intermediates, expected)
+    record = _InTransit(version, landed, intermediates, expected)
     if self._debug and self._verify is not None:
       jax.block_until_ready(landed)
       delete_all(record.intermediates)
       try:
-        self._verify(record.params, version)
+        self._verify(jax.tree_util.tree_unflatten(self._treedef, landed), version)
       except Exception:
         delete_all(record.leaves)
         raise
@@ -283,7 +423,8 @@ class WeightChannel:
     delete_all(record.intermediates)
     self._taken_version = record.version
     self._takes += 1
-    return WeightUpdate(record.version, record.params, donated=True, checksum=record.checksum)
+    params = jax.tree_util.tree_unflatten(self._treedef, record.leaves)
+    return WeightUpdate(record.version, params, donated=True, checksum=record.checksum)
 
   def try_take(self) -> WeightUpdate | None:
     """Non-blocking: the newest pushed version if its copy is complete, else None.

@@ -105,7 +105,7 @@ def test_push_4_to_2_devices(host_reads):
 def test_push_2_to_4_devices(host_reads, sampler_axes, num_refined):
   lsh, ssh, target = _setup(jax.devices()[:2], {"fsdp": 2}, jax.devices()[4:], sampler_axes)
   channel, _, _ = _push_and_check(lsh, ssh, target, host_reads)
-  (plans, _, hop3), = channel._plans.values()  # pylint: disable=protected-access
+  (plans, _, _, _, hop3), = channel._plans.values()  # pylint: disable=protected-access
   # 4 distinct tp shards (embed, wq, w_up) cannot come from 2 learner devices: land 2, slice.
   assert sum(p.refine for p in plans) == num_refined and (hop3 is None) == (num_refined == 0)
 
@@ -174,7 +174,7 @@ def test_second_push_does_not_recompile():
   for v in range(1, 4):
     channel.push(WeightUpdate(v, jax.device_put(_values(v), lsh)))
     channel.take(timeout=10)
-  (plans, hop1, hop3), = channel._plans.values()  # pylint: disable=protected-access
+  (plans, _, hop1, _, hop3), = channel._plans.values()  # pylint: disable=protected-access
   assert hop1 is not None and hop1._cache_size() == 1  # pylint: disable=protected-access
   assert hop3 is None
 

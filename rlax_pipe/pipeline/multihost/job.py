@@ -226,15 +226,12 @@ class LeadPlacement:
     topo, dcfg = self.topology, cfg.distributed
     self.sender = LearnerSender(self.layout, self.monitor, dcfg)
     self.coordinator = WeightCoordinator(self.sender, self.monitor)
+    # the replicas' saved sampling keys; the samples in flight on them were lost with them
+    # (`build_job` discards their groups: counted as wasted, never trained)
     self.proxy = RemoteEngines(self.hub, topo, cfg.sampler,
                                {r: self._hellos[topo.replica_process(r)]["slots"]
-                                for r in range(topo.num_replicas)})
-    for replica in self.proxy.replicas.values():  # a lower bound: its first version is newer
-      replica.version = learner.version
-    if extra and extra.get("sampler_rng") is not None:
-      # the replicas' sampling keys; the samples in flight on them were lost with them
-      # (`build_job` discards their groups: counted as wasted, never trained)
-      self.proxy.load_rng_state(extra["sampler_rng"])
+                                for r in range(topo.num_replicas)},
+                               learner.version, (extra or {}).get("sampler_rng"))
     self.eval_params = self.sender.local_params
     self.sender.push(WeightUpdate(learner.version, learner.params))
     return self.sender, self.proxy
@@ -249,11 +246,10 @@ def _run_lead(given: RunConfig, topo, monitor, model, params, user_hooks) -> dic
   hub, proxy, sender, dcfg = place.hub, place.proxy, place.sender, job.cfg.distributed
   for r in range(topo.num_replicas):
     hub.send(topo.replica_process(r), *messages.wire(messages.Init(rng=proxy.initial_rng(r))))
-  side = LeadSamplerSide(job, hub, proxy, monitor)
   monitor.on_fault(lambda message: job.queue.close())
+  side = LeadSamplerSide(job, hub, proxy, monitor)
   records = MultiprocessRecords(side, sender, proxy, dcfg.record_samples)
   records.log_push(job, job.learner.version)
-  side.start()
 
   def stop_processes() -> None:
     hub.broadcast(*messages.wire(messages.End()), role="learner")

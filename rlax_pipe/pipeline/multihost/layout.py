@@ -9,10 +9,6 @@ devices arranged as (K processes, *replica mesh shape) with the replica's spec o
 axes (replicated over the process axis), i.e. a full copy per learner process in exactly the
 layout of a replica. Learner process g then sends its copy (its devices, reshaped like a replica
 mesh) to the replicas it serves (replica r is served by g = r mod K): a pure per-shard copy.
-
-Every process can name every other process's shardings (`process_sharding`) and build stand-ins
-(`stand_ins`: global arrays with no local shards), which a process that takes no part in a
-transfer passes to `jax.device_put` all the same (why: `weights`, step 3).
 """
 
 from __future__ import annotations
@@ -106,7 +102,8 @@ class TransferLayout:
   @functools.cache  # pylint: disable=method-cache-max-size-none
   def stand_ins(self, process_id: int) -> list[jax.Array]:
     """Arrays in `process_id`'s replica layout with no shard on this process (what a process
-    that does not own the source passes to a cross-host `jax.device_put`)."""
+    that takes no part in a transfer passes to a cross-host `jax.device_put` all the same; why:
+    `weights`, step 3)."""
     return [jax.make_array_from_single_device_arrays(s, sh, [], dtype=d)
             for s, d, sh in zip(self.shapes, self.dtypes, self.process_sharding(process_id))]
 
@@ -124,8 +121,6 @@ class TransferLayout:
 
 def compare_manifests(sender: list, receiver: list, sender_name: str, receiver_name: str) -> None:
   """Raises `LayoutMismatchError` naming the first differing entry on both sides."""
-  if sender == receiver:
-    return
   for i, (a, b) in enumerate(itertools.zip_longest(sender, receiver)):
     if a != b:
       raise LayoutMismatchError(

@@ -3,22 +3,21 @@
 Two threads, as in the single-process threaded driver:
 - the sampler side (`LeadSamplerSide`): takes the replicas' messages off the links (rollouts are
   graded by the one `RolloutWorker` and put into the one `RolloutQueue`; spans and rows are kept
-  for the run directory) and tops every replica up through `RemoteEngines` (the worker's rules
-  and the queue's staleness admission, per replica);
+  for the run directory) and tops every replica up through `RemoteEngines` (how: `remote`);
 - the learner loop (`driver.drive` with a `LeadClock`, the calling thread): takes a batch from
   the queue, sends it to the other learner processes, trains in lockstep with them, pushes the
   new version (every learner process re-lays it out; replicas get it by request), and runs the
   step hooks (metrics, evaluation on this process's devices, checkpoints of the learner
   processes together).
 
-Timed operations (the job's `CostRecorder`, when it has one): the learner loop records each
-train step, push and the learner's host work as `driver.RealClock` does; the replicas' arrive in
-`messages.Costs`, so the run directory's cost_records.jsonl / cost_fit.json hold both roles.
+Timed operations (the job's `CostRecorder`, if any): the learner loop's as `driver.RealClock`
+records them, the replicas' from `messages.Costs`; cost_records.jsonl / cost_fit.json hold both.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import queue as queue_lib
 import threading
@@ -40,7 +39,7 @@ from rlax_pipe.pipeline.multihost import messages
 
 
 class LeadSamplerSide:
-  """The lead's sampler thread (see the module docstring).
+  """The lead's sampler thread (see the module docstring), started at construction.
 
   Args:
     job: the lead's job (worker, queue, timeline).
@@ -58,12 +57,9 @@ class LeadSamplerSide:
     self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
     self._thread = threading.Thread(target=self._loop, name="rlax_pipe-lead-sampler",
                                     daemon=True)
-
-  def start(self) -> None:
     self._thread.start()
 
   def _handle(self, p: int, kind: str, payload: Any) -> None:
-    job = self.job
     msg = messages.received(kind, payload, messages.TO_LEAD)
     if isinstance(msg, messages.Rollouts):
       r = replica_of(p, self.proxy.topology.num_learner_processes)
@@ -73,33 +69,24 @@ class LeadSamplerSide:
                           "checksum": checksum})
     elif isinstance(msg, messages.Spans):
       for span in msg.spans:
-        job.timeline.record(*span)
+        self.job.timeline.record(*span)
     elif isinstance(msg, messages.Rows):
       self.rows.extend(msg.rows)
     elif isinstance(msg, messages.Costs):
-      if job.cost_recorder is not None:
-        job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
-                                 msg.compiles)
+      if self.job.cost_recorder is not None:
+        self.job.cost_recorder.extend([costs_lib.CostRecord.from_dict(r) for r in msg.records],
+                                      msg.compiles)
     else:  # messages.Done
       self.done.add(p)
-
-  def _top_up(self) -> None:
-    for r in sorted(self.proxy.replicas):
-      with self.proxy.target(r):
-        self.job.worker.top_up()
-      self.proxy.flush(r)
 
   def _loop(self) -> None:
     stop_sent = False
     try:
       while not self._exit.is_set() and self.monitor.error is None:
-        try:
-          item = self.hub.inbox.get(timeout=0.005)
-        except queue_lib.Empty:
-          item = None
-        while item is not None:
-          self._handle(*item)
-          item = None if self.hub.inbox.empty() else self.hub.inbox.get_nowait()  # one reader
+        with contextlib.suppress(queue_lib.Empty):  # (nothing came within 5 ms)
+          self._handle(*self.hub.inbox.get(timeout=0.005))
+          while not self.hub.inbox.empty():  # one reader: what is there stays there
+            self._handle(*self.hub.inbox.get_nowait())
         finished = self.proxy.step()
         if finished:
           self.job.worker.returned(finished)  # no longer outstanding; in transit until queued
@@ -109,7 +96,10 @@ class LeadSamplerSide:
           # samples lost on a replica or on their way to the queue: named, and re-dispatched
           # to the replica that had them or their group given up (issue #27 item 2)
           self.job.worker.check_lost(time.monotonic(), self._delivery_limit_s)
-          self._top_up()
+          for r in sorted(self.proxy.replicas):  # the worker tops each replica up in turn
+            with self.proxy.target(r):
+              self.job.worker.top_up()
+            self.proxy.flush(r)
         elif not stop_sent:  # from this thread: no request can follow the stop
           self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
           stop_sent = True

@@ -3,15 +3,8 @@
 Every message is one frozen dataclass whose class attribute `KIND` is its tag on the wire. The
 wire format is the process links' (`rlax_pipe.cluster.links`): a pickled pair `(kind, payload)`;
 here the payload is the message itself and the kind its tag (`wire`). Unpickling does not run
-`__post_init__`, so the receiver checks each message again (`received`): the tag must name the
-payload's type, the type must be one the receiver expects, and the fields must have their types.
-
-Lead -> sampler replica: `Init`, `Submit`, `Abort`, `Stop`.
-Lead -> learner follower: `Train`, `End`.
-Any process -> lead: `Rollouts` (replicas), `Spans`, `Rows`, `Costs` (replicas), `Done`.
-
-Every wait for another process goes through `wait_for` (a limit, the job's faults checked);
-a non-lead process takes its messages off its link with `receive`.
+`__post_init__`, so the receiver checks each message again (`received`). Who sends which:
+`TO_REPLICA`, `TO_LEARNER`, `TO_LEAD` (and each message's docstring).
 """
 
 from __future__ import annotations
@@ -34,10 +27,6 @@ class ProtocolError(RuntimeError):
 def _tuple_of(ok: Callable[[Any], bool] = lambda _: True) -> Callable[[Any], bool]:
   """A field check: the value is a tuple whose every item passes `ok`."""
   return lambda v: isinstance(v, tuple) and all(ok(x) for x in v)
-
-
-def _is_pair_of_numbers(c) -> bool:
-  return isinstance(c, tuple) and len(c) == 2 and all(isinstance(x, (int, float)) for x in c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +123,9 @@ class Costs(_Message):
   """
   CHECKS = (("records", _tuple_of(lambda r: isinstance(r, dict) and {"op", "duration_s"} <= set(r)),
              "a tuple of CostRecord.to_dict() dicts (op, duration_s, ...)"),
-            ("compiles", _tuple_of(_is_pair_of_numbers), "a tuple of (start_s, end_s) pairs"))
+            ("compiles", _tuple_of(lambda c: isinstance(c, tuple) and len(c) == 2
+                                   and all(isinstance(x, (int, float)) for x in c)),
+             "a tuple of (start_s, end_s) pairs"))
   records: tuple[dict, ...]
   compiles: tuple[tuple[float, float], ...]
 

@@ -57,12 +57,16 @@ class RemoteEngines:
     topology: the job.
     cfg: the sampler config every replica runs (per data replica `num_slots`).
     slots: replica index -> its decode slots.
+    version: the learner's version at start (a lower bound: each replica's first is newer).
+    saved_rng: a checkpoint's "sampler_rng" (the replicas' keys; None: fresh), for `initial_rng`.
   """
 
-  def __init__(self, hub: Hub, topology: Topology, cfg: SamplerConfig, slots: dict[int, int]):
+  def __init__(self, hub: Hub, topology: Topology, cfg: SamplerConfig, slots: dict[int, int],
+               version: int = -1, saved_rng: Any = None):
     self._hub, self.topology, self._cfg = hub, topology, cfg
-    self.replicas = {r: ReplicaState(topology.replica_process(r), int(slots[r]))
+    self.replicas = {r: ReplicaState(topology.replica_process(r), int(slots[r]), version)
                      for r in range(topology.num_replicas)}
+    self._saved_rng = saved_rng
     self._target: int | None = None
     self.holder: dict[int, int] = {}  # sample id -> replica (until trained or discarded)
     self._finished: list[Rollout] = []  # returned, not yet handed out by `step`
@@ -136,9 +140,8 @@ class RemoteEngines:
     return out
 
   def update_weights(self, update: WeightUpdate) -> None:
-    """Refused: the replicas fetch each version from the learner processes' `LearnerSender`
-    (the job's `types.WeightSink`) through the `WeightCoordinator`; the lead holds no replica
-    weights to replace.
+    """Refused: the lead holds no replica weights (each replica fetches its versions from the
+    learner's `LearnerSender` through the `WeightCoordinator`).
 
     Raises:
       TypeError: always, naming the route to use instead.
@@ -152,13 +155,12 @@ class RemoteEngines:
     return {sid: None for s in self.replicas.values() for sid in s.outstanding}
 
   # ---- the lead's bookkeeping ------------------------------------------------------------------
-  def flush(self, replica: int) -> int:
-    """Sends the queued requests of `replica`; returns how many."""
+  def flush(self, replica: int) -> None:
+    """Sends the queued requests of `replica`."""
     state = self.replicas[replica]
     batch, state.to_send = state.to_send, []
     if batch:
       self._hub.send(state.process_id, *messages.wire(messages.Submit(tuple(batch))))
-    return len(batch)
 
   def returned(self, replica: int, rollouts: list[Rollout], status: dict) -> None:
     """Books finished (or aborted) rollouts (handed out by the next `step`) and the replica's
@@ -184,15 +186,11 @@ class RemoteEngines:
                                                      for k in s.rng]
                          for _, s in sorted(self.replicas.items())]}
 
-  def load_rng_state(self, state: Any) -> None:
-    """Keeps checkpointed keys to hand to the replicas at start (`initial_rng`)."""
-    self._restored_rng = state
-
   def initial_rng(self, replica: int) -> list | None:
     """The keys replica `replica` starts from on a resume: its own saved ones when the earlier
     run had that replica, else {"derive_from": the first saved keys} (`replica.replica_keys`
     derives its keys from them and its index, never from the seed); None without saved keys."""
-    state = getattr(self, "_restored_rng", None)
+    state = self._saved_rng
     if not state:
       return None
     saved = state.get("replicas", []) if isinstance(state, dict) else [state]

@@ -2,11 +2,10 @@
 
 The replica decodes what the lead submits and streams finished rollouts back (ungraded: the lead
 grades, queues and applies the staleness policy). New weights arrive while it decodes
-(`weights.ReplicaReceiver`); a complete version is handed to the engine at a dispatch boundary
-when the driver's rule allows (pipeline: at once; round-based drivers: between rounds), the
-engine checks its checksums against the learner's after the swap, and per-token version tags
-stay exact. Spans (timed on the lead's clock), weight installs and the engine's statistics go to
-the lead's run directory.
+(`weights`, steps 3-4); a complete version is handed to the engine at a dispatch boundary when
+the driver's rule allows (pipeline: at once; round-based drivers: between rounds), so per-token
+version tags stay exact. Spans (timed on the lead's clock), weight installs and the engine's
+statistics go to the lead's run directory.
 
 An environment task (tools: `rlax_pipe.envs`) runs as episodes here: the engine is wrapped in an
 `EpisodeEngine` whose tools run in this process's own verifier worker pool, on a background
@@ -120,17 +119,21 @@ class ReplicaProcess:
     self._spans.append((lane, kind, start + off, end + off, active, total))
 
   def start(self) -> None:
-    """Receives the first weights and the sampling keys, builds the engine."""
+    """Receives the first weights and the sampling keys, builds the engine.
+
+    Raises:
+      ProcessFault: on a fault of the job; TimeoutError: no Init or no weights in time.
+    """
     self._compiles.__enter__()  # every compile of this process, from the engine's first
-    init = messages.wait_for(lambda: messages.receive(self.link.inbox, messages.TO_REPLICA, 0.1),
+    init = messages.wait_for(lambda: messages.receive(self.link.inbox, (messages.Init,), 0.1),
                              self.cfg.distributed.connect_timeout_s, self.monitor, period_s=0.0)
     if init is None:
       raise TimeoutError("no 'init' message from the learner lead.")
-    if not isinstance(init, messages.Init):
-      raise messages.ProtocolError(
-          f"replica start: expected an Init message from the lead, got {type(init).__name__}")
     self.receiver.request(-1)
-    first = self.receiver.wait(self.cfg.distributed.transfer_timeout_s)
+    limit_s = self.cfg.distributed.transfer_timeout_s
+    first = messages.wait_for(self.receiver.poll, limit_s, self.monitor)
+    if first is None:
+      raise TimeoutError(f"{self.topology.name()}: no weights within {limit_s:.0f} s.")
     self.engine = SamplerEngine(self.model, self.cfg.sampler, first, mesh=self.mesh,
                                 on_span=self._record)
     self.engine.load_rng_state(replica_keys(init.rng, self.cfg.sampler.seed, self.replica,
@@ -166,10 +169,8 @@ class ReplicaProcess:
     """Decodes until the lead says stop; returns after the goodbye."""
     e, driver = self.engine, self.cfg.pipeline.driver
     finished, last_flush, stopping, pending = [], time.monotonic(), False, None
-    checked = e.weight_checks
     while not stopping:
       t0 = time.perf_counter()
-      installs = 0
       self.monitor.check()
       while (msg := messages.receive(self.link.inbox, messages.TO_REPLICA)) is not None:
         if isinstance(msg, messages.Submit):
@@ -183,11 +184,11 @@ class ReplicaProcess:
           raise messages.ProtocolError("a second Init message from the lead.")
       if pending is None:  # a complete version, kept until the driver's rule lets it in
         pending = self.receiver.poll()
-      if pending is not None and rules.may_update_weights(driver, e.has_work):
+      installs = int(pending is not None and rules.may_update_weights(driver, e.has_work))
+      if installs:
         e.update_weights(pending)
         self._installed(pending.version)
         pending = None
-        installs = 1
       if e.has_work:
         before = e.stats()
         finished += e.step()
@@ -199,9 +200,9 @@ class ReplicaProcess:
         self._record("", timeline_lib.WAIT_ADMISSION, t0, time.perf_counter())
       now = time.monotonic()
       flush = now - last_flush > _FLUSH_S
-      if finished or flush or e.weight_checks != checked:
+      if finished or flush or e.weight_checks != self._checks_reported:
         self.link.send(*messages.wire(messages.Rollouts(tuple(finished), self._status(flush))))
-        finished, checked = [], e.weight_checks
+        finished = []
       if flush or stopping:
         self._flush_records()
         last_flush = now

@@ -47,7 +47,7 @@ from rlax_pipe import param_checksum
 from rlax_pipe.cluster import DistributedConfig, FaultMonitor, KVStore, KVTimeout
 from rlax_pipe.pipeline.multihost import messages
 from rlax_pipe.pipeline.multihost.layout import TransferLayout
-from rlax_pipe.pipeline.transfer_plan import check_manifest, params_manifest
+from rlax_pipe.pipeline.weight_channel import check_manifest, delete_all, params_manifest
 from rlax_pipe.types import WeightUpdate
 
 KV_PREFIX = "rlax/w/"
@@ -115,11 +115,6 @@ class _Snapshot:
 class LearnerSender(_LogReader):
   """A learner process's side: staging copies per version, sending, freeing on acknowledgement.
 
-  `push(WeightUpdate(version, params))` is the weight-sink call the `Trainer` makes after every
-  step; every learner process makes it for the same versions in the same order (its re-layout is
-  a collective on the learner mesh). It returns after dispatching the re-layout (an independent
-  copy: the learner may donate `params` at once) and the checksums.
-
   Args:
     layout: the shared layout.
     monitor: fault monitor.
@@ -136,20 +131,19 @@ class LearnerSender(_LogReader):
     self._snaps: dict[int, _Snapshot] = {}
     self.latest = -1
     self._retired_below = -1
-    self._on_push: list[Callable[[int], None]] = []
+    self.on_push: Callable[[int], None] | None = None  # on_push(version) after each push
     self._acks: queue.Queue = queue.Queue()
     threading.Thread(target=self._ack_loop, name="rlax_pipe-acks", daemon=True).start()
     self._log_thread.start()
 
-  def on_push(self, callback: Callable[[int], None]) -> None:
-    """`callback(version)` after every push (the lead announces and retires versions)."""
-    self._on_push.append(callback)
-
   # ---- learner thread ---------------------------------------------------------------------
   def push(self, update: WeightUpdate) -> None:
     """Re-lays `update.params` out into this process's replica-layout copy and keeps it as
-    `update.version` (`types.WeightSink`; `donated` and `checksum` are not read: the copy is
-    this sender's own, and it computes the checksums the replicas check).
+    `update.version` (`types.WeightSink`: the `Trainer` calls it after every step, every learner
+    process for the same versions in the same order, as the re-layout is a collective on the
+    learner mesh). Returns once the re-layout and the checksums are dispatched; the copy is this
+    sender's own (the learner may donate `params` at once) and it computes the checksums the
+    replicas check, so `donated` and `checksum` are not read.
 
     Raises:
       ManifestError: if `params` does not match the model's params tree.
@@ -166,8 +160,8 @@ class LearnerSender(_LogReader):
       self._snaps[version] = snap
       self.latest = version
       self._cond.notify_all()
-    for cb in self._on_push:
-      cb(version)
+    if self.on_push is not None:
+      self.on_push(version)
 
   def checksum(self, version: int) -> list[int]:
     """The checksums of pushed `version` (host values; waits for their computation)."""
@@ -213,7 +207,7 @@ class LearnerSender(_LogReader):
   def _free_locked(self) -> None:
     for v in [v for v, s in self._snaps.items()
               if s.refs == 0 and v < self._retired_below and v != self.latest]:
-      _delete(self._snaps.pop(v).staged)
+      delete_all(self._snaps.pop(v).staged)
 
   # ---- ack thread -------------------------------------------------------------------------
   def _ack_loop(self) -> None:
@@ -259,15 +253,8 @@ class LearnerSender(_LogReader):
       self._cond.wait_for(lambda: not any(s.refs for s in self._snaps.values()),
                           max(0.0, deadline - time.monotonic()))
       for snap in self._snaps.values():
-        _delete(snap.staged)
+        delete_all(snap.staged)
       self._snaps.clear()
-
-
-def _delete(arrays: list[jax.Array]) -> None:
-  """Frees every array of `arrays` not freed yet."""
-  for x in arrays:
-    if not x.is_deleted():
-      x.delete()
 
 
 class WeightCoordinator:
@@ -285,7 +272,7 @@ class WeightCoordinator:
     self._lock = threading.RLock()  # orders the log's appends
     self._appended = 0
     self._stop = threading.Event()
-    sender.on_push(self._retire)
+    sender.on_push = self._retire
     self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True,
                                       name=f"rlax_pipe-weights-r{r}")
                      for r in range(self.topology.num_replicas)]
@@ -400,22 +387,11 @@ class ReplicaReceiver(_LogReader):
                         donated=True,
                         checksum=np.asarray(inc.entry["checksum"], np.uint32))
 
-  def wait(self, timeout_s: float) -> WeightUpdate:
-    """Blocking `poll` (the first version, before the engine exists).
-
-    Raises:
-      ProcessFault: on a fault of the job; TimeoutError after `timeout_s`.
-    """
-    update = messages.wait_for(self.poll, timeout_s, self._monitor)
-    if update is None:
-      raise TimeoutError(f"{self.layout.topology.name()}: no weights within {timeout_s:.0f} s.")
-    return update
-
   def drain(self, timeout_s: float) -> None:
     """At the end: acknowledges (and frees) whatever still arrives until the log ends."""
     def drained() -> bool:
       update = self.poll()
       if update is not None:
-        _delete(jax.tree.leaves(update.params))
+        delete_all(jax.tree.leaves(update.params))
       return self._monitor.error is not None or (self.log_ended(0.05) and self._incoming is None)
     messages.wait_for(drained, timeout_s, period_s=0.0)
