@@ -38,7 +38,6 @@ import numpy as np
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import envs
 from rlax_pipe import model_dir
-from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
@@ -55,7 +54,7 @@ from rlax_pipe.pipeline.config import BUILTIN_INIT, BUILTIN_MOE_INIT, RunConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
-from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
+from rlax_pipe.pipeline.lora_channel import LoraWeightChannel, sampler_target
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 from rlax_pipe.run_dir import RunDir, load_state, save_state, to_jsonable
 from rlax_pipe.sampler import SamplerEngine
@@ -185,14 +184,6 @@ def engine_keys(saved: Any) -> list:
   if isinstance(saved, dict):
     return next((k for k in saved.get("replicas", []) if k is not None), [])
   return saved
-
-
-def _sampler_target(model: Model, mesh) -> Any:
-  abstract = model.abstract_params()
-  shardings = sharding_lib.logical_to_sharding(model.param_axes(), mesh,
-                                               sharding_lib.SAMPLER_RULES, shapes=abstract)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      abstract, shardings)
 
 
 def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
@@ -473,7 +464,7 @@ class LocalPlacement:
   def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
               task, state: dict | None, extra: dict | None, sampler_clock, timeline):
     pcfg, reproducible, mesh = cfg.pipeline, cfg.pipeline.mode == "reproducible", self._sampler_mesh
-    target = _sampler_target(model, mesh)
+    target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
     verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
     if learner.lora is None:
       channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
