@@ -144,11 +144,6 @@ def tool_counts(engine) -> tuple[int, int]:
   return m["env_tool_waves"], m["env_tool_calls"]
 
 
-def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: float) -> None:
-  worker.check_lost(now, delivery_limit_s)
-  worker.abort_too_stale()
-
-
 class VirtualClocks:
   """The reproducible mode of `drive`: one thread; a conservative discrete-event interleaving of
   engine steps and learner steps on two virtual clocks (one per mesh) whose durations come from
@@ -200,7 +195,8 @@ class VirtualClocks:
     if sampler_clock is not None:
       sampler_clock.set(st.t_s)
     self._deliver(job, st.t_s)
-    _sampler_housekeeping(worker, st.t_s, delivery_limit(job.cfg.pipeline, self._intervals))
+    worker.check_lost(st.t_s, delivery_limit(job.cfg.pipeline, self._intervals))
+    worker.abort_too_stale()
     worker.top_up()
     if engine.has_work:
       before, tools_before = engine.stats(), tool_counts(engine)
@@ -445,7 +441,8 @@ class ThreadedClock(RealClock):
       update = job.channel.try_take() if worker.may_update_weights() else None
       if update is not None:
         worker.update_weights(update)
-      _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
+      worker.check_lost(time.monotonic(), self._limit_s)
+      worker.abort_too_stale()
       worker.top_up()
       if engine.has_work:
         before = engine.stats()
