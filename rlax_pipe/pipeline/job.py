@@ -178,14 +178,6 @@ class Job:
       shutil.rmtree(root / str(old), ignore_errors=True)
 
 
-def engine_keys(saved: Any) -> list:
-  """The engine keys in a checkpoint's "sampler_rng": a list (single process), or a multi-process
-  job's {"replicas": [...]} (its first replica's keys)."""
-  if isinstance(saved, dict):
-    return next((k for k in saved.get("replicas", []) if k is not None), [])
-  return saved
-
-
 def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
   """Restores the newest checkpoint (resume) and makes the run dir a record of it (a fresh run:
   writes its config.json). A resume that fell back past corrupt checkpoints says so in
@@ -499,8 +491,12 @@ class LocalPlacement:
         engine.load_episode_state(state["engine"])
     if state is None and extra and extra.get("sampler_rng") is not None:
       # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
-      # would otherwise replay the first run's stream from key(seed)).
-      engine.load_rng_state(engine_keys(extra["sampler_rng"]))
+      # would otherwise replay the first run's stream from key(seed)). A multi-process job's
+      # checkpoint holds {"replicas": [...]}: this engine continues its first replica's keys.
+      keys = extra["sampler_rng"]
+      if isinstance(keys, dict):
+        keys = next((k for k in keys.get("replicas", []) if k is not None), [])
+      engine.load_rng_state(keys)
     return channel, engine
 
 
