@@ -298,26 +298,22 @@ class Evaluation(StepHook):
     if self.eta is not None:
       self.eta.eval_s = seconds
     job.last_eval = res.accuracy
+    # episodes: tool use of this pass; per difficulty the problems, accuracy and tool-use share
+    episode_row = {"eval_mean_turns": res.mean_turns, "eval_tool_calls": res.tool_calls,
+                   "eval_tool_failures": res.tool_failures,
+                   "heldout_count_by_difficulty": res.count_by_difficulty,
+                   "heldout_accuracy_by_difficulty": res.accuracy_by_difficulty,
+                   "heldout_tool_use_by_difficulty": res.tool_use_by_difficulty}
     job.run_dir.log({"kind": "eval", "step": step, "version": job.learner.version,
                      **clock_rows(job, time_s), "heldout_accuracy": res.accuracy,
                      "wall_s": job.clock.wall_s(), "eval_wall_s": seconds,
                      "mean_completion_tokens": res.mean_completion_tokens,
                      "eval_filtered_overlong": res.num_filtered,
                      "eval_failed_rewards": res.num_failed_rewards,
-                     **(self._episode_row(res) if self.episodes else {}), **sampled}, step)
+                     **(episode_row if self.episodes else {}), **sampled}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems, measured %.1fs)", step,
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
-
-  @staticmethod
-  def _episode_row(res: evaluation.EvalResult) -> dict:
-    """Tool use of an episode evaluation: mean turns, tool calls and failures of this pass, and
-    per difficulty the problems, the accuracy and the share that called a tool."""
-    return {"eval_mean_turns": res.mean_turns, "eval_tool_calls": res.tool_calls,
-            "eval_tool_failures": res.tool_failures,
-            "heldout_count_by_difficulty": res.count_by_difficulty,
-            "heldout_accuracy_by_difficulty": res.accuracy_by_difficulty,
-            "heldout_tool_use_by_difficulty": res.tool_use_by_difficulty}
 
   def close(self) -> None:
     """Ends the tool workers of episode evaluation engines (nothing to do otherwise)."""
