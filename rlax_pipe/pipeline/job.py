@@ -413,17 +413,14 @@ class Placement(Protocol):
   def place(self, cfg: RunConfig, model: Model, stops: Any,
             rd: RunDir) -> tuple[RunConfig, Any]:
     """(`cfg` with the mesh shapes and the stop set resolved, the learner mesh)."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
   def record(self, rd: RunDir, cfg: RunConfig, learner: Learner, tok, stops: Any) -> None:
     """Writes where the job runs into the run directory."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
   def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
               task, state: dict | None, extra: dict | None, sampler_clock, timeline):
     """(weight sink, sampler engine), the learner's version pushed; restored from `state` (an
     exact resume) or `extra` (the checkpoint's sampling keys)."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
 
 class LocalPlacement:
