@@ -1,14 +1,11 @@
-"""The one learner loop, `drive(job, clock, hooks)`, and the clocks that run the sampler side.
-
-The clock decides how time moves and where the sampler side runs: `VirtualClocks` (reproducible
-mode), `ThreadedClock` (threaded mode) or, in a multi-process job's lead,
-`multihost.lead.LeadClock` (both are the real-clock learner side, `RealClock`).
+"""The one learner loop, `drive(job, clock, hooks)`, and the clocks that decide how time moves
+and where the sampler side runs: `VirtualClocks` (reproducible mode) and the real-clock learner
+side `RealClock` (`ThreadedClock` in threaded mode, a multi-process lead's `LeadClock`).
 
 All record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push). The local sampler sides check every sampler step for samples
-lost in flight (in the engine, or between the engine and the queue: `delivery_limit`, half the
-learner's wait limit, under every staleness policy) and, under policy `drop`, abort groups that
-became too stale (`RolloutWorker`).
+lost in flight (in the engine, or between the engine and the queue: `delivery_limit`) and, under
+policy `drop`, abort groups that became too stale (`RolloutWorker`).
 """
 
 from __future__ import annotations
