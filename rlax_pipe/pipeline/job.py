@@ -194,12 +194,11 @@ def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None
   record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
   info = learner.last_restore
-  if info is None or not info.skipped:
-    return extra
-  logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
-                info.step, list(info.skipped), "; ".join(info.skip_reasons))
-  rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
-          "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
+  if info is not None and info.skipped:
+    logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
+                  info.step, list(info.skipped), "; ".join(info.skip_reasons))
+    rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
+            "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
   return extra
 
 
