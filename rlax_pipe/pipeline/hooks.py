@@ -388,9 +388,8 @@ class Export(StepHook):
                       type(job.model).__name__)
       return
     path = job.run_dir.path / "hf"
-    # The learner's params, or (multi-process job) the lead's own copy of the newest version.
-    params = policy_update(job).params
-    model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
+    model_dir.export_model_dir(path, jax.device_get(policy_update(job).params), job.model.cfg,
+                               job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
     lora = getattr(job.learner, "lora", None)
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
