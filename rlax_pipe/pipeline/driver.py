@@ -350,15 +350,14 @@ class RealClock:
       QueueTimeout: no batch within the limit; QueueClosed (or the error of the side that
         closed the queue).
     """
-    clock = job.timeline.now
-    t0 = clock()
+    t0 = job.timeline.now()
     try:
       groups = job.trainer.queue.get_batch(job.cfg.pipeline.groups_per_step, job.trainer.version,
                                            timeout=self.wait_limit(job))
     except QueueClosed:
       self.raise_failure(job)
       raise
-    t1 = clock()
+    t1 = job.timeline.now()
     if self._t_batch is not None:
       self._intervals.append(t1 - self._t_batch)
     self._t_batch = t1
@@ -370,10 +369,9 @@ class RealClock:
     return job.trainer.train_on(groups)
 
   def train(self, job, groups) -> tuple[StepResult, float]:
-    t1 = self._t_batch
     result = self.step(job, groups)
     t2 = job.timeline.now()
-    job.timeline.record("learner", "train_step", t1, t2)
+    job.timeline.record("learner", "train_step", self._t_batch, t2)
     return result, t2
 
   def after_hooks(self, job, result: StepResult, now: float) -> None:
