@@ -355,13 +355,13 @@ class Checkpoint(StepHook):
     job.worker.close()
 
 
-def save_cost_fit(job: Job) -> dict | None:
+def save_cost_fit(job: Job) -> None:
   """Threaded runs: writes the timed operations (cost_records.jsonl) and the cost model fitted
   to them with confidence intervals (cost_fit.json, `costs.fit_cost_model`) into the run
-  directory; returns the fit's dict (None without records)."""
+  directory (nothing without records)."""
   rec = job.cost_recorder
   if rec is None or not rec.records():
-    return None
+    return
   rd = job.run_dir.path
   rec.to_jsonl(rd / "cost_records.jsonl")
   pcfg = job.cfg.pipeline
@@ -371,7 +371,6 @@ def save_cost_fit(job: Job) -> dict | None:
                              f"{job.cfg.num_learner_devices} learner devices "
                              f"({jax.devices()[0].device_kind})"))
   fit.save(rd / "cost_fit.json")
-  return fit.to_dict()
 
 
 class Export(StepHook):
