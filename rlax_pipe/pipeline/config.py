@@ -21,8 +21,7 @@ from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.tokenizer import PromptFormat
 
-BUILTIN_INIT = "builtin"
-# The shipped SFT warm start upcycled to a tiny MoE (`model.moe.upcycle`; 4 experts, top-2).
+BUILTIN_INIT = "builtin"  # the shipped warm starts of `RunConfig.init`
 BUILTIN_MOE_INIT = "builtin_moe"
 
 from rlax_pipe.pipeline.rules import DRIVERS  # pylint: disable=unused-import

@@ -141,8 +141,7 @@ def signal_group_fraction(result: StepResult) -> float:
   return float(np.mean([group_filter.has_signal(v) for v in groups.values()]))
 
 
-# Consecutive learner steps without a single group of differing rewards before a warning.
-NO_SIGNAL_WARN_STEPS = 5
+NO_SIGNAL_WARN_STEPS = 5  # see `TrainLog`
 
 
 class TrainLog(StepHook):
