@@ -121,14 +121,11 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
 
 def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
   """The cost-model features of one engine step from the engine's counters before and after
-  it (`SamplerStats`)."""
-  return costs_lib.EngineStep(
-      installs=installs, prefill_calls=after.prefill_calls - before.prefill_calls,
-      prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-      dispatches=after.dispatches - before.dispatches,
-      decode_steps=after.decode_steps - before.decode_steps,
-      slot_steps=after.generated_tokens - before.generated_tokens,
-      live_token_steps=after.live_token_steps - before.live_token_steps)
+  it (`SamplerStats`; its generated tokens are the slot steps)."""
+  counts = {name: getattr(after, name) - getattr(before, name) for name in
+            ("prefill_calls", "prefill_tokens", "dispatches", "decode_steps", "live_token_steps")}
+  return costs_lib.EngineStep(installs=installs, **counts,
+                              slot_steps=after.generated_tokens - before.generated_tokens)
 
 
 def tool_counts(engine) -> tuple[int, int]:
