@@ -420,18 +420,17 @@ class Report(StepHook):
     spans = job.timeline.spans()
     job.timeline.flush()  # timeline.jsonl: the spans not yet appended
     summary = job.timeline.summary() if spans else None
-    clock = plots.CLOCK_LABELS[clock_name(job)]
     if spans:
       timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
                               title=f"Timeline of the meshes: {pcfg.driver} driver ({pcfg.mode})",
-                              xlabel=f"run time (s, {clock})")
+                              xlabel=f"run time (s, {plots.CLOCK_LABELS[clock_name(job)]})")
     plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
     plots.plot_staleness(rows, str(rd.path / "staleness.png"))
     plots.plot_idle(rows, str(rd.path / "idle.png"))
     save_cost_fit(job)
     rd.close()
-    out = {
+    self.summary = to_jsonable({
         "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,
         "steps": job.learner.step, "clock": clock_name(job), "time_s": time_s,
         "wall_s": time.perf_counter() - job.clock.wall0,
@@ -444,6 +443,5 @@ class Report(StepHook):
         "slot_occupancy": summary.slot_occupancy if summary else None,
         "reward_outcomes": job.worker.verifier.stats.snapshot(),  # per verifier outcome
         "wasted_tokens": job.queue.stats().waste.wasted_tokens,
-    }
-    self.summary = to_jsonable(out)
+    })
     (rd.path / "summary.json").write_text(json.dumps(self.summary, indent=2))
