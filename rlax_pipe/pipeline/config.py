@@ -1,5 +1,4 @@
-"""Configuration of an RL run: the pipeline (driver, batch shape, staleness, evaluation, timing
-model) and the whole run (`RunConfig`: model source, task, meshes, learner, objective, sampler)."""
+"""Configuration of an RL run: `PipelineConfig` and the whole run's `RunConfig`."""
 
 from __future__ import annotations
 
@@ -189,8 +188,7 @@ class PipelineConfig:
 class RunConfig:
   """One RL run. Its defaults are the default experiment (README command 1).
 
-  Cross-field rules (e.g. pipeline.seq_len >= sampler.max_seq_len, group_size >= 2 for the
-  group-relative advantages) are checked when the config is built (`config_checks`).
+  Rules between fields of different sub-configs are checked when it is built (`config_checks`).
 
   Attributes:
     run_dir: output directory (created; reused with resume=True).
