@@ -150,9 +150,8 @@ class VirtualClocks:
   it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
 
   Reads from the job: `worker`, `trainer`, `channel`, `cfg.pipeline`, `timeline`, `vstate`
-  (the interleaving state, continued from and updated in place: a resumed run's is the
-  checkpointed one) and `sampler_clock` (None, or kept equal to the sampler's virtual time: the
-  engine's clock, so rollout timings are in virtual seconds).
+  (`VirtualState`, updated in place) and `sampler_clock` (None, or kept equal to the sampler's
+  virtual time: the engine's clock, so rollout timings are in virtual seconds).
 
   Args:
     cost: the cost model (default `PipelineConfig.resolved_cost_model()`).
@@ -393,8 +392,8 @@ class ThreadedClock(RealClock):
   """The threaded mode of `drive`: the sampler loop in a background thread, grading in a grader
   thread (off the sampler's serial path), the learner loop in the calling thread, on the real
   clock. Every wait has a limit (`wait_timeout`) whose error says what was awaited; an exception
-  on any side stops all and is re-raised in the caller with its original traceback. With the
-  job's `CostRecorder`, every sampler-loop iteration that runs the engine is recorded too.
+  on any side stops all (Raises). With the job's `CostRecorder`, every sampler-loop iteration
+  that runs the engine is recorded too.
 
   Reads from the job, besides `RealClock`'s: `worker`, `channel`.
 
