@@ -1,5 +1,4 @@
-"""Step hooks of the RL job (`StepHook`): logging, held-out evaluation, checkpoints, HF export,
-the report (`run.run_job` runs them in that order, a user's hooks before the report)."""
+"""Step hooks of the RL job (`StepHook`); `run.run_job` says which run, in what order."""
 
 from __future__ import annotations
 

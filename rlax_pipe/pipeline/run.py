@@ -37,9 +37,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
 
   Raises:
     ConfigError: a user's mistake found while building the job (names the field and the fix).
-    Whatever a component raised; before re-raising, the learner state and the pipeline state are
-    checkpointed (so `resume=True` continues from there; multi-process jobs resume from their
-    last periodic checkpoint).
+    Whatever a component raised, after a checkpoint (`run_job`'s checkpoint_on_error).
   """
   if cfg.distributed.multiprocess:
     from rlax_pipe.pipeline import multihost  # pylint: disable=import-outside-toplevel
