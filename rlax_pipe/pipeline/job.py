@@ -273,11 +273,10 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
 
 
 def check_job_settings(cfg, model) -> None:
-  """The rules of `cfg` that need the model or the file system, checked when the job is built
-  (before any device work, so that a mistake ends the run at startup with one line naming the
-  `--config.` field and the fix): LoRA's targets and rank against the model's weights, the KL
-  reference directory, and whether LoRA adapters can also be exported in PEFT format
-  (`config_checks` has the rules between fields, `check_vocab` those of the tokenizer).
+  """The rules of `cfg` that need the model or the file system (Raises; a warning when the LoRA
+  adapters cannot also be exported in PEFT format), checked when the job is built, before any
+  device work, with one line naming the `--config.` field and the fix (`config_checks` has the
+  rules between fields, `check_vocab` those of the tokenizer).
 
   Args:
     cfg: the `RunConfig`.
@@ -401,8 +400,7 @@ class Placement(Protocol):
   or of a multi-process job's lead (`multihost.job.LeadPlacement`).
 
   Attributes:
-    plan: the device plan (None in a multi-process job: its topology.json says it).
-    eval_mesh, eval_params: as `Job.eval_mesh` / `Job.eval_params`.
+    plan, eval_mesh, eval_params: as `Job.plan`, `Job.eval_mesh`, `Job.eval_params`.
   """
 
   plan: devices_lib.DevicePlan | None
