@@ -192,9 +192,8 @@ class TrainLog(StepHook):
         "eta_s": eta,
     }
     if pcfg.group_filter.active:  # dynamic sampling, cumulative over the run, not per step
-      row.update(filtered_groups=stats.waste.filtered_groups,
-                 filtered_samples=stats.waste.filtered_samples,
-                 filtered_tokens=stats.waste.filtered_tokens,
+      row.update({name: getattr(stats.waste, name) for name in
+                  ("filtered_groups", "filtered_samples", "filtered_tokens")},
                  filter_kept_groups=stats.filter_kept_groups)
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
     row["signal_group_frac"] = signal_group_fraction(result)
