@@ -9,8 +9,7 @@ from typing import Any, ClassVar
 from rlax_pipe import config as model_config
 from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
-from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
-from rlax_pipe.costs import load_cost_model
+from rlax_pipe.costs import CostModel, load_cost_model  # CostModel: re-exported (virtual clock)
 from rlax_pipe.envs.base import EnvConfig
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
