@@ -92,8 +92,6 @@ class PipelineConfig:
       the default is hand-set, labelled so in its `source`, never a measurement).
     cost_model_file: a stored cost model (a calibration's cost_fit.json, `costs.CostFit.save`)
       that replaces `cost_model` when set.
-
-  There is no pipeline seed (`REMOVED_FIELDS` says which seeds to set instead).
   """
 
   REMOVED_FIELDS: ClassVar[dict[str, str]] = {
