@@ -308,9 +308,7 @@ class RealClock:
   records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
   the timed learner operations (train_step, push, learner_host) for `costs.fit_cost_model`,
   an operation during which XLA compiled anything (any thread) flagged and left out of the fit
-  (`CompileCounter`). The sampler side runs elsewhere: `ThreadedClock` adds a local sampler
-  thread; a multi-process job's lead (`multihost.lead.LeadClock`) has the other processes'
-  replicas.
+  (`CompileCounter`). The sampler side runs elsewhere (module docstring).
 
   Reads from the job: `trainer`, `cfg.pipeline`, `timeline` (its clock is `time.perf_counter`)
   and `cost_recorder`.

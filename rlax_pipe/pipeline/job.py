@@ -155,8 +155,7 @@ class Job:
     return self.cfg.pipeline.mode == "reproducible"
 
   def save(self, time_s: float) -> None:
-    """Checkpoints the learner with the pipeline state; reproducible runs also save the sampler
-    side (engine, virtual clocks, timeline) so a resume continues exactly."""
+    """Checkpoints the job at run time `time_s` (what, and where: the module docstring)."""
     queue_state = self.queue.state_dict()
     queued = {r["group_id"] for g in queue_state["ready"] for r in g["rollouts"]}
     live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
@@ -501,8 +500,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   Args:
     cfg: the run (as given: config.json records it and a resume checks it).
     model, params: as `run.run`.
-    placement: where the parts run; None = `LocalPlacement()` (one process). A multi-process
-      job's lead passes its `multihost.job.LeadPlacement`.
+    placement: where the parts run (`Placement`); None = `LocalPlacement()` (one process).
 
   Raises:
     ConfigError: for a user's mistake, naming the config field and the fix: a run dir that
