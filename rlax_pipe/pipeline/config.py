@@ -1,5 +1,4 @@
-"""Configuration of an RL run: the pipeline (driver, batch shape, staleness, evaluation, timing
-model) and the whole run (`RunConfig`: model source, task, meshes, learner, objective, sampler)."""
+"""Configuration of an RL run: `PipelineConfig` and the whole run's `RunConfig`."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from typing import Any, ClassVar
 from rlax_pipe import config as model_config
 from rlax_pipe.cluster.config import DistributedConfig
 from rlax_pipe import objectives
-from rlax_pipe.costs import CostModel  # re-exported: the virtual clock's cost model
-from rlax_pipe.costs import load_cost_model
+from rlax_pipe.costs import CostModel, load_cost_model  # CostModel: re-exported (virtual clock)
 from rlax_pipe.envs.base import EnvConfig
 from rlax_pipe.grading import GradingConfig
 from rlax_pipe.learner.config import LearnerConfig
@@ -21,8 +19,7 @@ from rlax_pipe.pipeline.staleness import StalenessConfig
 from rlax_pipe.sampler.config import SamplerConfig
 from rlax_pipe.tokenizer import PromptFormat
 
-BUILTIN_INIT = "builtin"
-# The shipped SFT warm start upcycled to a tiny MoE (`model.moe.upcycle`; 4 experts, top-2).
+BUILTIN_INIT = "builtin"  # the shipped warm starts of `RunConfig.init`
 BUILTIN_MOE_INIT = "builtin_moe"
 
 from rlax_pipe.pipeline.rules import DRIVERS  # pylint: disable=unused-import
@@ -95,8 +92,6 @@ class PipelineConfig:
       the default is hand-set, labelled so in its `source`, never a measurement).
     cost_model_file: a stored cost model (a calibration's cost_fit.json, `costs.CostFit.save`)
       that replaces `cost_model` when set.
-
-  There is no pipeline seed (`REMOVED_FIELDS` says which seeds to set instead).
   """
 
   REMOVED_FIELDS: ClassVar[dict[str, str]] = {
@@ -190,8 +185,7 @@ class PipelineConfig:
 class RunConfig:
   """One RL run. Its defaults are the default experiment (README command 1).
 
-  Cross-field rules (e.g. pipeline.seq_len >= sampler.max_seq_len, group_size >= 2 for the
-  group-relative advantages) are checked when the config is built (`config_checks`).
+  Rules between fields of different sub-configs are checked when it is built (`config_checks`).
 
   Attributes:
     run_dir: output directory (created; reused with resume=True).

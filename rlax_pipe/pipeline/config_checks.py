@@ -1,13 +1,12 @@
-"""Rules between fields of a `RunConfig`, checked when the config is built (`check_run_config`).
+"""Rules between fields of a `RunConfig`'s sub-configs, which no single dataclass (each checks its
+own fields' ranges) can see, checked when the config is built (`check_run_config`).
 
-Each field's own range is checked by its dataclass; the rules here relate fields of different
-sub-configs, which no single dataclass can see. Every rule names both fields by their path in
-`RunConfig` ("RunConfig.pipeline.seq_len"; the command line spells it
-`--config.pipeline.seq_len`) and says how to fix it. Three kinds: settings that cannot work
-together (they would fail later, at the first long sample or the first train step); settings
-that would be silently ignored (a LoRA alpha or target list with LoRA off, a bound of the group
-filter with the filter off), rejected so that a typo in the switch is not a run that quietly
-does something else; settings that learn nothing (`_check_learning_signal`).
+Every rule names both fields by their path in `RunConfig` ("RunConfig.pipeline.seq_len"; the
+command line spells it `--config.pipeline.seq_len`) and says how to fix it. Three kinds:
+settings that cannot work together (they would fail later, at the first long sample or the first
+train step); settings that would be silently ignored (a LoRA alpha or target list with LoRA off,
+a bound of the group filter with the filter off), rejected so that a typo in the switch is not a
+run that quietly does something else; settings that learn nothing (`_check_learning_signal`).
 
 Rules that need the devices, the model or the tokenizer are checked when the job is built
 (`rlax_pipe.pipeline.devices`, `job.build_job`, `job.check_job_settings`).

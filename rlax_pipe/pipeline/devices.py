@@ -132,9 +132,8 @@ def plan_devices(sampler_mesh_axes: Axes, learner_mesh_axes: Axes,
         f"({_size(sampler)} devices) need {need} devices, but {_found(devices)}. Set both to () "
         "(--config.learner.mesh_axes=\"()\" --config.sampler_mesh_axes=\"()\") to split the "
         "devices present automatically, or give smaller shapes." + hint)
-  split = sharding_lib.split_devices(devices, _size(sampler), _size(learner))
-  return DevicePlan(sampler_mesh_axes=sampler, learner_mesh_axes=learner, split=split,
-                    chosen=chosen)
+  return DevicePlan(sampler_mesh_axes=sampler, learner_mesh_axes=learner, chosen=chosen,
+                    split=sharding_lib.split_devices(devices, _size(sampler), _size(learner)))
 
 
 def make_meshes(plan: DevicePlan):

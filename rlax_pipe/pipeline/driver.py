@@ -1,14 +1,11 @@
-"""The one learner loop, `drive(job, clock, hooks)`, and the clocks that run the sampler side.
-
-The clock decides how time moves and where the sampler side runs: `VirtualClocks` (reproducible
-mode), `ThreadedClock` (threaded mode) or, in a multi-process job's lead,
-`multihost.lead.LeadClock` (both are the real-clock learner side, `RealClock`).
+"""The one learner loop, `drive(job, clock, hooks)`, and the clocks that decide how time moves
+and where the sampler side runs: `VirtualClocks` (reproducible mode) and the real-clock learner
+side `RealClock` (`ThreadedClock` in threaded mode, a multi-process lead's `LeadClock`).
 
 All record spans into a `Timeline` (sampler: prefill/decode/wait_*, learner: train_step/
 wait_batch/hooks, channel: push). The local sampler sides check every sampler step for samples
-lost in flight (in the engine, or between the engine and the queue: `delivery_limit`, half the
-learner's wait limit, under every staleness policy) and, under policy `drop`, abort groups that
-became too stale (`RolloutWorker`).
+lost in flight (in the engine, or between the engine and the queue: `delivery_limit`) and, under
+policy `drop`, abort groups that became too stale (`RolloutWorker`).
 """
 
 from __future__ import annotations
@@ -124,14 +121,11 @@ def _deadlock_message(worker: RolloutWorker, trainer: Trainer) -> str:
 
 def engine_features(before, after, installs: int) -> costs_lib.EngineStep:
   """The cost-model features of one engine step from the engine's counters before and after
-  it (`SamplerStats`)."""
-  return costs_lib.EngineStep(
-      installs=installs, prefill_calls=after.prefill_calls - before.prefill_calls,
-      prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-      dispatches=after.dispatches - before.dispatches,
-      decode_steps=after.decode_steps - before.decode_steps,
-      slot_steps=after.generated_tokens - before.generated_tokens,
-      live_token_steps=after.live_token_steps - before.live_token_steps)
+  it (`SamplerStats`; its generated tokens are the slot steps)."""
+  counts = {name: getattr(after, name) - getattr(before, name) for name in
+            ("prefill_calls", "prefill_tokens", "dispatches", "decode_steps", "live_token_steps")}
+  return costs_lib.EngineStep(installs=installs, **counts,
+                              slot_steps=after.generated_tokens - before.generated_tokens)
 
 
 def tool_counts(engine) -> tuple[int, int]:
@@ -142,11 +136,6 @@ def tool_counts(engine) -> tuple[int, int]:
     return 0, 0
   m = engine.episode_metrics()
   return m["env_tool_waves"], m["env_tool_calls"]
-
-
-def _sampler_housekeeping(worker: RolloutWorker, now: float, delivery_limit_s: float) -> None:
-  worker.check_lost(now, delivery_limit_s)
-  worker.abort_too_stale()
 
 
 class VirtualClocks:
@@ -161,9 +150,8 @@ class VirtualClocks:
   it applies is a pure function of `rules.py` / `staleness.py`, shared with the simulator.
 
   Reads from the job: `worker`, `trainer`, `channel`, `cfg.pipeline`, `timeline`, `vstate`
-  (the interleaving state, continued from and updated in place: a resumed run's is the
-  checkpointed one) and `sampler_clock` (None, or kept equal to the sampler's virtual time: the
-  engine's clock, so rollout timings are in virtual seconds).
+  (`VirtualState`, updated in place) and `sampler_clock` (None, or kept equal to the sampler's
+  virtual time: the engine's clock, so rollout timings are in virtual seconds).
 
   Args:
     cost: the cost model (default `PipelineConfig.resolved_cost_model()`).
@@ -201,7 +189,8 @@ class VirtualClocks:
     if sampler_clock is not None:
       sampler_clock.set(st.t_s)
     self._deliver(job, st.t_s)
-    _sampler_housekeeping(worker, st.t_s, delivery_limit(job.cfg.pipeline, self._intervals))
+    worker.check_lost(st.t_s, delivery_limit(job.cfg.pipeline, self._intervals))
+    worker.abort_too_stale()
     worker.top_up()
     if engine.has_work:
       before, tools_before = engine.stats(), tool_counts(engine)
@@ -320,9 +309,7 @@ class RealClock:
   records spans (learner: wait_batch / train_step / hooks) and, with the job's `CostRecorder`,
   the timed learner operations (train_step, push, learner_host) for `costs.fit_cost_model`,
   an operation during which XLA compiled anything (any thread) flagged and left out of the fit
-  (`CompileCounter`). The sampler side runs elsewhere: `ThreadedClock` adds a local sampler
-  thread; a multi-process job's lead (`multihost.lead.LeadClock`) has the other processes'
-  replicas.
+  (`CompileCounter`). The sampler side runs elsewhere (module docstring).
 
   Reads from the job: `trainer`, `cfg.pipeline`, `timeline` (its clock is `time.perf_counter`)
   and `cost_recorder`.
@@ -358,15 +345,14 @@ class RealClock:
       QueueTimeout: no batch within the limit; QueueClosed (or the error of the side that
         closed the queue).
     """
-    clock = job.timeline.now
-    t0 = clock()
+    t0 = job.timeline.now()
     try:
       groups = job.trainer.queue.get_batch(job.cfg.pipeline.groups_per_step, job.trainer.version,
                                            timeout=self.wait_limit(job))
     except QueueClosed:
       self.raise_failure(job)
       raise
-    t1 = clock()
+    t1 = job.timeline.now()
     if self._t_batch is not None:
       self._intervals.append(t1 - self._t_batch)
     self._t_batch = t1
@@ -378,10 +364,9 @@ class RealClock:
     return job.trainer.train_on(groups)
 
   def train(self, job, groups) -> tuple[StepResult, float]:
-    t1 = self._t_batch
     result = self.step(job, groups)
     t2 = job.timeline.now()
-    job.timeline.record("learner", "train_step", t1, t2)
+    job.timeline.record("learner", "train_step", self._t_batch, t2)
     return result, t2
 
   def after_hooks(self, job, result: StepResult, now: float) -> None:
@@ -406,8 +391,8 @@ class ThreadedClock(RealClock):
   """The threaded mode of `drive`: the sampler loop in a background thread, grading in a grader
   thread (off the sampler's serial path), the learner loop in the calling thread, on the real
   clock. Every wait has a limit (`wait_timeout`) whose error says what was awaited; an exception
-  on any side stops all and is re-raised in the caller with its original traceback. With the
-  job's `CostRecorder`, every sampler-loop iteration that runs the engine is recorded too.
+  on any side stops all (Raises). With the job's `CostRecorder`, every sampler-loop iteration
+  that runs the engine is recorded too.
 
   Reads from the job, besides `RealClock`'s: `worker`, `channel`.
 
@@ -446,7 +431,8 @@ class ThreadedClock(RealClock):
       update = job.channel.try_take() if worker.may_update_weights() else None
       if update is not None:
         engine.update_weights(update)
-      _sampler_housekeeping(worker, time.monotonic(), self._limit_s)
+      worker.check_lost(time.monotonic(), self._limit_s)
+      worker.abort_too_stale()
       worker.top_up()
       if engine.has_work:
         before = engine.stats()

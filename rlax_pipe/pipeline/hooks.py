@@ -1,5 +1,4 @@
-"""Step hooks of the RL job (`StepHook`): logging, held-out evaluation, checkpoints, HF export,
-the report (`run.run_job` runs them in that order, a user's hooks before the report)."""
+"""Step hooks of the RL job (`StepHook`); `run.run_job` says which run, in what order."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def signal_group_fraction(result: StepResult) -> float:
   return float(np.mean([group_filter.has_signal(v) for v in groups.values()]))
 
 
-# Consecutive learner steps without a single group of differing rewards before a warning.
-NO_SIGNAL_WARN_STEPS = 5
+NO_SIGNAL_WARN_STEPS = 5  # see `TrainLog`
 
 
 class TrainLog(StepHook):
@@ -194,9 +192,8 @@ class TrainLog(StepHook):
         "eta_s": eta,
     }
     if pcfg.group_filter.active:  # dynamic sampling, cumulative over the run, not per step
-      row.update(filtered_groups=stats.waste.filtered_groups,
-                 filtered_samples=stats.waste.filtered_samples,
-                 filtered_tokens=stats.waste.filtered_tokens,
+      row.update({name: getattr(stats.waste, name) for name in
+                  ("filtered_groups", "filtered_samples", "filtered_tokens")},
                  filter_kept_groups=stats.filter_kept_groups)
     row.update({k: np.asarray(m[k]).item() for k in ROW_METRICS if k in m})
     row["signal_group_frac"] = signal_group_fraction(result)
@@ -298,26 +295,22 @@ class Evaluation(StepHook):
     if self.eta is not None:
       self.eta.eval_s = seconds
     job.last_eval = res.accuracy
+    # episodes: tool use of this pass; per difficulty the problems, accuracy and tool-use share
+    episode_row = {"eval_mean_turns": res.mean_turns, "eval_tool_calls": res.tool_calls,
+                   "eval_tool_failures": res.tool_failures,
+                   "heldout_count_by_difficulty": res.count_by_difficulty,
+                   "heldout_accuracy_by_difficulty": res.accuracy_by_difficulty,
+                   "heldout_tool_use_by_difficulty": res.tool_use_by_difficulty}
     job.run_dir.log({"kind": "eval", "step": step, "version": job.learner.version,
                      **clock_rows(job, time_s), "heldout_accuracy": res.accuracy,
                      "wall_s": job.clock.wall_s(), "eval_wall_s": seconds,
                      "mean_completion_tokens": res.mean_completion_tokens,
                      "eval_filtered_overlong": res.num_filtered,
                      "eval_failed_rewards": res.num_failed_rewards,
-                     **(self._episode_row(res) if self.episodes else {}), **sampled}, step)
+                     **(episode_row if self.episodes else {}), **sampled}, step)
     logging.info("eval step %d: held-out accuracy %.3f (%d problems, measured %.1fs)", step,
                  res.accuracy, res.num_problems, seconds)
     return res.accuracy
-
-  @staticmethod
-  def _episode_row(res: evaluation.EvalResult) -> dict:
-    """Tool use of an episode evaluation: mean turns, tool calls and failures of this pass, and
-    per difficulty the problems, the accuracy and the share that called a tool."""
-    return {"eval_mean_turns": res.mean_turns, "eval_tool_calls": res.tool_calls,
-            "eval_tool_failures": res.tool_failures,
-            "heldout_count_by_difficulty": res.count_by_difficulty,
-            "heldout_accuracy_by_difficulty": res.accuracy_by_difficulty,
-            "heldout_tool_use_by_difficulty": res.tool_use_by_difficulty}
 
   def close(self) -> None:
     """Ends the tool workers of episode evaluation engines (nothing to do otherwise)."""
@@ -359,13 +352,13 @@ class Checkpoint(StepHook):
     job.worker.close()
 
 
-def save_cost_fit(job: Job) -> dict | None:
+def save_cost_fit(job: Job) -> None:
   """Threaded runs: writes the timed operations (cost_records.jsonl) and the cost model fitted
   to them with confidence intervals (cost_fit.json, `costs.fit_cost_model`) into the run
-  directory; returns the fit's dict (None without records)."""
+  directory (nothing without records)."""
   rec = job.cost_recorder
   if rec is None or not rec.records():
-    return None
+    return
   rd = job.run_dir.path
   rec.to_jsonl(rd / "cost_records.jsonl")
   pcfg = job.cfg.pipeline
@@ -375,7 +368,6 @@ def save_cost_fit(job: Job) -> dict | None:
                              f"{job.cfg.num_learner_devices} learner devices "
                              f"({jax.devices()[0].device_kind})"))
   fit.save(rd / "cost_fit.json")
-  return fit.to_dict()
 
 
 class Export(StepHook):
@@ -392,9 +384,8 @@ class Export(StepHook):
                       type(job.model).__name__)
       return
     path = job.run_dir.path / "hf"
-    # The learner's params, or (multi-process job) the lead's own copy of the newest version.
-    params = policy_update(job).params
-    model_dir.export_model_dir(path, jax.device_get(params), job.model.cfg, job.tok)
+    model_dir.export_model_dir(path, jax.device_get(policy_update(job).params), job.model.cfg,
+                               job.tok)
     logging.info("trained policy exported as an HF model directory: %s", path)
     lora = getattr(job.learner, "lora", None)
     if lora is not None:  # the adapters alone too, loadable by peft on top of the base
@@ -427,18 +418,17 @@ class Report(StepHook):
     spans = job.timeline.spans()
     job.timeline.flush()  # timeline.jsonl: the spans not yet appended
     summary = job.timeline.summary() if spans else None
-    clock = plots.CLOCK_LABELS[clock_name(job)]
     if spans:
       timeline_lib.plot_gantt(spans, str(rd.path / "gantt.png"),
                               title=f"Timeline of the meshes: {pcfg.driver} driver ({pcfg.mode})",
-                              xlabel=f"run time (s, {clock})")
+                              xlabel=f"run time (s, {plots.CLOCK_LABELS[clock_name(job)]})")
     plots.plot_reward_accuracy(rows, str(rd.path / "reward_accuracy.png"))
     plots.plot_lag_hist(rows, str(rd.path / "lag_hist.png"))
     plots.plot_staleness(rows, str(rd.path / "staleness.png"))
     plots.plot_idle(rows, str(rd.path / "idle.png"))
     save_cost_fit(job)
     rd.close()
-    out = {
+    self.summary = to_jsonable({
         "run_dir": str(rd.path), "driver": pcfg.driver, "mode": pcfg.mode,
         "steps": job.learner.step, "clock": clock_name(job), "time_s": time_s,
         "wall_s": time.perf_counter() - job.clock.wall0,
@@ -451,6 +441,5 @@ class Report(StepHook):
         "slot_occupancy": summary.slot_occupancy if summary else None,
         "reward_outcomes": job.worker.verifier.stats.snapshot(),  # per verifier outcome
         "wasted_tokens": job.queue.stats().waste.wasted_tokens,
-    }
-    self.summary = to_jsonable(out)
+    })
     (rd.path / "summary.json").write_text(json.dumps(self.summary, indent=2))

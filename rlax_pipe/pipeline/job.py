@@ -38,7 +38,6 @@ import numpy as np
 from rlax_pipe import costs as costs_lib
 from rlax_pipe import envs
 from rlax_pipe import model_dir
-from rlax_pipe import sharding as sharding_lib
 from rlax_pipe import tasks
 from rlax_pipe import timeline as timeline_lib
 from rlax_pipe import tokenizer as tokenizer_lib
@@ -55,7 +54,7 @@ from rlax_pipe.pipeline.config import BUILTIN_INIT, BUILTIN_MOE_INIT, RunConfig
 from rlax_pipe.pipeline.rollout_queue import RolloutQueue
 from rlax_pipe.pipeline.rollout_worker import RolloutWorker
 from rlax_pipe.pipeline.trainer import Trainer
-from rlax_pipe.pipeline.lora_channel import LoraWeightChannel
+from rlax_pipe.pipeline.lora_channel import LoraWeightChannel, sampler_target
 from rlax_pipe.pipeline.weight_channel import WeightChannel
 from rlax_pipe.run_dir import RunDir, load_state, save_state, to_jsonable
 from rlax_pipe.sampler import SamplerEngine
@@ -156,8 +155,7 @@ class Job:
     return self.cfg.pipeline.mode == "reproducible"
 
   def save(self, time_s: float) -> None:
-    """Checkpoints the learner with the pipeline state; reproducible runs also save the sampler
-    side (engine, virtual clocks, timeline) so a resume continues exactly."""
+    """Checkpoints the job at run time `time_s` (what, and where: the module docstring)."""
     queue_state = self.queue.state_dict()
     queued = {r["group_id"] for g in queue_state["ready"] for r in g["rollouts"]}
     live = [g for g, _ in queue_state["admission"]["live"]] if queue_state.get("admission") else []
@@ -179,22 +177,6 @@ class Job:
       shutil.rmtree(root / str(old), ignore_errors=True)
 
 
-def engine_keys(saved: Any) -> list:
-  """The engine keys in a checkpoint's "sampler_rng": a list (single process), or a multi-process
-  job's {"replicas": [...]} (its first replica's keys)."""
-  if isinstance(saved, dict):
-    return next((k for k in saved.get("replicas", []) if k is not None), [])
-  return saved
-
-
-def _sampler_target(model: Model, mesh) -> Any:
-  abstract = model.abstract_params()
-  shardings = sharding_lib.logical_to_sharding(model.param_axes(), mesh,
-                                               sharding_lib.SAMPLER_RULES, shapes=abstract)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      abstract, shardings)
-
-
 def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None:
   """Restores the newest checkpoint (resume) and makes the run dir a record of it (a fresh run:
   writes its config.json). A resume that fell back past corrupt checkpoints says so in
@@ -211,12 +193,11 @@ def restore_learner(cfg: RunConfig, learner: Learner, rd: RunDir) -> dict | None
   record_lib.record_resume(rd, cfg, learner.step, extra.get("config"))
   logging.info("resumed at learner step %d (version %d).", learner.step, learner.version)
   info = learner.last_restore
-  if info is None or not info.skipped:
-    return extra
-  logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
-                info.step, list(info.skipped), "; ".join(info.skip_reasons))
-  rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
-          "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
+  if info is not None and info.skipped:
+    logging.error("resume fell back to checkpoint step %d: newer steps %s were unusable (%s).",
+                  info.step, list(info.skipped), "; ".join(info.skip_reasons))
+    rd.log({"kind": "checkpoint_fallback", "step": info.step, "restored_step": info.step,
+            "skipped_steps": list(info.skipped), "reasons": list(info.skip_reasons)}, info.step)
   return extra
 
 
@@ -291,11 +272,10 @@ def check_vocab(cfg: RunConfig, model: Model, tok, stops: Any) -> None:
 
 
 def check_job_settings(cfg, model) -> None:
-  """The rules of `cfg` that need the model or the file system, checked when the job is built
-  (before any device work, so that a mistake ends the run at startup with one line naming the
-  `--config.` field and the fix): LoRA's targets and rank against the model's weights, the KL
-  reference directory, and whether LoRA adapters can also be exported in PEFT format
-  (`config_checks` has the rules between fields, `check_vocab` those of the tokenizer).
+  """The rules of `cfg` that need the model or the file system (Raises; a warning when the LoRA
+  adapters cannot also be exported in PEFT format), checked when the job is built, before any
+  device work, with one line naming the `--config.` field and the fix (`config_checks` has the
+  rules between fields, `check_vocab` those of the tokenizer).
 
   Args:
     cfg: the `RunConfig`.
@@ -419,8 +399,7 @@ class Placement(Protocol):
   or of a multi-process job's lead (`multihost.job.LeadPlacement`).
 
   Attributes:
-    plan: the device plan (None in a multi-process job: its topology.json says it).
-    eval_mesh, eval_params: as `Job.eval_mesh` / `Job.eval_params`.
+    plan, eval_mesh, eval_params: as `Job.plan`, `Job.eval_mesh`, `Job.eval_params`.
   """
 
   plan: devices_lib.DevicePlan | None
@@ -430,17 +409,14 @@ class Placement(Protocol):
   def place(self, cfg: RunConfig, model: Model, stops: Any,
             rd: RunDir) -> tuple[RunConfig, Any]:
     """(`cfg` with the mesh shapes and the stop set resolved, the learner mesh)."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
   def record(self, rd: RunDir, cfg: RunConfig, learner: Learner, tok, stops: Any) -> None:
     """Writes where the job runs into the run directory."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
   def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
               task, state: dict | None, extra: dict | None, sampler_clock, timeline):
     """(weight sink, sampler engine), the learner's version pushed; restored from `state` (an
     exact resume) or `extra` (the checkpoint's sampling keys)."""
-    ...  # pylint: disable=unnecessary-ellipsis
 
 
 class LocalPlacement:
@@ -473,7 +449,7 @@ class LocalPlacement:
   def sampler(self, cfg: RunConfig, model: Model, sampler_model: Model, learner: Learner, tok,
               task, state: dict | None, extra: dict | None, sampler_clock, timeline):
     pcfg, reproducible, mesh = cfg.pipeline, cfg.pipeline.mode == "reproducible", self._sampler_mesh
-    target = _sampler_target(model, mesh)
+    target = sampler_target(model.param_axes(), model.abstract_params(), mesh)
     verify = _verifier(model, learner, tok) if pcfg.debug_verify_push else None
     if learner.lora is None:
       channel = WeightChannel(target, verify=verify, debug=pcfg.debug_verify_push)
@@ -508,8 +484,12 @@ class LocalPlacement:
         engine.load_episode_state(state["engine"])
     if state is None and extra and extra.get("sampler_rng") is not None:
       # Threaded resume: the sampler's random stream continues where the checkpoint left it (it
-      # would otherwise replay the first run's stream from key(seed)).
-      engine.load_rng_state(engine_keys(extra["sampler_rng"]))
+      # would otherwise replay the first run's stream from key(seed)). A multi-process job's
+      # checkpoint holds {"replicas": [...]}: this engine continues its first replica's keys.
+      keys = extra["sampler_rng"]
+      if isinstance(keys, dict):
+        keys = next((k for k in keys.get("replicas", []) if k is not None), [])
+      engine.load_rng_state(keys)
     return channel, engine
 
 
@@ -520,8 +500,7 @@ def build_job(cfg: RunConfig, model: ModelLike | None = None, params: Any = None
   Args:
     cfg: the run (as given: config.json records it and a resume checks it).
     model, params: as `run.run`.
-    placement: where the parts run; None = `LocalPlacement()` (one process). A multi-process
-      job's lead passes its `multihost.job.LeadPlacement`.
+    placement: where the parts run (`Placement`); None = `LocalPlacement()` (one process).
 
   Raises:
     ConfigError: for a user's mistake, naming the config field and the fix: a run dir that

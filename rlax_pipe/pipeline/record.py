@@ -8,10 +8,7 @@ Rules (`prepare_run_dir`, `check_changes`):
   never a silent fresh start.
 - A resume runs with the saved configuration: a field that differs is refused unless
   `RunConfig.change_on_resume` names it (which says how it is recorded) or it is a `FREE_FIELDS`.
-- The records of steps after the restored checkpoint are dropped (`RunDir.truncate_records`).
-
-`merge_saved` builds the configuration of a resumed command line: the saved one, with the fields
-the command line names explicitly.
+- The records of steps after the restored checkpoint are dropped (`record_resume`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The RL job's entry point: `run(RunConfig)` builds the job (`job.build_job`), drives it
-(`driver.drive`), and runs the step hooks (`hooks`: logging, evaluation, checkpoints, report).
+"""The RL job's entry point (the one `experiments/pipeline_rl.py` calls): `run(RunConfig)` builds
+the job (`job.build_job`) and runs it with its step hooks (`run_job`, `driver.drive`, `hooks`).
 
-`run` is the single library entry point of `experiments/pipeline_rl.py`. It writes a run
-directory (`rlax_pipe.run_dir`) and resumes from the newest usable checkpoint with `resume=True`
-(what a checkpoint holds: `job`). Samples that were being generated when a threaded run died are
-counted as wasted on resume and never trained; queued samples are restored and trained once.
+On resume (what a checkpoint holds: `job`), samples that were being generated when a threaded
+run died are counted as wasted and never trained; queued samples are restored and trained once.
 """
 
 from __future__ import annotations
@@ -39,9 +37,7 @@ def run(cfg: RunConfig, *, model: ModelLike | None = None, params: Any = None,
 
   Raises:
     ConfigError: a user's mistake found while building the job (names the field and the fix).
-    Whatever a component raised; before re-raising, the learner state and the pipeline state are
-    checkpointed (so `resume=True` continues from there; multi-process jobs resume from their
-    last periodic checkpoint).
+    Whatever a component raised, after a checkpoint (`run_job`'s checkpoint_on_error).
   """
   if cfg.distributed.multiprocess:
     from rlax_pipe.pipeline import multihost  # pylint: disable=import-outside-toplevel

@@ -131,15 +131,14 @@ class Trainer:
     self.channel.push(WeightUpdate(version, self.learner.params))
     t3 = time.perf_counter()
     micro, processed = self.learner.last_plan  # the plan the step ran
-    sample_metrics = grading.batch_metrics(rollouts)
-    sample_metrics.update(lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version))
     return StepResult(
         trained_at=trained_at, produced=version, metrics={k: np.asarray(v) for k, v in metrics.items()},
         rollouts=tuple(rollouts),
         completion_tokens=int(sum(r.completion_mask.sum() for r in trained)),  # model tokens
         env_tokens=int(sum((1.0 - r.completion_mask).sum() for r in trained)),
         reward_mean=float(np.mean([r.reward for r in trained])) if trained else float("nan"),
-        sample_metrics=sample_metrics,
+        sample_metrics={**grading.batch_metrics(rollouts),
+                        **lag0_alarm(metrics, self.cfg.lag0_logp_alarm, version)},
         micro_batches=micro, processed_rows=processed,
         push_bytes=self.push_bytes,
         build_s=t1 - t0, train_s=t2 - t1, push_s=t3 - t2)
