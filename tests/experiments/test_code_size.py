@@ -1,12 +1,6 @@
-"""experiments/code_size.py counts code lines without blanks, comments and docstrings."""
+"""experiments/lib/code_size.py counts code lines without blanks, comments and docstrings."""
 
-import importlib.util
-import pathlib
-
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "experiments" / "code_size.py"
-_SPEC = importlib.util.spec_from_file_location("code_size", _PATH)
-code_size = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(code_size)
+from lib import code_size
 
 SOURCE = '''"""Module docstring,
 two lines."""
