@@ -52,6 +52,7 @@ class LeadSamplerSide:
     self.job, self.hub, self.proxy, self.monitor = job, hub, proxy, monitor
     self.rows: collections.deque = collections.deque()  # rows for the run directory
     self.done: set[int] = set()  # processes that sent their last message
+    self._others = frozenset(range(1, proxy.topology.num_processes))  # every process but this
     self._stopping = threading.Event()
     self._exit = threading.Event()
     self._delivery_limit_s = driver_lib.delivery_limit(job.cfg.pipeline, [])
@@ -103,7 +104,7 @@ class LeadSamplerSide:
         elif not stop_sent:  # from this thread: no request can follow the stop
           self.hub.broadcast(*messages.wire(messages.Stop()), role="sampler")
           stop_sent = True
-        elif self.done >= set(range(1, self.proxy.topology.num_processes)):
+        elif self.done >= self._others:
           return  # every process's last messages handled, their samples stepped and queued
     except BaseException as e:  # pylint: disable=broad-except
       logging.exception("the learner lead's sampler thread failed")
@@ -124,8 +125,8 @@ class LeadSamplerSide:
     self._thread.join(timeout=timeout_s)
     self.monitor.check()
     if self._thread.is_alive():
-      others = set(range(1, self.proxy.topology.num_processes))
-      missing, learners = sorted(others - self.done), self.proxy.topology.num_learner_processes
+      missing = sorted(self._others - self.done)
+      learners = self.proxy.topology.num_learner_processes
       logging.warning("replicas %s and learner processes %s did not send their final messages "
                       "within %.0f s.", [p - learners for p in missing if p >= learners],
                       [p for p in missing if p < learners], timeout_s)

@@ -32,6 +32,7 @@ are not the version announced are caught by the engine's checksum check
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import queue
 import threading
@@ -54,7 +55,7 @@ KV_PREFIX = "rlax/w/"
 _POLL_S = 0.5
 
 
-class _LogReader:
+class _LogReader(abc.ABC):
   """A process's end of the protocol: its key-value store (prefix `KV_PREFIX`) and a thread that
   reads the transfer log in order, running `self._handle(n, entry)` for every entry (each
   subclass starts it once set up); an exception there is a fault of this process.
@@ -66,8 +67,9 @@ class _LogReader:
     self._log_thread = threading.Thread(target=self._read_log, name="rlax_pipe-transfer-log",
                                         daemon=True)
 
+  @abc.abstractmethod
   def _handle(self, n: int, entry: dict) -> None:
-    raise NotImplementedError
+    """Handles log entry number `n` (its "kind": transfer, retire, end) on the log thread."""
 
   def _read_log(self) -> None:
     n = 0
